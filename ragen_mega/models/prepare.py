@@ -118,3 +118,21 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embedd
         tok.save_pretrained(tmp)
 
     return _atomic_dir(Path(out_dir), build)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ragen-mega prepare-model [smollm2 | tiny-ARCH] [--out DIR]``: print the prepared dir."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ragen-mega prepare-model", description=main.__doc__)
+    parser.add_argument("model", nargs="?", default="smollm2",
+                        choices=["smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+    parser.add_argument("--out", default=None, help="output directory (default: under the cache)")
+    args = parser.parse_args(argv)
+    if args.model == "smollm2":
+        path = prepare_smollm2(args.out)
+    else:
+        arch = args.model.removeprefix("tiny-")
+        path = make_tiny_model(args.out or cache_dir() / "models" / args.model, arch)
+    print(path)
+    return 0

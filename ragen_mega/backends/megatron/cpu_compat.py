@@ -1,0 +1,159 @@
+"""Run real megatron-core 0.16.1 on a machine without CUDA.
+
+API:
+    apply_cpu_patches() -> bool        # idempotent; no-op (returns False) when CUDA is available
+    cuda_tensor_type_names()           # context manager: patch 6, wrap get_megatron_optimizer
+                                       # and grad clipping in it (only while they run)
+    cpu_patches_applied() -> bool
+
+Megatron calls CUDA in about forty places. Seven small patches (measured, see
+/work/shared/CPU_STACK.md) make model building, the pipeline schedules, Megatron DDP, the
+optimizers and dist checkpointing work on CPU with gloo:
+
+1. ``torch.cuda.current_device`` -> the CPU device (used as ``device=`` for new tensors);
+2. ``torch.cuda.synchronize`` -> no-op;
+3. the model-parallel "CUDA" RNG tracker runs on the CPU generator (``torch.cuda.get/set_rng_state``,
+   ``torch.cuda.manual_seed`` and ``tensor_parallel.random._get/_set_cuda_rng_state``).
+   ``torch.cuda.manual_seed`` maps to ``torch.default_generator.manual_seed``, NOT to
+   ``torch.manual_seed``: the latter calls ``torch.cuda.manual_seed_all`` and would recurse;
+4. ``pipeline_parallel.schedules`` and ``transformer.utils`` build ``device="cuda"`` tensors:
+   those modules get a ``torch`` proxy whose tensor factories map cuda -> cpu;
+5. the same proxy for the optimizer / DDP modules (``optimizer.optimizer``, ``optimizer.clip_grads``,
+   ``optimizer.grad_scaler``, ``optimizer.distrib_optimizer``,
+   ``distributed.param_and_grad_buffer``, ``megatron.core.utils``);
+6. ``Tensor.type()`` reports ``torch.cuda.*Tensor`` names — Megatron's optimizer and grad
+   clipping assert on those names; only inside ``cuda_tensor_type_names()``;
+7. ``Tensor.cuda`` -> returns the tensor itself (tied embeddings under PP, checkpoint paths).
+
+Nothing here changes numerics: every patched call either picks a device or handles RNG state.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import types
+
+import torch
+
+_APPLIED = False
+_CPU = torch.device("cpu")
+
+# Modules that create ``device="cuda"`` tensors through their module-level ``torch`` name.
+_PROXIED_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",        # patch 4
+    "megatron.core.transformer.utils",                  # patch 4
+    "megatron.core.optimizer.optimizer",                # patch 5
+    "megatron.core.optimizer.clip_grads",               # patch 5
+    "megatron.core.optimizer.grad_scaler",              # patch 5
+    "megatron.core.optimizer.distrib_optimizer",        # patch 5
+    "megatron.core.distributed.param_and_grad_buffer",  # patch 5
+    "megatron.core.utils",                              # patch 5
+)
+
+_FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
+              "empty_like", "zeros_like", "ones_like", "full_like", "as_tensor", "empty_strided")
+
+
+def _to_cpu_device(device):
+    """Map any cuda device spec (``"cuda"``, ``"cuda:1"``, ``torch.device('cuda')``, int) to cpu."""
+    if device is None:
+        return None
+    if isinstance(device, int) or "cuda" in str(device):
+        return _CPU
+    return device
+
+
+def _cpu_factory(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        return fn(*args, **kwargs)
+    return wrapper
+
+
+class _CpuTorchProxy(types.ModuleType):
+    """Stands in for ``torch`` inside one Megatron module: factories land on the CPU."""
+
+    def __init__(self):
+        super().__init__("torch")
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name):  # everything else is the real torch
+        return getattr(torch, name)
+
+
+def _cpu_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+    state = torch.get_rng_state()
+    return state.clone() if clone else state
+
+
+def _cpu_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+    torch.set_rng_state(new_state)
+
+
+def cpu_patches_applied() -> bool:
+    return _APPLIED
+
+
+def apply_cpu_patches() -> bool:
+    """Apply the seven patches once. Returns True if they are (now) active, False on CUDA."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    # 1, 2
+    torch.cuda.current_device = lambda: _CPU
+    torch.cuda.synchronize = lambda *a, **k: None
+    # 3
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    from megatron.core.tensor_parallel import random as tp_random
+    tp_random._get_cuda_rng_state = _cpu_get_cuda_rng_state
+    tp_random._set_cuda_rng_state = _cpu_set_cuda_rng_state
+    # 4, 5
+    proxy = _CpuTorchProxy()
+    for name in _PROXIED_MODULES:
+        module = importlib.import_module(name)
+        module.torch = proxy
+    # 7
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    _APPLIED = True
+    return True
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor", torch.float64: "torch.cuda.DoubleTensor",
+    torch.int64: "torch.cuda.LongTensor", torch.int32: "torch.cuda.IntTensor",
+    torch.uint8: "torch.cuda.ByteTensor", torch.bool: "torch.cuda.BoolTensor",
+}
+
+
+@contextlib.contextmanager
+def cuda_tensor_type_names():
+    """Patch 6: while active, ``t.type()`` (no argument) returns the CUDA type name.
+
+    Megatron's optimizer wrappers and grad clipping sort parameters by ``param.type()`` and
+    assert that it is one of the ``torch.cuda.*Tensor`` names. Outside this context (and on
+    GPU machines) ``Tensor.type`` is untouched.
+    """
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.type
+
+    def cuda_named_type(self, dtype=None, non_blocking=False, **kwargs):
+        if dtype is None and not kwargs:
+            return _CUDA_TYPE_NAMES.get(self.dtype, original(self))
+        return original(self, dtype, non_blocking, **kwargs)
+
+    torch.Tensor.type = cuda_named_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original

@@ -1,0 +1,112 @@
+"""Process groups for the Megatron trainer: torch.distributed + megatron parallel_state + RNG.
+
+API:
+    init_parallel(rank, world_size, init_method, tp=1, pp=1, vpp=None, backend=None, seed=1234,
+                  timeout_minutes=30) -> ParallelInfo
+    destroy_parallel() -> None
+    parallel_info() -> ParallelInfo          # the current rank's coordinates (after init)
+    ParallelInfo: rank, world_size, tp, pp, dp, vpp, tp_rank, pp_rank, dp_rank, device
+
+Layout: Megatron's default order ``tp-cp-ep-dp-pp`` — TP ranks are adjacent (rank // 1), PP is the
+outermost dimension. DP = world_size / (tp * pp). ``backend=None`` picks nccl with CUDA, gloo
+otherwise; on CPU the patches of ``cpu_compat`` are applied here, before any Megatron object
+exists, so every caller of ``init_parallel`` gets a working CPU Megatron.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from ragen_mega.backends.megatron.cpu_compat import apply_cpu_patches
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelInfo:
+    rank: int
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    vpp: int | None
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+
+
+def init_parallel(rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
+                  vpp: int | None = None, backend: str | None = None, seed: int = 1234,
+                  timeout_minutes: int = 30) -> ParallelInfo:
+    """Join the process group and build Megatron's TP/PP/DP groups and model-parallel RNG.
+
+    ``init_method`` is a torch.distributed URL (``file:///tmp/x`` avoids the port reuse races of
+    back-to-back ``tcp://`` launches); it is ignored when the process group already exists, and
+    existing Megatron groups are replaced, so one launch can visit several TP x PP layouts. ``vpp`` is the number of virtual pipeline chunks per rank
+    (interleaved schedule) or None.
+    """
+    if tp < 1 or pp < 1:
+        raise ValueError(f"init_parallel: tp and pp must be >= 1, got tp={tp}, pp={pp}")
+    if world_size % (tp * pp):
+        raise ValueError(f"init_parallel: world_size={world_size} is not divisible by "
+                         f"tp*pp={tp}*{pp}={tp * pp}")
+    if vpp is not None and (vpp < 1 or pp == 1):
+        raise ValueError(f"init_parallel: vpp={vpp} needs pp > 1 and vpp >= 1 (pp={pp})")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"init_parallel: rank={rank} outside [0, world_size={world_size})")
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    else:
+        apply_cpu_patches()
+
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(minutes=timeout_minutes))
+    if mpu.model_parallel_is_initialized():  # re-layout inside one launch (tests loop over TPxPP)
+        mpu.destroy_model_parallel()
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                  virtual_pipeline_model_parallel_size=vpp,
+                                  distributed_timeout_minutes=timeout_minutes)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return parallel_info()
+
+
+def parallel_info() -> ParallelInfo:
+    from megatron.core import parallel_state as mpu
+
+    if not mpu.model_parallel_is_initialized():
+        raise RuntimeError("parallel_info: call init_parallel first")
+    tp = mpu.get_tensor_model_parallel_world_size()
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    return ParallelInfo(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), tp=tp, pp=pp,
+        dp=mpu.get_data_parallel_world_size(),
+        vpp=mpu.get_virtual_pipeline_model_parallel_world_size(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+        else torch.device("cpu"))
+
+
+def destroy_parallel() -> None:
+    """Tear down Megatron's groups and the default process group (safe to call twice)."""
+    from megatron.core import parallel_state as mpu
+
+    mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def file_init_method(directory: str | os.PathLike) -> str:
+    """A ``file://`` rendezvous URL inside ``directory`` (the file must not exist yet)."""
+    return "file://" + os.path.join(os.path.abspath(directory), "rendezvous")

@@ -1,0 +1,164 @@
+"""Typed config trees from YAML files plus dotted command-line overrides.
+
+A config is a tree of dataclasses. ``load_config(Root, "run.yaml", ["trainer.lr=1e-6"])`` merges
+the YAML mapping and the overrides (``a.b.c=value``, value parsed as YAML) into a fresh ``Root()``
+and checks everything before any process or server starts:
+
+- an unknown key names its full dotted path and lists the keys that section allows;
+- a value of the wrong type names the key, the expected type and what it got;
+- a ``Literal[...]`` field lists the allowed values;
+- each section may define ``validate(self)`` for cross-field rules; it raises ``ConfigError``
+  whose message starts with the dotted key.
+
+Kept generic (no ragen_mega sections here) so the rules are tested once, on small trees.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is unknown, mistyped or contradicts another; the message names the key."""
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(repr(a) for a in get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` checked (and where lossless, converted) against the annotation ``tp``."""
+    origin, args = get_origin(tp) or (tp if tp in (list, tuple, dict) else None), get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: "
+                              f"{', '.join(repr(a) for a in args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping for section {tp.__name__}, got {value!r}")
+        return _merge(tp(), value, key)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(args) != len(value):
+                raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
+            return tuple(_coerce(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        item = args[0] if args else Any
+        items = [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):
+        try:  # YAML 1.1 reads "1e-6" as a string
+            return float(value)
+        except ValueError:
+            pass
+    if tp in (int, float, str, bool):
+        if type(value) is not tp:
+            raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
+        return value
+    raise ConfigError(f"{key}: unsupported annotation {tp!r}")
+
+
+def _merge(section: Any, values: dict, prefix: str) -> Any:
+    """Return a copy of dataclass ``section`` with ``values`` (a nested dict) applied."""
+    hints = get_type_hints(type(section))
+    fields = {f.name for f in dataclasses.fields(section)}
+    updates = {}
+    for name, value in values.items():
+        key = f"{prefix}.{name}" if prefix else str(name)
+        if name not in fields:
+            raise ConfigError(f"unknown config key {key!r}; allowed keys here: "
+                              f"{', '.join(sorted(fields))}")
+        current = getattr(section, name)
+        if dataclasses.is_dataclass(current) and isinstance(value, dict):
+            updates[name] = _merge(current, value, key)
+        else:
+            updates[name] = _coerce(value, hints[name], key)
+    return dataclasses.replace(section, **updates)
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML scalars)."""
+    tree: dict = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override {item!r} is not of the form a.b.c=value")
+        node = tree
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} was already given a value")
+        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+    return tree
+
+
+def _validate_tree(section: Any, prefix: str = "") -> None:
+    for f in dataclasses.fields(section):
+        child = getattr(section, f.name)
+        if dataclasses.is_dataclass(child):
+            _validate_tree(child, f"{prefix}{f.name}.")
+    if hasattr(section, "validate"):
+        section.validate()
+
+
+def build_config(root_type: type[T], values: dict | None = None) -> T:
+    """``root_type()`` with nested ``values`` applied, then every section's ``validate()``."""
+    cfg = _merge(root_type(), values or {}, "")
+    _validate_tree(cfg)
+    return cfg
+
+
+def _deep_update(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(root_type: type[T], path: str | Path | None = None,
+                overrides: list[str] | None = None) -> T:
+    """Read YAML ``path`` (optional), apply dotted ``overrides``, validate, return the tree."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+        values = loaded or {}
+    return build_config(root_type, _deep_update(values, parse_overrides(overrides or [])))
+
+
+def to_dict(cfg: Any) -> dict:
+    """The tree as plain nested dicts (for YAML dumps next to checkpoints and TensorBoard)."""
+    return dataclasses.asdict(cfg)

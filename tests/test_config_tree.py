@@ -1,0 +1,83 @@
+"""The config machinery: YAML + dotted overrides into typed dataclass trees, errors naming keys."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+import pytest
+
+from ragen_mega.config_tree import ConfigError, build_config, load_config, parse_overrides
+
+
+@dataclasses.dataclass
+class Optim:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    schedule: Literal["constant", "cosine"] = "constant"
+
+
+@dataclasses.dataclass
+class Run:
+    steps: int = 10
+    name: str = "demo"
+    seed: Optional[int] = None
+    tags: list[str] = dataclasses.field(default_factory=list)
+    env_kwargs: dict = dataclasses.field(default_factory=dict)
+    optim: Optim = dataclasses.field(default_factory=Optim)
+
+    def validate(self):
+        if self.steps <= 0:
+            raise ConfigError(f"steps: must be > 0, got {self.steps}")
+
+
+def test_yaml_then_overrides_win(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("steps: 5\noptim:\n  lr: 0.5\n  schedule: cosine\nenv_kwargs: {dim: [6, 6]}\n")
+    cfg = load_config(Run, path, ["optim.lr=1e-6", "tags=[a, b]", "seed=3", "name=x=y"])
+    assert cfg.steps == 5 and cfg.optim.lr == 1e-6 and cfg.optim.schedule == "cosine"
+    assert cfg.tags == ["a", "b"] and cfg.seed == 3 and cfg.name == "x=y"
+    assert cfg.env_kwargs == {"dim": [6, 6]}
+    assert cfg.optim.betas == (0.9, 0.999)  # untouched default survives a partial section
+
+
+def test_int_widens_to_float_and_tuple_is_typed():
+    cfg = build_config(Run, {"optim": {"lr": 1, "betas": [0.5, 1]}})
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.betas == (0.5, 1.0)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["optim.lrr=1"], "unknown config key 'optim.lrr'; allowed keys here: betas, lr, schedule"),
+    (["stepz=1"], "unknown config key 'stepz'"),
+    (["steps=ten"], "steps: expected int, got str 'ten'"),
+    (["steps=1.5"], "steps: expected int"),
+    (["optim.schedule=linear"], "optim.schedule: 'linear' is not allowed; allowed values: 'constant', 'cosine'"),
+    (["optim.betas=[1, 2, 3]"], "optim.betas: expected 2 items, got 3"),
+    (["steps=0"], "steps: must be > 0"),
+    (["optim=3"], "optim: expected a mapping"),
+    (["steps"], "not of the form a.b.c=value"),
+    (["a..b=1"], "not of the form a.b.c=value"),
+])
+def test_errors_name_the_key(overrides, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config(Run, None, overrides)
+    assert needle in str(err.value)
+
+
+def test_bool_is_not_an_int():
+    with pytest.raises(ConfigError, match="steps: expected int, got bool"):
+        build_config(Run, {"steps": True})
+
+
+def test_missing_file_and_non_mapping(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Run, tmp_path / "nope.yaml")
+    (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        load_config(Run, tmp_path / "list.yaml")
+
+
+def test_parse_overrides_nests():
+    assert parse_overrides(["a.b.c=1", "a.d=x", "e="]) == {"a": {"b": {"c": 1}, "d": "x"}, "e": ""}
+    with pytest.raises(ConfigError, match="already given a value"):
+        parse_overrides(["a=1", "a.b=2"])
