@@ -1,0 +1,98 @@
+"""Run metrics: TensorBoard scalars, one console line per step, and echo-trap warnings.
+
+RAGEN's "echo trap" is a collapse where a policy locks into one repetitive answer: the in-group
+reward std falls toward zero (every rollout of a group scores the same), the policy's entropy
+falls, and the gradient norm spikes. ``EchoTrapMonitor`` watches those three signals and warns
+when a configured threshold is crossed, so a user sees a collapse coming instead of reading it
+off a dead curve afterwards.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from pathlib import Path
+from typing import IO, Mapping
+
+
+@dataclasses.dataclass
+class EchoTrapThresholds:
+    """Warn when in-group reward std or entropy falls below, or grad norm rises above, these."""
+    min_group_reward_std: float = 0.01
+    min_entropy: float = 0.05
+    max_grad_norm: float = 100.0
+
+
+class EchoTrapMonitor:
+    """Checks one step's metrics against :class:`EchoTrapThresholds`; returns warning texts.
+
+    Metric names it reads: ``rollout/group_reward_std_before_filter``, ``actor/entropy``,
+    ``actor/grad_norm``. A missing metric is not checked (e.g. no critic, no eval this step).
+    """
+
+    _CHECKS = (
+        ("rollout/group_reward_std_before_filter", "min_group_reward_std", "below",
+         "rollouts within a group all score alike: the policy may be collapsing (echo trap)"),
+        ("actor/entropy", "min_entropy", "below",
+         "policy entropy is very low: answers are becoming deterministic (echo trap)"),
+        ("actor/grad_norm", "max_grad_norm", "above",
+         "gradient norm spike: updates may be unstable"),
+    )
+
+    def __init__(self, thresholds: EchoTrapThresholds):
+        self.thresholds = thresholds
+
+    def check(self, metrics: Mapping[str, float]) -> list[str]:
+        warnings = []
+        for name, field, side, why in self._CHECKS:
+            if name not in metrics:
+                continue
+            value, limit = float(metrics[name]), getattr(self.thresholds, field)
+            crossed = value < limit if side == "below" else value > limit
+            if crossed or not math.isfinite(value):
+                warnings.append(f"{name}={value:.4g} is {side} {field}={limit:g}: {why}")
+        return warnings
+
+
+_CONSOLE_KEYS = (
+    ("rollout/success", "succ"), ("rollout/reward_mean", "rew"),
+    ("rollout/valid_action_rate", "valid"), ("actor/pg_loss", "pg"),
+    ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("critic/value_loss", "vf"),
+    ("time/step_s", "s/step"),
+)
+
+
+def format_console_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
+    """``step 3/10 | succ 0.42 | rew 0.31 | ...`` with the metrics that exist this step."""
+    parts = [f"step {step}/{total}"]
+    for name, short in _CONSOLE_KEYS:
+        if name in metrics:
+            parts.append(f"{short} {float(metrics[name]):.4g}")
+    return " | ".join(parts)
+
+
+class RunLogger:
+    """Writes every scalar to TensorBoard under ``log_dir`` and a short line to the console."""
+
+    def __init__(self, log_dir: str | Path, total_steps: int,
+                 thresholds: EchoTrapThresholds | None = None, stream: IO[str] | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+        self.total_steps = total_steps
+        self.monitor = EchoTrapMonitor(thresholds or EchoTrapThresholds())
+        self.stream = stream or sys.stdout
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> list[str]:
+        """Record ``metrics`` at ``step``; print the console line and any echo-trap warnings."""
+        for name, value in metrics.items():
+            self.writer.add_scalar(name, float(value), global_step=step)
+        self.writer.flush()
+        print(format_console_line(step, self.total_steps, metrics), file=self.stream, flush=True)
+        warnings = self.monitor.check(metrics)
+        for text in warnings:
+            print(f"WARNING step {step}: {text}", file=self.stream, flush=True)
+        return warnings
+
+    def close(self) -> None:
+        self.writer.close()

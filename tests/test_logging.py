@@ -1,0 +1,42 @@
+"""TensorBoard scalars are readable by TensorBoard's own reader; echo-trap warnings fire."""
+from __future__ import annotations
+
+import io
+import math
+
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from ragen_mega.logging import EchoTrapThresholds, RunLogger
+
+
+def test_scalars_roundtrip_through_tensorboard_reader(tmp_path):
+    out = io.StringIO()
+    logger = RunLogger(tmp_path, total_steps=2, stream=out)
+    logger.log(1, {"rollout/success": 0.25, "actor/entropy": 1.5, "custom/x": 3})
+    logger.log(2, {"rollout/success": 0.5, "actor/entropy": 1.25, "custom/x": 4})
+    logger.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert {"rollout/success", "actor/entropy", "custom/x"} <= set(acc.Tags()["scalars"])
+    got = [(e.step, e.value) for e in acc.Scalars("rollout/success")]
+    assert got == [(1, 0.25), (2, 0.5)]
+    lines = out.getvalue().splitlines()
+    assert lines[0].startswith("step 1/2 | succ 0.25") and "ent 1.5" in lines[0]
+    assert "WARNING" not in out.getvalue()
+
+
+def test_echo_trap_warnings(tmp_path):
+    out = io.StringIO()
+    logger = RunLogger(tmp_path, total_steps=1, stream=out,
+                       thresholds=EchoTrapThresholds(min_group_reward_std=0.05, min_entropy=0.1,
+                                                     max_grad_norm=10.0))
+    warnings = logger.log(1, {"rollout/group_reward_std_before_filter": 0.0,
+                              "actor/entropy": 0.01, "actor/grad_norm": 50.0})
+    logger.close()
+    assert len(warnings) == 3
+    assert any("group_reward_std_before_filter" in w and "echo trap" in w for w in warnings)
+    assert out.getvalue().count("WARNING step 1") == 3
+    # A NaN grad norm is always worth a warning; healthy values give none.
+    assert logger.monitor.check({"actor/grad_norm": math.nan})
+    assert not logger.monitor.check({"actor/entropy": 0.5, "actor/grad_norm": 1.0,
+                                     "rollout/group_reward_std_before_filter": 0.3})
