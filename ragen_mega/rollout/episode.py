@@ -1,0 +1,110 @@
+"""Multi-turn episodes against the engines, all of them concurrently.
+
+Every episode is its own coroutine: it builds its prompt, awaits its own generation, steps its
+own env and goes on, so an episode never waits for the slowest one of the batch (unlike a
+lock-step "generate the whole batch, then step all envs" loop). Slow env steps (Crafter) run in
+a worker thread so the event loop keeps feeding the engines.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Awaitable, Callable, Sequence
+
+from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
+from ragen_mega.envs import make
+from ragen_mega.rollout.sample import Sample
+
+
+@dataclasses.dataclass
+class Generation:
+    """What an engine returns for one prompt: sampled ids and their log-probs."""
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str = ""
+
+
+#: ``await generate(prompt_ids, sampling_params)`` -> :class:`Generation`
+GenerateFn = Callable[[list[int], dict[str, Any]], Awaitable[Generation]]
+
+
+@dataclasses.dataclass
+class EpisodeSpec:
+    """Which episode to play: env, its kwargs and seed, and where it belongs."""
+    env_name: str
+    env_kwargs: dict[str, Any]
+    seed: int
+    episode_id: int
+    group_id: int
+    env_tag: str = ""
+
+
+@dataclasses.dataclass
+class Episode:
+    samples: list[Sample]
+    metrics: dict[str, float]   # success, reward, num_actions, valid/effective action rates
+
+
+async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, generate: GenerateFn,
+                      sampling: dict[str, Any], max_turns: int,
+                      env_steps_in_thread: bool = False) -> Episode:
+    """Play one episode to its end or ``max_turns``; one :class:`Sample` per turn."""
+    env = make(spec.env_name, **spec.env_kwargs)
+    step = (lambda a: asyncio.to_thread(env.step, a)) if env_steps_in_thread else \
+        (lambda a: _ready(env.step(a)))
+    builder = PromptBuilder.for_env(tokenizer, agent, env)
+    history = History()
+    obs = await asyncio.to_thread(env.reset, spec.seed) if env_steps_in_thread else env.reset(spec.seed)
+    samples: list[Sample] = []
+    done, success = False, False
+    n_actions = n_valid = n_effective = 0
+    total_reward = 0.0
+    for turn in range(1, max_turns + 1):
+        history.observe(obs, actions_left=(max_turns - turn + 1) * agent.max_actions_per_turn)
+        prompt = builder.build(history)
+        gen = await generate(prompt.ids, sampling)
+        parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent)
+        reward = parsed.penalty
+        for action in parsed.actions:
+            obs, r, done, info = await step(action)
+            reward += float(r)
+            n_actions += 1
+            n_valid += bool(info.get("action_is_valid"))
+            n_effective += bool(info.get("action_is_effective"))
+            success = success or bool(info.get("success"))
+            if done:
+                break
+        total_reward += reward
+        history.record(gen.output_ids, parsed, reward)
+        samples.append(Sample(
+            prompt_ids=prompt.ids, response_ids=list(gen.output_ids),
+            rollout_logprobs=list(gen.logprobs), reward=reward, episode_id=spec.episode_id,
+            group_id=spec.group_id, turn=turn, done=done, last=False,
+            env_tag=spec.env_tag or spec.env_name, seed=spec.seed,
+            info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason}))
+        if done:
+            break
+    samples[-1].last = True
+    env.close()
+    metrics = {"success": float(success), "reward": total_reward, "num_turns": float(len(samples)),
+               "num_actions": float(n_actions),
+               "valid_action_rate": n_valid / n_actions if n_actions else 0.0,
+               "effective_action_rate": n_effective / n_actions if n_actions else 0.0,
+               "format_ok_rate": sum(s.info["format_ok"] for s in samples) / len(samples)}
+    return Episode(samples, metrics)
+
+
+async def _ready(value):
+    return value
+
+
+def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, group_size: int,
+                first_seed: int, env_tag: str = "") -> list[EpisodeSpec]:
+    """RAGEN's grouping: ``env_groups`` seeds, each played by ``group_size`` episodes."""
+    return [EpisodeSpec(env_name, dict(env_kwargs), first_seed + g, g * group_size + k, g, env_tag)
+            for g in range(env_groups) for k in range(group_size)]
+
+
+async def run_episodes(specs: Sequence[EpisodeSpec], **kwargs) -> list[Episode]:
+    """All episodes concurrently (each advances on its own generation), in ``specs`` order."""
+    return list(await asyncio.gather(*(run_episode(s, **kwargs) for s in specs)))

@@ -1,0 +1,66 @@
+"""The one record that carries a turn from the engine to the trainer, and its batch form.
+
+Each turn of an episode is one :class:`Sample` (DESIGN.md, "Long horizons"): the prompt ids the
+engine was given, the response ids it sampled and their log-probs, exactly as sampled
+(token-in/token-out: nothing is re-tokenized), the turn's reward, and where the turn belongs
+(episode, group of episodes sharing a seed, turn number). The trainer's batch is built from these
+records by :func:`collate` and never from text.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class Sample:
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]     # one per response token, from the engine
+    reward: float                     # this turn: env rewards of its actions + format penalty
+    episode_id: int
+    group_id: int                     # episodes of one group share the env seed (RAGEN grouping)
+    turn: int                         # 1-based
+    done: bool                        # the episode ended in this turn (False: not, or truncated)
+    last: bool                        # this is the episode's final recorded turn
+    env_tag: str
+    seed: int
+    info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if len(self.rollout_logprobs) != len(self.response_ids):
+            raise ValueError(f"Sample: {len(self.response_ids)} response ids but "
+                             f"{len(self.rollout_logprobs)} rollout log-probs")
+
+
+def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded training batch of ``prompt + response`` per sample.
+
+    Shapes: ``input_ids``/``attention_mask`` [B, S]; the per-token fields are aligned with the
+    predicted tokens, i.e. with ``input_ids[:, 1:]`` ([B, S-1]): ``loss_mask`` is 1 exactly where
+    the predicted token was written by the model, and ``rollout_logprobs`` holds the engine's
+    log-prob there. ``response_start`` is each sample's first response index in ``input_ids``.
+    """
+    if not samples:
+        raise ValueError("collate: no samples")
+    seq = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+    b = len(samples)
+    input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
+    attention = torch.zeros(b, seq, dtype=torch.long)
+    loss_mask = torch.zeros(b, seq - 1, dtype=torch.float32)
+    logprobs = torch.zeros(b, seq - 1, dtype=torch.float32)
+    for i, s in enumerate(samples):
+        if not s.prompt_ids:
+            raise ValueError(f"collate: sample {i} (episode {s.episode_id}, turn {s.turn}) has an "
+                             f"empty prompt")
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
+        attention[i, :p + r] = 1
+        # the token at position t is predicted from position t-1: response token k -> index p-1+k
+        loss_mask[i, p - 1:p - 1 + r] = 1.0
+        logprobs[i, p - 1:p - 1 + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
+            "rollout_logprobs": logprobs,
+            "response_start": torch.tensor([len(s.prompt_ids) for s in samples])}

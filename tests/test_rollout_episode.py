@@ -1,0 +1,120 @@
+"""Multi-turn episodes: samples carry exactly the sampled ids, rewards add up, episodes overlap.
+
+The "engine" here is a scripted policy (it answers with fixed action text), because these tests
+are about the rollout's bookkeeping; the real SGLang engine drives the same code in the
+end-to-end test.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from transformers import AutoTokenizer
+
+from ragen_mega.agent import AgentConfig
+from ragen_mega.envs import make
+from ragen_mega.rollout.episode import EpisodeSpec, Generation, group_specs, run_episodes
+from ragen_mega.rollout.sample import collate
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def scripted(tokenizer, answers, delays=None, log=None):
+    """A generate function answering turn k of every episode with ``answers[k]``."""
+    calls: dict[int, int] = {}
+
+    async def generate(prompt_ids, sampling):
+        key = sampling["episode_key"]
+        k = calls.get(key, 0)
+        calls[key] = k + 1
+        await asyncio.sleep((delays or {}).get(key, 0.0))
+        if log is not None:
+            log.append(key)
+        ids = tokenizer.encode(answers[min(k, len(answers) - 1)], add_special_tokens=False)
+        return Generation(ids, [-0.5] * len(ids), "stop")
+    return generate
+
+
+def test_bandit_group_episode_samples(tokenizer):
+    agent = AgentConfig(think=False, max_actions_per_turn=1)
+    specs = group_specs("bandit", {}, env_groups=2, group_size=3, first_seed=10)
+    assert [(s.seed, s.group_id, s.episode_id) for s in specs] == [
+        (10, 0, 0), (10, 0, 1), (10, 0, 2), (11, 1, 3), (11, 1, 4), (11, 1, 5)]
+
+    async def go():
+        out = []
+        for answer in (" Dragon </answer>", " pizza </answer>", "no closing tag"):
+            gen = scripted(tokenizer, [answer])
+            out.append(await run_episodes(
+                specs, tokenizer=tokenizer, agent=agent,
+                generate=lambda ids, sp: gen(ids, {**sp, "episode_key": 0}),
+                sampling={}, max_turns=3))
+        return out
+    good, invalid, broken = asyncio.run(go())
+    for ep, spec in zip(good, specs):
+        env = make("bandit")
+        env.reset(spec.seed)
+        _, expected_reward, _, _ = env.step("Dragon")  # same seed, same pull: independent replay
+        assert len(ep.samples) == 1 and ep.samples[0].done and ep.samples[0].last
+        assert ep.samples[0].reward == pytest.approx(expected_reward)
+        assert ep.metrics["valid_action_rate"] == 1.0 and ep.metrics["format_ok_rate"] == 1.0
+        # the prompt is exactly what the agent protocol builds, ending in "<answer>" (answer-only)
+        assert tokenizer.decode(ep.samples[0].prompt_ids).endswith("<answer>")
+    # an unknown arm is an invalid action: no reward, the bandit goes on to the next turn
+    assert all(len(ep.samples) == 3 and ep.metrics["valid_action_rate"] == 0.0 for ep in invalid)
+    assert all(s.reward == 0.0 and not s.done for s in invalid[0].samples)
+    # a broken format costs RAGEN's -0.1 per turn and no action is taken
+    assert all(s.reward == pytest.approx(-0.1) for s in broken[0].samples)
+    assert broken[0].metrics["num_actions"] == 0 and broken[0].samples[-1].last
+
+
+def test_sokoban_multi_turn_reuses_sampled_ids(tokenizer):
+    """Later prompts contain earlier responses' ids verbatim; collate masks exactly them."""
+    agent = AgentConfig(think=True, max_actions_per_turn=2)
+    spec = EpisodeSpec("sokoban", {"dim_room": [6, 6], "num_boxes": 1}, seed=3, episode_id=0,
+                       group_id=0)
+    answers = [" go </think><answer> Up || Left </answer>", " hmm </think><answer> Down </answer>"]
+    gen = scripted(tokenizer, answers)
+    [ep] = asyncio.run(run_episodes(
+        [spec], tokenizer=tokenizer, agent=agent, sampling={}, max_turns=3,
+        generate=lambda ids, sp: gen(ids, {**sp, "episode_key": 0}), env_steps_in_thread=True))
+    env = make("sokoban", dim_room=[6, 6], num_boxes=1)
+    env.reset(3)
+    rewards = [sum(env.step(a)[1] for a in ("Up", "Left")), env.step("Down")[1], env.step("Down")[1]]
+    assert [s.reward for s in ep.samples] == pytest.approx(rewards)
+    first, second = ep.samples[0], ep.samples[1]
+    resp = first.response_ids
+    pos = [i for i in range(len(second.prompt_ids)) if second.prompt_ids[i:i + len(resp)] == resp]
+    assert pos, "turn 2's prompt must contain turn 1's sampled ids verbatim"
+    batch = collate(ep.samples, pad_id=tokenizer.pad_token_id)
+    for i, s in enumerate(ep.samples):
+        p, r = len(s.prompt_ids), len(s.response_ids)
+        assert batch["input_ids"][i, p:p + r].tolist() == s.response_ids
+        assert batch["loss_mask"][i].sum().item() == r
+        # loss-mask position t predicts input_ids[t+1]: exactly the response tokens
+        masked = batch["input_ids"][i, 1:][batch["loss_mask"][i].bool()].tolist()
+        assert masked == s.response_ids
+        assert batch["rollout_logprobs"][i][batch["loss_mask"][i].bool()].tolist() == [-0.5] * r
+
+
+def test_episodes_do_not_wait_for_the_slowest(tokenizer):
+    """A slow generation for episode 0 does not hold back episode 1's later turns."""
+    agent = AgentConfig(think=False, max_actions_per_turn=1)
+    specs = [EpisodeSpec("bandit", {}, seed=s, episode_id=s, group_id=0) for s in (0, 1)]
+    log: list[int] = []
+    gen = scripted(tokenizer, [" pizza </answer>"], delays={0: 0.3}, log=log)
+    asyncio.run(run_episodes_keyed(specs, tokenizer, agent, gen))
+    assert log[:3] == [1, 1, 1], f"episode 1 should finish its 3 turns first, order was {log}"
+
+
+async def run_episodes_keyed(specs, tokenizer, agent, gen):
+    from ragen_mega.rollout.episode import run_episode
+
+    async def one(spec):
+        return await run_episode(spec, tokenizer=tokenizer, agent=agent, sampling={}, max_turns=3,
+                                 generate=lambda ids, sp: gen(ids, {**sp,
+                                                                    "episode_key": spec.episode_id}))
+    return await asyncio.gather(*(one(s) for s in specs))
