@@ -1,0 +1,62 @@
+"""Filter -> batch -> advantages on hand-built episodes, against hand-worked numbers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
+from ragen_mega.rollout.sample import Sample
+
+
+def turn(ep, group, t, reward, last, prompt=(1, 2, 3), response=(7, 8)):
+    return Sample(list(prompt), list(response), [-1.0] * len(response), reward, ep, group, t,
+                  done=last, last=last, env_tag="x", seed=group)
+
+
+def test_filter_keeps_the_most_varied_group():
+    samples = [turn(0, 0, 1, 1.0, True), turn(1, 0, 1, 1.0, True),       # group 0: std 0
+               turn(2, 1, 1, 0.0, True), turn(3, 1, 1, 2.0, True),       # group 1: std sqrt(2)
+               turn(4, 2, 1, 0.0, False), turn(4, 2, 2, 0.5, True),      # group 2: totals 0.5, 0
+               turn(5, 2, 1, 0.0, True)]
+    kept, metrics = filter_groups(samples, ratio=0.34, mode="std")
+    assert {s.episode_id for s in kept} == {2, 3}
+    kept_rev, _ = filter_groups(samples, ratio=0.34, mode="std_rev")
+    assert {s.episode_id for s in kept_rev} == {0, 1}
+    assert metrics["filter/kept_groups"] == 1.0
+    assert metrics["filter/in_group_std"] == pytest.approx((0 + 2 ** 0.5 + 0.5 / 2 ** 0.5) / 3)
+
+
+def test_grpo_advantages_per_episode_score():
+    # group 0: episodes score 1 and 3 (mean 2, std sqrt 2); group 1: one two-turn episode + 0
+    samples = [turn(0, 0, 1, 1.0, True), turn(1, 0, 1, 3.0, True),
+               turn(2, 1, 1, 0.5, False), turn(2, 1, 2, 0.5, True), turn(3, 1, 1, 0.0, True)]
+    batch = compute_advantages(build_batch(samples, pad_id=0), estimator="grpo")
+    s2 = 2 ** 0.5
+    per_row = [-1 / s2, 1 / s2, 1 / (2 ** 0.5), 1 / (2 ** 0.5), -1 / s2]  # hand-worked
+    adv = batch["advantages"]
+    for i, expected in enumerate(per_row):
+        toks = adv[i][batch["loss_mask"][i].bool()]
+        assert toks.tolist() == pytest.approx([expected] * 2, rel=1e-5)
+        assert adv[i][~batch["loss_mask"][i].bool()].abs().sum() == 0
+
+
+def test_bi_level_gae_gamma_lambda_one_is_return_minus_value():
+    # one episode of two turns: rewards 0.25 then 1.0; the turn return of turn 1 is 1.25
+    samples = [turn(0, 0, 1, 0.25, False), turn(0, 0, 2, 1.0, True, prompt=(1, 2, 3, 4, 5))]
+    batch = build_batch(samples, pad_id=0)
+    values = torch.arange(batch["loss_mask"].numel(), dtype=torch.float32).view_as(
+        batch["loss_mask"]) / 10
+    batch = compute_advantages(batch, estimator="gae", token_values=values)
+    expected_returns = [1.25, 1.0]
+    for i, ret in enumerate(expected_returns):
+        m = batch["loss_mask"][i].bool()
+        assert batch["advantages"][i][m].tolist() == pytest.approx((ret - values[i][m]).tolist())
+        assert batch["returns"][i][m].tolist() == pytest.approx([ret] * int(m.sum()))
+
+
+def test_gae_needs_values():
+    batch = build_batch([turn(0, 0, 1, 1.0, True)], pad_id=0)
+    with pytest.raises(ValueError, match="gae needs critic token_values"):
+        compute_advantages(batch, estimator="gae")
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        compute_advantages(batch, estimator="ppo")
