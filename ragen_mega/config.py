@@ -38,13 +38,19 @@ class EnvConfig:
     val_seed: int = 1_000_000
 
     def validate(self):
-        from ragen_mega.envs import list_envs
+        from ragen_mega.envs import list_envs, make
 
-        for key in ("name", "val_name"):
+        for key, kwargs_key in (("name", "kwargs"), ("val_name", "val_kwargs")):
             value = getattr(self, key)
-            if value is not None and value not in list_envs():
+            if value is None:
+                continue
+            if value not in list_envs():
                 raise ConfigError(f"{key}: unknown env {value!r}; registered envs: "
                                   f"{', '.join(list_envs())}")
+            try:  # building the env once checks its kwargs before any worker starts
+                make(value, **getattr(self, kwargs_key)).close()
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{kwargs_key}: {e}") from e
         for key in ("env_groups", "group_size", "max_turns", "val_groups"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
@@ -83,14 +89,14 @@ class FilterConfig:
 
 @dataclasses.dataclass
 class AlgoConfig:
-    #: gae: critic + token-level GAE (RAGEN StarPO-S); grpo: critic-free group advantages;
-    #: turn_gae: per-turn critic values and turn-level GAE (long horizons, Verlog)
-    adv_estimator: Literal["gae", "grpo", "turn_gae"] = "gae"
-    gamma: float = 1.0
+    #: gae: a critic, GAE over turns then over the tokens of each turn (bi-level; RAGEN
+    #: StarPO-S, Verlog for long horizons); grpo: critic-free, episode score vs. its group
+    adv_estimator: Literal["gae", "grpo"] = "gae"
+    gamma: float = 1.0           # across turns (RAGEN uses 1.0)
     lam: float = 1.0
     grpo_norm_by_std: bool = True
-    #: RAGEN's reward normalisation before advantages: identity | mean | mean_std
-    reward_norm: Literal["identity", "mean", "mean_std"] = "identity"
+    #: RAGEN's episode-score normalisation within a group (same seed) before advantages
+    reward_norm: Literal["identity", "mean", "mean_std", "asym_clip"] = "identity"
 
     def validate(self):
         for key in ("gamma", "lam"):
@@ -171,7 +177,7 @@ class RunConfig:
     echo_trap: EchoTrapThresholds = dataclasses.field(default_factory=EchoTrapThresholds)
 
     def validate(self):
-        if self.algo.adv_estimator in ("gae", "turn_gae") and not self.critic.enable:
+        if self.algo.adv_estimator == "gae" and not self.critic.enable:
             raise ConfigError(f"algo.adv_estimator: {self.algo.adv_estimator!r} needs a critic; "
                               f"set critic.enable=true or algo.adv_estimator=grpo")
         if self.algo.adv_estimator == "grpo" and self.env.group_size < 2:
