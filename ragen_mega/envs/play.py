@@ -1,0 +1,75 @@
+"""``ragen-mega play ENV [--seed N] [--kwarg key=value ...]``: play an env in the terminal.
+
+Prints the env's instruction and each observation exactly as the model sees them, reads one
+action per line from stdin until the episode ends or stdin closes, and after each action prints
+a ``[step]`` line with reward, done and info. Lines the tool adds start with ``[``, so the rest
+of stdout is the model's text. Also runnable as ``python -m ragen_mega.envs.play``.
+
+``--kwarg`` values are read as Python literals when they are one (``dim_room=(8,8)``,
+``is_slippery=False``, ``p=0.7``) and as plain strings otherwise (``low_risk_name=Trader``).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from typing import Any
+
+from ragen_mega.envs.registry import list_envs, make
+
+
+def parse_kwarg(text: str) -> tuple[str, Any]:
+    """``"key=value"`` -> ``(key, value)``; the value as a Python literal when it is one."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ValueError(f"--kwarg expects key=value, got {text!r}")
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    return key.strip(), value
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``argv``: the words after ``play`` (``ENV [--seed N] [--kwarg k=v ...]``); exit code."""
+    parser = argparse.ArgumentParser(
+        prog="ragen-mega play",
+        description="Play a registered text env; one action per line on stdin.")
+    parser.add_argument("env", help=f"env name, one of: {', '.join(list_envs())}")
+    parser.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
+    parser.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
+                        help="env constructor argument; repeat for several")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # argparse already printed usage and the problem
+        return exit_.code if isinstance(exit_.code, int) else 2
+    try:
+        kwargs: dict[str, Any] = {}
+        for text in args.kwarg:
+            key, value = parse_kwarg(text)
+            if key in kwargs:
+                raise ValueError(f"--kwarg {key} given twice")
+            kwargs[key] = value
+        env = make(args.env, **kwargs)
+        obs = env.reset(args.seed)
+    except (ValueError, TypeError, ImportError) as err:
+        print(f"ragen-mega play: error: {err}", file=sys.stderr)
+        return 2
+    try:
+        print(env.instruction)
+        print()
+        print(obs, flush=True)
+        for line in sys.stdin:
+            obs, reward, done, info = env.step(line.rstrip("\r\n"))
+            print(f"[step] reward={reward:g} done={done} info={info}")
+            print(obs, flush=True)
+            if done:
+                print("[episode done]")
+                break
+    finally:
+        env.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""Matching a model's action text against an env's action words.
+
+Models write "Turn left", "turn  left", "TURN_LEFT" or a 100 KB ramble; all but the last should
+reach the same action, and none may raise. Matching ignores case, surrounding and repeated
+whitespace, and treats "_" like a space (crafter's own names are "move_left", BALROG's
+"move left"). Anything else is no match: the env then takes an invalid-action step.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+_PREVIEW_CHARS = 40
+
+
+def normalize_action(text: str) -> str:
+    """Canonical spelling: lower case, "_" as space, single spaces, no outer whitespace."""
+    return " ".join(text.replace("_", " ").lower().split())
+
+
+def match_action(text: object, actions: Sequence[str]) -> int | None:
+    """Index of ``text`` in ``actions`` (written in canonical spelling), or None if none matches."""
+    if not isinstance(text, str):
+        return None
+    longest = max(len(a) for a in actions)
+    if len(text) > 4 * longest + 16:  # no padding makes text this long an action; skip the work
+        return None
+    canonical = normalize_action(text)
+    for index, action in enumerate(actions):
+        if canonical == action:
+            return index
+    return None
+
+
+def unknown_action_reason(text: object, actions: Sequence[str]) -> str:
+    """A short, bounded explanation for ``info['invalid_reason']`` (never echoes 100 KB back)."""
+    if isinstance(text, str):
+        shown = repr(text[:_PREVIEW_CHARS]) + ("..." if len(text) > _PREVIEW_CHARS else "")
+    else:
+        shown = f"a {type(text).__name__} (not text)"
+    return f"unknown action {shown}; valid actions: {', '.join(actions)}"
