@@ -1,0 +1,65 @@
+"""``AgentConfig``: the knobs of the text protocol between an env and the model.
+
+The lead's global config tree embeds this dataclass as is, so the field names are part of the
+public interface: keep them stable. Every value is checked when the object is built, and a bad one
+raises ``ValueError``/``TypeError`` naming ``AgentConfig.<field>``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AgentConfig:
+    #: True: the model writes ``<think>...</think><answer>...</answer>`` and the prompt ends with
+    #: ``<think>``; False (RAGEN's "NoThinking"): the prompt ends with ``<answer>`` and the model
+    #: only completes the answer up to ``</answer>``.
+    think: bool = True
+    #: actions kept from one answer (split on ``action_sep``); extra ones are dropped and counted.
+    max_actions_per_turn: int = 5
+    #: separator between several actions in one answer (RAGEN: ``||``).
+    action_sep: str = "||"
+    #: added to the turn's reward when the response breaks the format (RAGEN: -0.1); must be <= 0.
+    format_penalty: float = -0.1
+    #: how many past turns the prompt shows before the current one; None = all of them (RAGEN's
+    #: classic growing chat); a small number = Verlog's memory window for long episodes.
+    memory_turns: int | None = None
+    #: past turns show the model's whole sampled response (True) or only its parsed actions as
+    #: ``<answer>a || b</answer>`` (False: shorter prompts, no copying of old reasoning).
+    include_thoughts_in_memory: bool = True
+    #: prompt length limit in tokens, None = no limit. Over it, a bounded window (memory_turns set)
+    #: drops its oldest turns until the prompt fits; otherwise building the prompt raises.
+    max_prompt_tokens: int | None = None
+
+    def __post_init__(self):
+        _check_bool("think", self.think)
+        _check_bool("include_thoughts_in_memory", self.include_thoughts_in_memory)
+        _check_int("max_actions_per_turn", self.max_actions_per_turn, minimum=1)
+        _check_int("memory_turns", self.memory_turns, minimum=0, optional=True)
+        _check_int("max_prompt_tokens", self.max_prompt_tokens, minimum=1, optional=True)
+        if not isinstance(self.action_sep, str) or not self.action_sep.strip():
+            raise ValueError(f"AgentConfig.action_sep must be a non-blank string, got {self.action_sep!r}")
+        if "<" in self.action_sep or ">" in self.action_sep:
+            raise ValueError(f"AgentConfig.action_sep must not contain '<' or '>' (they belong to the "
+                             f"<think>/<answer> tags), got {self.action_sep!r}")
+        if isinstance(self.format_penalty, bool) or not isinstance(self.format_penalty, (int, float)):
+            raise TypeError(f"AgentConfig.format_penalty must be a number, got {self.format_penalty!r}")
+        if not self.format_penalty <= 0:  # also rejects NaN
+            raise ValueError(f"AgentConfig.format_penalty is added to the reward, so it must be <= 0 "
+                             f"(RAGEN uses -0.1), got {self.format_penalty!r}")
+        self.format_penalty = float(self.format_penalty)
+
+
+def _check_bool(field: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"AgentConfig.{field} must be true or false, got {value!r}")
+
+
+def _check_int(field: str, value, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise TypeError(f"AgentConfig.{field} must be {kind}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"AgentConfig.{field} must be >= {minimum}, got {value}")
