@@ -1,0 +1,316 @@
+"""Advantage estimators for StarPO (token-level GAE, GRPO, RAGEN's score normalisation) and for
+long horizons, where each turn is its own training sample (turn-level / bi-level GAE).
+
+Pure tensor math, no gradients: advantages and returns are regression targets, so every function
+runs under ``torch.no_grad()``. Token tensors are ``[batch, seq]`` with a ``mask`` that is 1 on the
+tokens the policy generated (the loss tokens) and 0 on prompt, observation and padding tokens.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+NORM_METHODS = ("identity", "mean", "mean_std", "asym_clip")
+NORM_GROUPINGS = ("state", "batch", "inductive")
+
+# RAGEN treats a group as constant (normalised score 0) when its std is at or below this
+_RAGEN_STD_FLOOR = 1e-6
+
+
+def _check_tokens(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 2:
+        raise ValueError(f"expected equal [batch, seq] shapes, got {shapes}")
+
+
+def _check_samples(**tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) != 1 or len(next(iter(shapes.values()))) != 1:
+        raise ValueError(f"expected equal one-dimensional [batch] shapes, got {shapes}")
+
+
+@torch.no_grad()
+def _masked_gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                     gamma: float, lam: float, bootstrap: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE (Schulman et al. 2016) along the last dim of ``[rows, steps]``, visiting only the
+    positions where ``mask`` is set: a masked-out position is skipped entirely (its reward and
+    value are never read and it does not count as a discount step), so the step after a valid
+    position is the next *valid* position. ``bootstrap[row]`` is the value after the row's last
+    valid position (0 for a terminal state). Returns ``(advantages, returns)``, 0 where masked.
+    """
+    keep = mask.bool()
+    next_value = bootstrap.to(values.dtype)
+    next_adv = torch.zeros_like(next_value)
+    advantages = torch.zeros_like(values)
+    for t in range(values.shape[-1] - 1, -1, -1):
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        m = keep[:, t]
+        next_value = torch.where(m, values[:, t], next_value)
+        next_adv = torch.where(m, adv, next_adv)
+        advantages[:, t] = torch.where(m, adv, torch.zeros_like(adv))
+    returns = torch.where(keep, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+@torch.no_grad()
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+        gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level GAE over the loss tokens of each row; returns ``(advantages, returns)``.
+
+    Multi-turn rows interleave generated tokens with observation tokens. Following verl's
+    ``compute_gae_advantage_return`` (which RAGEN uses with its loss mask), the recursion skips
+    masked positions: observation tokens are not MDP steps, so the TD error of the last token of
+    turn k bootstraps from the value at the first token of turn k+1, and ``gamma`` discounts once
+    per generated token. ``values[:, t]`` is the critic's value for the state in which token t is
+    generated. The row's last loss token is terminal (next value 0).
+
+    A reward placed on a masked position would be silently dropped by that recursion, so it is
+    rejected: put each turn's reward on its last generated token. No whitening here (verl whitens
+    inside; we leave it to the caller, see :func:`masked_whiten`).
+    """
+    _check_tokens(token_rewards=token_rewards, values=values, mask=mask)
+    off_mask = (token_rewards != 0) & ~mask.bool()
+    if off_mask.any():
+        rows = torch.nonzero(off_mask.any(dim=-1)).flatten().tolist()
+        raise ValueError(f"token_rewards has non-zero rewards on masked (non-loss) positions in "
+                         f"rows {rows[:10]}; GAE would drop them - put rewards on loss tokens")
+    bootstrap = torch.zeros(values.shape[0], dtype=values.dtype, device=values.device)
+    return _masked_gae_scan(token_rewards, values, mask, gamma, lam, bootstrap)
+
+
+@torch.no_grad()
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``values`` to unit variance (and zero mean if ``shift_mean``) over the masked
+    positions, with the unbiased variance, as verl's ``masked_whiten`` does to GAE advantages.
+    Masked positions come back 0."""
+    _check_tokens(values=values, mask=mask)
+    m = mask.to(values.dtype)
+    n = m.sum()
+    if n < 2:
+        raise ValueError(f"masked_whiten needs at least 2 masked positions, got {int(n)}")
+    mean = (values * m).sum() / n
+    var = ((values - mean).square() * m).sum() / (n - 1)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * m
+
+
+class GroupStats(NamedTuple):
+    """Statistics of ``scores`` per group; groups in ascending id order."""
+
+    ids: torch.Tensor  #: [n_groups] the distinct group ids, ascending
+    inverse: torch.Tensor  #: [n] index of each sample's group in ``ids``
+    mean: torch.Tensor  #: [n_groups] float64
+    std: torch.Tensor  #: [n_groups] float64, unbiased (``torch.std``), 0 for a group of one
+    count: torch.Tensor  #: [n_groups] float64
+
+
+def group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> GroupStats:
+    """Mean, unbiased std and size of ``scores`` within each group of ``group_ids`` (float64, so
+    large groups of float32 rewards lose nothing)."""
+    _check_samples(scores=scores, group_ids=group_ids)
+    if scores.numel() == 0:
+        raise ValueError("scores is empty")
+    ids, inverse = torch.unique(group_ids, return_inverse=True)
+    x = scores.to(torch.float64)
+    count = torch.bincount(inverse).to(torch.float64)
+    mean = torch.bincount(inverse, weights=x) / count
+    sq_dev = torch.bincount(inverse, weights=(x - mean[inverse]).square())
+    std = torch.where(count > 1, (sq_dev / (count - 1).clamp(min=1)).sqrt(),
+                      torch.zeros_like(sq_dev))
+    return GroupStats(ids, inverse, mean, std, count)
+
+
+def _per_sample_stats(scores: torch.Tensor, group_ids: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample: its group's mean and std (in ``scores``' dtype) and size."""
+    stats = group_stats(scores, group_ids)
+    i = stats.inverse
+    return (stats.mean[i].to(scores.dtype), stats.std[i].to(scores.dtype), stats.count[i])
+
+
+@torch.no_grad()
+def grpo(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
+         eps: float = 1e-6) -> torch.Tensor:
+    """GRPO outcome advantage (Shao et al. 2024, DeepSeekMath): per sample
+    ``(score - group mean) / (group std + eps)``, std unbiased like ``torch.std`` and verl;
+    ``norm_by_std=False`` is Dr. GRPO (Liu et al. 2025), mean subtraction only.
+
+    A group of one sample gets advantage 0: it has no baseline to compare against. (verl instead
+    uses mean 0 / std 1 there, i.e. the raw score, which turns a lone sample's reward into a
+    full-strength advantage.) Returns ``[batch]``; spread it over tokens with
+    :func:`broadcast_to_tokens`.
+    """
+    mean, std, count = _per_sample_stats(scores, group_ids)
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + eps)
+    return torch.where(count > 1, adv, torch.zeros_like(adv))
+
+
+@torch.no_grad()
+def normalize_scores(scores: torch.Tensor, group_ids: torch.Tensor, method: str = "identity",
+                     grouping: str = "state", tag_ids: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """RAGEN's episode-score normalisation (``agent_proxy.reward_normalization`` in its
+    ``ctx_manager``), applied before the advantage estimator.
+
+    ``grouping`` picks the groups the statistics are taken over:
+      - ``state``: samples sharing ``group_ids`` (same env seed / initial state),
+      - ``batch``: the whole batch is one group,
+      - ``inductive``: samples sharing ``tag_ids`` (same env type), which must then be given.
+    ``method``:
+      - ``identity``: unchanged,
+      - ``mean``: subtract the group mean,
+      - ``mean_std``: ``(x - mean) / (std + 1e-6)``, and 0 for a group whose std <= 1e-6
+        (RAGEN's guard: an all-equal group carries no signal and dividing would amplify noise),
+      - ``asym_clip``: ``mean_std`` clamped to [-1, 3] (keeps rare successes, bounds failures).
+    Std is unbiased, as in RAGEN. A group of one sample gets 0 under every method but identity;
+    RAGEN instead skips normalisation of the whole batch when *every* group has one sample, a
+    special case this function does not copy.
+    """
+    if method not in NORM_METHODS:
+        raise ValueError(f"unknown reward normalization method {method!r}; "
+                         f"allowed: {', '.join(NORM_METHODS)}")
+    if grouping not in NORM_GROUPINGS:
+        raise ValueError(f"unknown reward normalization grouping {grouping!r}; "
+                         f"allowed: {', '.join(NORM_GROUPINGS)}")
+    if grouping == "inductive" and tag_ids is None:
+        raise ValueError("grouping='inductive' groups by environment type: pass tag_ids")
+    if method == "identity":
+        _check_samples(scores=scores, group_ids=group_ids)
+        return scores.clone()
+    ids = {"state": group_ids, "batch": torch.zeros_like(group_ids), "inductive": tag_ids}[grouping]
+    _check_samples(scores=scores, group_ids=group_ids, group_keys=ids)
+    mean, std, count = _per_sample_stats(scores, ids)
+    if method == "mean":
+        out = scores - mean
+    else:
+        out = torch.where(std > _RAGEN_STD_FLOOR, (scores - mean) / (std + _RAGEN_STD_FLOOR),
+                          torch.zeros_like(scores))
+        if method == "asym_clip":
+            out = out.clamp(-1.0, 3.0)
+    return torch.where(count > 1, out, torch.zeros_like(out))
+
+
+def broadcast_to_tokens(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Give every loss token of row i the value ``per_sample[i]`` (0 elsewhere): how a
+    sequence-level advantage (GRPO, turn-level GAE) becomes a token-level one."""
+    if per_sample.dim() != 1 or mask.dim() != 2 or per_sample.shape[0] != mask.shape[0]:
+        raise ValueError(f"expected per_sample [batch] and mask [batch, seq], got "
+                         f"{tuple(per_sample.shape)} and {tuple(mask.shape)}")
+    return per_sample[:, None] * mask.to(per_sample.dtype)
+
+
+def _episode_layout(episode_ids: torch.Tensor, turn_indices: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Map each turn to (row, column) of a ``[n_episodes, max_turns]`` grid, column = turn index
+    minus the episode's first turn index in the batch; also return each row's last column.
+    Turns of one episode must be unique and consecutive (a window of an episode is fine, e.g.
+    Verlog's fixed-turn batching)."""
+    episodes, row = torch.unique(episode_ids, return_inverse=True)
+    n_rows = episodes.shape[0]
+    turns = turn_indices.to(torch.int64)
+    first = torch.full((n_rows,), torch.iinfo(torch.int64).max, dtype=torch.int64,
+                       device=turns.device).scatter_reduce(0, row, turns, reduce="amin")
+    col = turns - first[row]
+    last_col = torch.zeros(n_rows, dtype=torch.int64, device=turns.device).scatter_reduce(
+        0, row, col, reduce="amax")
+    n_cols = int(last_col.max()) + 1
+    occupancy = torch.zeros(n_rows * n_cols, dtype=torch.int64, device=turns.device)
+    occupancy.index_add_(0, row * n_cols + col, torch.ones_like(col))
+    occupancy = occupancy.view(n_rows, n_cols)
+    broken = (occupancy.max(dim=1).values > 1) | (occupancy.sum(dim=1) != last_col + 1)
+    if broken.any():
+        raise ValueError(f"episodes {episodes[broken].tolist()[:10]} have repeated or "
+                         f"non-consecutive turn_indices; each episode's turns must be unique "
+                         f"and consecutive")
+    return row, col, last_col
+
+
+@torch.no_grad()
+def turn_level_gae(rewards: torch.Tensor, values: torch.Tensor, episode_ids: torch.Tensor,
+                   turn_indices: torch.Tensor, dones: torch.Tensor, gamma_turn: float = 1.0,
+                   lam_turn: float = 1.0, bootstrap_values: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE over turns, for batches where every turn is its own sample; returns per-turn
+    ``(advantages, returns)`` ``[n_turns]``, in the input order.
+
+    The turn is the MDP step (the "high level" of ArCHer, Zhou et al. 2024, and of RAGEN's /
+    VAGEN's bi-level GAE; the step-level discount of Verlog's dual-discount GAE, whose defaults
+    are gamma_turn=0.99, lam_turn=0.95). For turn k of an episode::
+
+        delta_k = rewards_k + gamma_turn * V_{k+1} - V_k
+        A_k     = delta_k + gamma_turn * lam_turn * A_{k+1},      returns_k = A_k + V_k
+
+    ``values[k]`` is the critic's value of the state the turn acts in (the value at the turn's
+    prompt end, i.e. at its first generated token). Samples may come in any order; turns are
+    matched by ``episode_ids`` and ordered by ``turn_indices``. The last turn of an episode in the
+    batch is either terminal (``dones`` True: V after it is 0) or truncated - the episode goes on
+    past the batch, as in Verlog's fixed-turn batching - and then ``bootstrap_values`` at that
+    turn must hold V of the next state (the critic's value at the end of the next turn's prompt).
+    ``bootstrap_values`` is read nowhere else. A ``done`` before an episode's last turn is an error.
+    """
+    _check_samples(rewards=rewards, values=values, episode_ids=episode_ids,
+                   turn_indices=turn_indices, dones=dones)
+    if bootstrap_values is not None:
+        _check_samples(rewards=rewards, bootstrap_values=bootstrap_values)
+    row, col, last_col = _episode_layout(episode_ids, turn_indices)
+    is_last = col == last_col[row]
+    done = dones.bool()
+    if (done & ~is_last).any():
+        bad = sorted({int(e) for e in episode_ids[done & ~is_last].tolist()})
+        raise ValueError(f"episodes {bad[:10]} have dones=True before their last turn")
+    truncated_last = is_last & ~done
+    if truncated_last.any() and bootstrap_values is None:
+        bad = sorted({int(e) for e in episode_ids[truncated_last].tolist()})
+        raise ValueError(f"episodes {bad[:10]} end without dones=True (truncated): pass "
+                         f"bootstrap_values with V(next state) at their last turn")
+
+    n_rows, n_cols = last_col.shape[0], int(last_col.max()) + 1
+    grid = values.new_zeros(n_rows, n_cols)
+    grid_rewards = grid.index_put((row, col), rewards.to(values.dtype))
+    grid_values = grid.index_put((row, col), values)
+    grid_mask = grid.bool().index_put((row, col), torch.ones_like(row, dtype=torch.bool))
+    bootstrap = values.new_zeros(n_rows)
+    if truncated_last.any():
+        bootstrap[row[truncated_last]] = bootstrap_values[truncated_last].to(values.dtype)
+    adv, ret = _masked_gae_scan(grid_rewards, grid_values, grid_mask, gamma_turn, lam_turn,
+                                bootstrap)
+    return adv[row, col], ret[row, col]
+
+
+@torch.no_grad()
+def bi_level_token_gae(turn_returns: torch.Tensor, token_values: torch.Tensor,
+                       mask: torch.Tensor, gamma_token: float = 1.0, lam_token: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level GAE inside each turn, driven by the turn-level return (the "low level" of
+    bi-level GAE: ArCHer, Zhou et al. 2024; RAGEN/VAGEN ``compute_bi_level_gae_advantage_return``).
+
+    Row i is one turn. Its last loss token receives ``turn_returns[i]`` (from
+    :func:`turn_level_gae`) as a terminal reward and the recursion runs backwards over the
+    turn's loss tokens with ``gamma_token`` / ``lam_token``; ``token_values[i, t]`` is the
+    critic's value where token t is generated. Returns ``(advantages, returns)`` ``[batch, seq]``.
+
+    With ``gamma_token = lam_token = 1`` (Verlog's defaults) token t gets
+    ``turn_returns[i] - token_values[i, t]``; its first token gets the turn-level advantage, and
+    the whole is exactly Verlog's dual-discount GAE over the episode's concatenated tokens
+    (tested against a naive implementation of Verlog's recursion). A row without loss tokens
+    gets zeros.
+    """
+    _check_tokens(token_values=token_values, mask=mask)
+    if turn_returns.shape != (mask.shape[0],):
+        raise ValueError(f"turn_returns must be [batch]={mask.shape[0]}, "
+                         f"got {tuple(turn_returns.shape)}")
+    keep = mask.bool()
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(keep, positions, torch.full_like(positions, -1)).max(dim=-1).values
+    rows = torch.nonzero(last >= 0).flatten()
+    token_rewards = torch.zeros_like(token_values)
+    token_rewards[rows, last[rows]] = turn_returns[rows].to(token_values.dtype)
+    return gae(token_rewards, token_values, mask, gamma_token, lam_token)
