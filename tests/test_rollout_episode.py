@@ -41,8 +41,11 @@ def scripted(tokenizer, answers, delays=None, log=None):
 def test_bandit_group_episode_samples(tokenizer):
     agent = AgentConfig(think=False, max_actions_per_turn=1)
     specs = group_specs("bandit", {}, env_groups=2, group_size=3, first_seed=10)
+    # the bandit's episode is one random draw: each group member gets its own seed
     assert [(s.seed, s.group_id, s.episode_id) for s in specs] == [
-        (10, 0, 0), (10, 0, 1), (10, 0, 2), (11, 1, 3), (11, 1, 4), (11, 1, 5)]
+        (10, 0, 0), (11, 0, 1), (12, 0, 2), (13, 1, 3), (14, 1, 4), (15, 1, 5)]
+    sokoban = group_specs("sokoban", {}, env_groups=2, group_size=2, first_seed=10)
+    assert [(s.seed, s.group_id) for s in sokoban] == [(10, 0), (10, 0), (11, 1), (11, 1)]
 
     async def go():
         out = []
@@ -63,9 +66,9 @@ def test_bandit_group_episode_samples(tokenizer):
         assert ep.metrics["valid_action_rate"] == 1.0 and ep.metrics["format_ok_rate"] == 1.0
         # the prompt is exactly what the agent protocol builds, ending in "<answer>" (answer-only)
         assert tokenizer.decode(ep.samples[0].prompt_ids).endswith("<answer>")
-    # an unknown arm is an invalid action: no reward, the bandit goes on to the next turn
+    # an unknown arm is an invalid action: RAGEN's penalty, the bandit goes on to the next turn
     assert all(len(ep.samples) == 3 and ep.metrics["valid_action_rate"] == 0.0 for ep in invalid)
-    assert all(s.reward == 0.0 and not s.done for s in invalid[0].samples)
+    assert all(s.reward == pytest.approx(-0.1) and not s.done for s in invalid[0].samples)
     # a broken format costs RAGEN's -0.1 per turn and no action is taken
     assert all(s.reward == pytest.approx(-0.1) for s in broken[0].samples)
     assert broken[0].metrics["num_actions"] == 0 and broken[0].samples[-1].last

@@ -25,6 +25,11 @@ from ragen_mega.envs.text_actions import match_action, normalize_action, unknown
 class BanditEnv(TextEnv):
     """Pull one of two named arms once; see the module docstring."""
 
+    # one pull is the whole episode: group members need their own draws (as RAGEN offsets the
+    # seed per instance), else a group sees one shared outcome and std-normalised advantages
+    # would mostly teach "the risky arm missed".
+    seed_shared_in_group = False
+
     def __init__(self, low_risk_name: str = "Phoenix", high_risk_name: str = "Dragon",
                  low_risk_reward: float = 0.1, high_risk_reward: float = 1.0,
                  high_risk_prob: float = 0.25, high_risk_miss_reward: float = 0.0):

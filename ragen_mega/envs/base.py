@@ -22,6 +22,10 @@ class TextEnv(abc.ABC):
 
     #: registry name, set by :func:`ragen_mega.envs.registry.register_env`
     name: str = ""
+    #: True: every episode of a rollout group is reset with the group's seed (same initial state,
+    #: RAGEN's grouping). False: each member gets its own seed, for games whose whole episode is
+    #: one random outcome (the bandit), where a shared seed would give the group one shared draw.
+    seed_shared_in_group: bool = True
 
     @abc.abstractmethod
     def reset(self, seed: int) -> str:

@@ -12,7 +12,7 @@ import dataclasses
 from typing import Any, Awaitable, Callable, Sequence
 
 from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
-from ragen_mega.envs import make
+from ragen_mega.envs import env_class, make
 from ragen_mega.rollout.sample import Sample
 
 
@@ -64,16 +64,19 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
         prompt = builder.build(history)
         gen = await generate(prompt.ids, sampling)
         parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent)
-        reward = parsed.penalty
+        reward, all_valid = 0.0, True
         for action in parsed.actions:
             obs, r, done, info = await step(action)
             reward += float(r)
             n_actions += 1
+            all_valid &= bool(info.get("action_is_valid"))
             n_valid += bool(info.get("action_is_valid"))
             n_effective += bool(info.get("action_is_effective"))
             success = success or bool(info.get("success"))
             if done:
                 break
+        if not parsed.format_ok or not all_valid:  # RAGEN: a broken format or an unknown action
+            reward += agent.format_penalty
         total_reward += reward
         history.record(gen.output_ids, parsed, reward)
         samples.append(Sample(
@@ -100,9 +103,20 @@ async def _ready(value):
 
 def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, group_size: int,
                 first_seed: int, env_tag: str = "") -> list[EpisodeSpec]:
-    """RAGEN's grouping: ``env_groups`` seeds, each played by ``group_size`` episodes."""
-    return [EpisodeSpec(env_name, dict(env_kwargs), first_seed + g, g * group_size + k, g, env_tag)
+    """RAGEN's grouping: ``env_groups`` groups of ``group_size`` episodes. Group ``g`` plays seed
+    ``first_seed + g`` in every episode, unless the env's ``seed_shared_in_group`` is False; then
+    episode ``i`` plays seed ``first_seed + i`` (the seed range used is the same size either way:
+    :func:`seeds_per_step`)."""
+    shared = env_class(env_name).seed_shared_in_group
+    return [EpisodeSpec(env_name, dict(env_kwargs),
+                        first_seed + (g if shared else g * group_size + k),
+                        g * group_size + k, g, env_tag)
             for g in range(env_groups) for k in range(group_size)]
+
+
+def seeds_per_step(env_name: str, env_groups: int, group_size: int) -> int:
+    """How many consecutive seeds one call of :func:`group_specs` uses."""
+    return env_groups if env_class(env_name).seed_shared_in_group else env_groups * group_size
 
 
 async def run_episodes(specs: Sequence[EpisodeSpec], **kwargs) -> list[Episode]:
