@@ -97,8 +97,7 @@ def test_sokoban_multi_turn_reuses_sampled_ids(tokenizer):
         p, r = len(s.prompt_ids), len(s.response_ids)
         assert batch["input_ids"][i, p:p + r].tolist() == s.response_ids
         assert batch["loss_mask"][i].sum().item() == r
-        # loss-mask position t predicts input_ids[t+1]: exactly the response tokens
-        masked = batch["input_ids"][i, 1:][batch["loss_mask"][i].bool()].tolist()
+        masked = batch["input_ids"][i][batch["loss_mask"][i].bool()].tolist()
         assert masked == s.response_ids
         assert batch["rollout_logprobs"][i][batch["loss_mask"][i].bool()].tolist() == [-0.5] * r
 

@@ -64,10 +64,11 @@ def compute_advantages(batch: dict[str, torch.Tensor], *, estimator: str, gamma:
                        lam: float = 1.0, reward_norm: str = "identity",
                        grpo_norm_by_std: bool = True, token_values: torch.Tensor | None = None
                        ) -> dict[str, torch.Tensor]:
-    """Add ``advantages`` (and for ``gae`` ``returns``) [B, S-1] to ``batch``; return it.
+    """Add ``advantages`` (and for ``gae`` ``returns``) [B, S] to ``batch``; return it.
 
-    ``token_values`` [B, S-1] is the critic's value where each token is generated (aligned with
-    ``loss_mask``); a turn's value is the one at its first response token. ``gamma``/``lam``
+    ``token_values`` [B, S] is the critic's value of the state each token is written in (column
+    t: V(tokens < t), the trainer's layout); a turn's value is the one at its first response
+    token. ``gamma``/``lam``
     discount across turns; inside a turn tokens are undiscounted (Verlog's dual-discount GAE).
     """
     mask = batch["loss_mask"]
@@ -89,7 +90,7 @@ def compute_advantages(batch: dict[str, torch.Tensor], *, estimator: str, gamma:
         normed = normalize_scores(scores, group_ids, reward_norm)
         delta = (normed - scores)[torch.searchsorted(episode_ids, batch["episode_id"])]
         rewards = rewards + torch.where(batch["last"], delta, torch.zeros_like(delta))
-    first = batch["response_start"] - 1
+    first = batch["response_start"]
     turn_values = token_values[torch.arange(mask.shape[0]), first]
     _, turn_returns = turn_level_gae(rewards, turn_values, batch["episode_id"], batch["turn"],
                                      batch["last"], gamma_turn=gamma, lam_turn=lam)

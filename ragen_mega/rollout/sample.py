@@ -38,10 +38,11 @@ class Sample:
 def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded training batch of ``prompt + response`` per sample.
 
-    Shapes: ``input_ids``/``attention_mask`` [B, S]; the per-token fields are aligned with the
-    predicted tokens, i.e. with ``input_ids[:, 1:]`` ([B, S-1]): ``loss_mask`` is 1 exactly where
-    the predicted token was written by the model, and ``rollout_logprobs`` holds the engine's
-    log-prob there. ``response_start`` is each sample's first response index in ``input_ids``.
+    Every field is [B, S] and column t belongs to token t (the trainer's layout: a per-token value
+    of token t is computed from the tokens before it; column 0 is never a loss token):
+    ``input_ids``, ``attention_mask``, ``loss_mask`` (1 exactly on the model-written tokens),
+    ``rollout_logprobs`` (the engine's log-prob of each written token). ``response_start`` [B]
+    is each sample's first response column.
     """
     if not samples:
         raise ValueError("collate: no samples")
@@ -49,8 +50,8 @@ def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     b = len(samples)
     input_ids = torch.full((b, seq), pad_id, dtype=torch.long)
     attention = torch.zeros(b, seq, dtype=torch.long)
-    loss_mask = torch.zeros(b, seq - 1, dtype=torch.float32)
-    logprobs = torch.zeros(b, seq - 1, dtype=torch.float32)
+    loss_mask = torch.zeros(b, seq, dtype=torch.float32)
+    logprobs = torch.zeros(b, seq, dtype=torch.float32)
     for i, s in enumerate(samples):
         if not s.prompt_ids:
             raise ValueError(f"collate: sample {i} (episode {s.episode_id}, turn {s.turn}) has an "
@@ -58,9 +59,8 @@ def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         p, r = len(s.prompt_ids), len(s.response_ids)
         input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids, dtype=torch.long)
         attention[i, :p + r] = 1
-        # the token at position t is predicted from position t-1: response token k -> index p-1+k
-        loss_mask[i, p - 1:p - 1 + r] = 1.0
-        logprobs[i, p - 1:p - 1 + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        loss_mask[i, p:p + r] = 1.0
+        logprobs[i, p:p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
     return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
             "rollout_logprobs": logprobs,
             "response_start": torch.tensor([len(s.prompt_ids) for s in samples])}
