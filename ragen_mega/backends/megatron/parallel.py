@@ -45,8 +45,8 @@ def init_parallel(rank: int, world_size: int, init_method: str, tp: int = 1, pp:
 
     ``init_method`` is a torch.distributed URL (``file:///tmp/x`` avoids the port reuse races of
     back-to-back ``tcp://`` launches); it is ignored when the process group already exists, and
-    existing Megatron groups are replaced, so one launch can visit several TP x PP layouts. ``vpp`` is the number of virtual pipeline chunks per rank
-    (interleaved schedule) or None.
+    existing Megatron groups are replaced, so one launch can visit several TP x PP layouts.
+    ``vpp`` is the number of virtual pipeline chunks per rank (interleaved schedule) or None.
     """
     if tp < 1 or pp < 1:
         raise ValueError(f"init_parallel: tp and pp must be >= 1, got tp={tp}, pp={pp}")
@@ -60,7 +60,8 @@ def init_parallel(rank: int, world_size: int, init_method: str, tp: int = 1, pp:
     cuda = torch.cuda.is_available()
     backend = backend or ("nccl" if cuda else "gloo")
     if cuda:
-        torch.cuda.set_device(rank % torch.cuda.device_count())
+        local_rank = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local_rank)
     else:
         apply_cpu_patches()
 

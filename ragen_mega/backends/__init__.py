@@ -1,0 +1,1 @@
+"""Engines the stack drives: Megatron-core (training) and SGLang (rollout). Neither imports ray/."""

@@ -1,0 +1,270 @@
+"""Forward passes of the Megatron chunks: per-token log-probs + entropy (actor), values (critic).
+
+API:
+    forward_logprobs(chunks, input_ids, attention_mask=None, *, temperature=1.0,
+                     compute_entropy=True, micro_batch_size=None) -> (logprobs, entropy | None)
+        # input_ids [B, S] right-padded; logprobs[b, t] = log p(input_ids[b, t+1] | <= t),
+        # shape [B, S-1]; 0 past each row's length; returned on EVERY rank
+    forward_values(chunks, input_ids, attention_mask=None, *, micro_batch_size=None) -> [B, S]
+        # values[b, t] = critic value at position t (after reading token t); 0 past the length
+    make_forward_step(*, temperature=1.0, compute_entropy=True, loss_fn=None) -> forward_step
+        # forward_step(data_iterator, model) -> (output_tensor, loss_func): Megatron's schedule
+        # contract, shared by inference (loss_fn=None) and training (loss_fn given)
+    split_microbatches(input_ids, attention_mask=None, micro_batch_size=None, **extra)
+        -> list[dict]    # trimmed to each micro-batch's length; "rows": (lo, hi) in the batch
+    vocab_parallel_logprobs_entropy(logits, targets, *, vocab_size, temperature=1.0,
+                                    compute_entropy=True, tp_group=None) -> (logprobs, entropy)
+    run_schedule(chunks, microbatches, forward_step, *, forward_only) -> list (last stage's
+        loss_func extras, one per micro-batch; [] on other stages)
+
+Vocab-parallel: the LM head's logits stay split over TP ranks (``parallel_output=True``); the
+softmax normaliser, the target logit and the entropy term are each one all-reduce over the TP
+group of a [b, s] tensor (after a MAX all-reduce for stability), never a full-vocab gather.
+The sum all-reduces are Megatron's autograd-aware ``reduce_from_tensor_model_parallel_region``,
+so the same function is differentiable for training. Padded vocab columns (ids >= vocab_size)
+are excluded from the softmax, so log-probs equal transformers' even when TP forces padding.
+
+Training with a loss (for the trainer): each micro-batch is a dict with at least ``input_ids``
+[b, s] (right padded, trimmed) and ``attention_mask``; any other [b, ...] tensors you put in it
+(advantages, old log-probs, loss masks, ... sliced per micro-batch by ``split_microbatches``)
+reach ``loss_fn(outputs, batch)`` unchanged, where ``outputs`` is
+``{"logprobs": [b, s-1], "entropy": [b, s-1] | None}`` for an actor or ``{"values": [b, s]}``
+for a critic, still attached to the graph. ``loss_fn`` returns what Megatron's schedule accepts:
+``(loss, metrics_dict)`` (the schedule then divides loss by num_microbatches IN PLACE) or
+``(loss, num_tokens, metrics_dict)`` (divided by num_tokens unless
+``config.calculate_per_token_loss``). Call ``run_schedule(..., forward_only=False)``;
+it returns the metrics dicts of the last stage.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from ragen_mega.backends.megatron.model import unwrap
+
+
+def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
+                                    vocab_size: int, temperature: float = 1.0,
+                                    compute_entropy: bool = True, tp_group=None):
+    """Log-prob of ``targets`` and entropy of softmax(logits / T) from this rank's vocab slice.
+
+    ``logits`` [..., V_local] hold global vocab ids [rank * V_local, (rank + 1) * V_local);
+    ``targets`` [...] global ids. Returns fp32 tensors of ``targets``' shape (entropy or None).
+    """
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    group = tp_group or mpu.get_tensor_model_parallel_group()
+    rank = dist.get_rank(group) if dist.get_world_size(group) > 1 else 0
+    v_local = logits.shape[-1]
+    start = rank * v_local
+    logits = logits.float() / temperature
+    pad = max(0, start + v_local - vocab_size)  # padded columns at the end of this slice
+    keep = None
+    if pad:
+        keep = torch.arange(start, start + v_local, device=logits.device) < vocab_size
+    with torch.no_grad():
+        masked = logits if keep is None else logits.masked_fill(~keep, float("-inf"))
+        top = masked.max(dim=-1).values
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - top.unsqueeze(-1)
+    exp = shifted.exp()
+    if keep is not None:
+        exp = exp * keep
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1), group)
+    local = (targets >= start) & (targets < start + v_local)
+    index = (targets - start).clamp(0, v_local - 1).unsqueeze(-1)
+    target_logit = shifted.gather(-1, index).squeeze(-1) * local
+    target_logit = reduce_from_tensor_model_parallel_region(target_logit, group)
+    log_z = sum_exp.log()
+    logprobs = target_logit - log_z
+    entropy = None
+    if compute_entropy:  # H = log Z - sum_v p_v * shifted_v
+        weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1), group)
+        entropy = log_z - weighted / sum_exp
+    return logprobs, entropy
+
+
+def _lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long,
+                          device=input_ids.device)
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                         f"{tuple(input_ids.shape)}")
+    mask = attention_mask.bool()
+    lengths = mask.sum(dim=1)
+    positions = torch.arange(mask.shape[1], device=mask.device).unsqueeze(0)
+    if not torch.equal(mask, positions < lengths.unsqueeze(1)):
+        raise ValueError("attention_mask must be right padding (ones, then zeros, per row)")
+    return lengths
+
+
+def split_microbatches(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       micro_batch_size: int | None = None, **extra) -> list[dict]:
+    """Micro-batch dicts; each trimmed to its longest row (right padding keeps rows causal).
+
+    ``extra`` [B, ...] tensors are sliced along the batch dim (and trimmed to the micro-batch's
+    length along dim 1 when their dim 1 equals S or S-1).
+    """
+    lengths = _lengths(input_ids, attention_mask)
+    batch, seq = input_ids.shape
+    mbs = micro_batch_size or batch
+    if mbs < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    out = []
+    for lo in range(0, batch, mbs):
+        hi = min(lo + mbs, batch)
+        length = max(int(lengths[lo:hi].max()), 1)
+        mb = {"input_ids": input_ids[lo:hi, :length],
+              "attention_mask": (torch.arange(length, device=input_ids.device).unsqueeze(0)
+                                 < lengths[lo:hi].unsqueeze(1)).long(),
+              "rows": (lo, hi)}
+        for key, value in extra.items():
+            value = value[lo:hi]
+            if value.dim() > 1 and value.shape[1] in (seq, seq - 1):
+                value = value[:, : length - (seq - value.shape[1])]
+            mb[key] = value
+        out.append(mb)
+    return out
+
+
+def _postprocess(model, output_tensor: torch.Tensor, batch: dict, temperature: float,
+                 compute_entropy: bool) -> dict:
+    """Model output on the last stage -> per-token quantities (masked to each row's length)."""
+    inner = unwrap(model)
+    mask = batch["attention_mask"].to(output_tensor.device)
+    if inner.ragen_role == "critic":
+        return {"values": output_tensor.squeeze(-1).float() * mask}
+    input_ids = batch["input_ids"]
+    logprobs, entropy = vocab_parallel_logprobs_entropy(
+        output_tensor[:, :-1], input_ids[:, 1:], vocab_size=inner.ragen_spec.vocab_size,
+        temperature=temperature, compute_entropy=compute_entropy)
+    next_mask = mask[:, 1:]
+    return {"logprobs": logprobs * next_mask,
+            "entropy": entropy * next_mask if entropy is not None else None}
+
+
+def make_forward_step(*, temperature: float = 1.0, compute_entropy: bool = True,
+                      loss_fn: Callable | None = None):
+    """Megatron forward-step function: ``(data_iterator, model) -> (output, loss_func)``.
+
+    Every stage draws the next micro-batch (so all stages stay in step); the first stage embeds
+    ``input_ids``, the last turns the output into log-probs/entropy or values and hands them to
+    ``loss_fn(outputs, batch)``; without ``loss_fn`` the loss is 0 and the detached outputs are
+    what the schedule collects.
+    """
+    def forward_step(data_iterator, model):
+        device = _device()
+        batch = {k: (v.to(device) if torch.is_tensor(v) else v)
+                 for k, v in next(data_iterator).items()}
+        input_ids = batch["input_ids"]
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
+        output = model(input_ids, position_ids, None)
+
+        def loss_func(output_tensor):
+            outputs = _postprocess(model, output_tensor, batch, temperature, compute_entropy)
+            if loss_fn is not None:
+                return loss_fn(outputs, batch)
+            detached = {k: (v.detach() if v is not None else None) for k, v in outputs.items()}
+            return output_tensor.new_zeros(()), detached
+
+        return output, loss_func
+
+    return forward_step
+
+
+def run_schedule(chunks, microbatches: list[dict], forward_step, *, forward_only: bool) -> list:
+    """Run Megatron's schedule (no pipelining, 1F1B, or interleaved) over ``microbatches``."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    if not microbatches:
+        raise ValueError("run_schedule: no micro-batches")
+    seq = max(mb["input_ids"].shape[1] for mb in microbatches)
+    mbs = max(mb["input_ids"].shape[0] for mb in microbatches)
+    iterators = ([iter(microbatches) for _ in chunks] if len(chunks) > 1
+                 else iter(microbatches))
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iterators,
+        model=chunks if len(chunks) > 1 else chunks[0], num_microbatches=len(microbatches),
+        seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
+
+
+def _device() -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
+def _assemble(results: list[dict], microbatches: list[dict], key: str, shape) -> torch.Tensor:
+    out = torch.zeros(shape, dtype=torch.float32, device=_device())
+    for mb, res in zip(microbatches, results):
+        lo, hi = mb["rows"]
+        value = res[key]
+        out[lo:hi, : value.shape[1]] = value
+    return out
+
+
+def _broadcast_from_last_stage(tensors: list[torch.Tensor]) -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return
+    group = mpu.get_pipeline_model_parallel_group()
+    src = dist.get_global_rank(group, mpu.get_pipeline_model_parallel_world_size() - 1)
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)
+
+
+def _is_last_stage() -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_pipeline_model_parallel_rank() == mpu.get_pipeline_model_parallel_world_size() - 1
+
+
+def _check_role(chunks, role: str, fn: str) -> None:
+    actual = unwrap(chunks[0]).ragen_role
+    if actual != role:
+        raise ValueError(f"{fn} needs a {role} model, got a {actual} (build_model(role=...))")
+
+
+def forward_logprobs(chunks, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                     *, temperature: float = 1.0, compute_entropy: bool = True,
+                     micro_batch_size: int | None = None):
+    """Per-token log-probs of the given next tokens (+ entropy), see the module docstring."""
+    _check_role(chunks, "actor", "forward_logprobs")
+    microbatches = split_microbatches(input_ids, attention_mask, micro_batch_size)
+    step = make_forward_step(temperature=temperature, compute_entropy=compute_entropy)
+    with torch.no_grad():
+        results = run_schedule(chunks, microbatches, step, forward_only=True)
+    batch, seq = input_ids.shape
+    shape = (batch, seq - 1)
+    last = _is_last_stage()
+    logprobs = (_assemble(results, microbatches, "logprobs", shape) if last
+                else torch.zeros(shape, device=_device()))
+    entropy = None
+    if compute_entropy:
+        entropy = (_assemble(results, microbatches, "entropy", shape) if last
+                   else torch.zeros(shape, device=_device()))
+    _broadcast_from_last_stage([t for t in (logprobs, entropy) if t is not None])
+    return logprobs, entropy
+
+
+def forward_values(chunks, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                   *, micro_batch_size: int | None = None) -> torch.Tensor:
+    """Critic values per position [B, S] (0 past each row's length), on every rank."""
+    _check_role(chunks, "critic", "forward_values")
+    microbatches = split_microbatches(input_ids, attention_mask, micro_batch_size)
+    with torch.no_grad():
+        results = run_schedule(chunks, microbatches, make_forward_step(), forward_only=True)
+    values = (_assemble(results, microbatches, "values", tuple(input_ids.shape))
+              if _is_last_stage() else torch.zeros(tuple(input_ids.shape), device=_device()))
+    _broadcast_from_last_stage([values])
+    return values

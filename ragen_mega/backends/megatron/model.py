@@ -1,0 +1,244 @@
+"""Build Megatron GPT model chunks for this rank, load HF weights into them, export them back.
+
+API (call after ``parallel.init_parallel``):
+    build_model(spec_or_hf_dir, *, role="actor"|"critic", dtype=torch.float32, use_te=None,
+                config_overrides=None) -> list[nn.Module]
+        # one chunk per virtual pipeline stage (one chunk without vpp); each chunk is a
+        # megatron GPTModel (wrapped in Float16Module for bf16/fp16) carrying
+        # ``.ragen_spec`` / ``.ragen_role`` / ``.ragen_vp_stage`` / ``.ragen_layers``
+    unwrap(chunk) -> GPTModel                      # through DDP / Float16Module wrappers
+    chunk_spec(chunks) -> (ModelSpec, role)
+    load_hf_checkpoint(chunks, hf_dir, spec=None) -> None
+    export_hf_state(chunks, spec=None) -> Iterator[(hf_name, full tensor)]
+    ValueHead                                      # the critic's replicated [1, hidden] head
+
+Critic: the same GPTModel backbone with ``output_layer`` replaced by ``ValueHead`` (a plain
+replicated ``Linear(hidden, 1)`` without bias, HF name ``score.weight``); GPTModel's post-process
+calls ``output_layer(hidden, weight=..., runtime_gather_output=...)`` and returns its output as
+[b, s, 1], so the schedule and forward code are shared with the actor.
+
+Loading is strict: the checkpoint's names and shapes are checked against the config first
+(``hf_config.check_checkpoint``: a wrong field is named), and every parameter of every chunk must
+be written exactly once with its exact shape. Tensors are read lazily, one at a time, and only
+those this rank's chunks need (a PP stage never reads another stage's layers); a TP rank reads
+the full HF tensor and keeps its slice, so peak extra memory is one full tensor.
+A critic built from an actor checkpoint ignores ``lm_head.weight`` and keeps a zero value head
+when ``score.weight`` is absent.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ragen_mega.models import mapping
+from ragen_mega.models.hf_config import (ConfigMismatchError, ModelSpec, check_checkpoint,
+                                         layer_spec, megatron_config, model_spec)
+
+
+class ValueHead(nn.Module):
+    """Scalar value per token; replicated on every TP rank (the input is already replicated)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.matmul(hidden_states, self.weight.t()), None
+
+
+def _as_spec(spec_or_hf_dir) -> ModelSpec:
+    return spec_or_hf_dir if isinstance(spec_or_hf_dir, ModelSpec) else model_spec(spec_or_hf_dir)
+
+
+def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = torch.float32,
+                use_te: bool | None = None, config_overrides: dict | None = None
+                ) -> list[nn.Module]:
+    """This rank's model chunks (random init; ``load_hf_checkpoint`` fills them)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.module import Float16Module
+
+    mapping._check_role(role)
+    spec = _as_spec(spec_or_hf_dir)
+    tp = mpu.get_tensor_model_parallel_world_size()
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    config = megatron_config(spec, tp=tp, pp=pp, vpp=vpp, dtype=dtype, **(config_overrides or {}))
+    layers = layer_spec(spec, use_te=use_te)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        pre = mapping.chunk_has_embedding(pp_rank, pp, vpp, stage)
+        post = mapping.chunk_has_head(pp_rank, pp, vpp, stage)
+        model = GPTModel(
+            config=config, transformer_layer_spec=layers, vocab_size=spec.padded_vocab(tp),
+            max_sequence_length=spec.max_position_embeddings, pre_process=pre, post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=spec.tie_word_embeddings and role == "actor",
+            position_embedding_type="rope", rotary_base=spec.rope_theta, vp_stage=stage)
+        if role == "critic" and post:
+            model.output_layer = ValueHead(spec.hidden_size, dtype)
+        model.ragen_spec, model.ragen_role, model.ragen_vp_stage = spec, role, stage
+        model.ragen_layers = mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)
+        if dtype in (torch.bfloat16, torch.float16):
+            model = Float16Module(config, model)
+        chunks.append(model)
+    return chunks
+
+
+def unwrap(chunk: nn.Module) -> nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not hasattr(chunk, "ragen_spec") and hasattr(chunk, "module"):
+        chunk = chunk.module
+    if not hasattr(chunk, "ragen_spec"):
+        raise TypeError(f"{type(chunk).__name__} is not a chunk made by build_model")
+    return chunk
+
+
+def chunk_spec(chunks) -> tuple[ModelSpec, str]:
+    model = unwrap(chunks[0])
+    return model.ragen_spec, model.ragen_role
+
+
+def _local_params(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Named parameters under the local-spec names (TE's fused norm names renamed)."""
+    out = {}
+    for name, p in model.named_parameters():
+        for te_name, local_name in mapping.TE_ALIASES.items():
+            if name.endswith(te_name):
+                name = name[: -len(te_name)] + local_name
+        out[name] = p
+    return out
+
+
+class _LazySafetensors(Mapping):
+    """name -> tensor over all ``*.safetensors`` files in a directory, read on access."""
+
+    def __init__(self, hf_dir: Path):
+        from safetensors import safe_open
+
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {hf_dir}")
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {}
+        for handle, f in zip(self._handles, files):
+            for name in handle.keys():
+                if name in self._where:
+                    raise ConfigMismatchError(f"tensor {name} appears in two files "
+                                              f"({self._where[name][1]} and {f.name})")
+                self._where[name] = (handle, f.name)
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {n: tuple(h.get_slice(n).get_shape()) for n, (h, _) in self._where.items()}
+
+    def __getitem__(self, name):
+        return self._where[name][0].get_tensor(name)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self):
+        return len(self._where)
+
+
+def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
+    """Copy this rank's shard of an HF checkpoint into ``chunks`` (strict, see module doc)."""
+    from megatron.core import parallel_state as mpu
+
+    hf_dir = Path(hf_dir)
+    own_spec, role = chunk_spec(chunks)
+    spec = spec or own_spec
+    if spec != own_spec:
+        raise ConfigMismatchError(f"load_hf_checkpoint: spec {spec} differs from the one the "
+                                  f"model was built with {own_spec}")
+    if (hf_dir / "config.json").exists():
+        file_spec = model_spec(hf_dir, vocab_divisor=spec.vocab_divisor)
+        if file_spec != spec:
+            diff = {f: (getattr(spec, f), getattr(file_spec, f))
+                    for f in spec.__dataclass_fields__ if getattr(spec, f) != getattr(file_spec, f)}
+            raise ConfigMismatchError(f"{hf_dir}/config.json differs from the model's spec: "
+                                      + ", ".join(f"{k}: model {a} vs file {b}"
+                                                  for k, (a, b) in diff.items()))
+    state = _LazySafetensors(hf_dir)
+    shapes = state.shapes()
+    if role == "critic":  # an actor checkpoint may seed a critic; the value head is optional
+        shapes.pop("lm_head.weight", None)
+        shapes.pop("score.weight", None)
+    check_checkpoint(spec, shapes, role)
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        params = _local_params(model)
+        written = set()
+        with torch.no_grad():
+            for name, tensor in mapping.iter_hf_to_megatron_shard(
+                    state, spec, tp_rank, tp, pp_rank, pp, vpp=vpp, vp_stage=model.ragen_vp_stage,
+                    role=role):
+                if name not in params:
+                    raise KeyError(f"mapping produced {name}, which the model chunk lacks")
+                if params[name].shape != tensor.shape:
+                    raise ConfigMismatchError(f"{name}: shard shape {tuple(tensor.shape)} != "
+                                              f"model parameter {tuple(params[name].shape)}")
+                params[name].copy_(tensor)
+                written.add(name)
+            if role == "critic" and "output_layer.weight" in params \
+                    and "output_layer.weight" not in written:
+                params["output_layer.weight"].zero_()
+                written.add("output_layer.weight")
+        unwritten = sorted(set(params) - written)
+        if unwritten:
+            raise KeyError(f"model parameters not filled from {hf_dir}: {unwritten[:5]}")
+
+
+def export_hf_state(chunks, spec: ModelSpec | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the whole model, one parameter at a time, ON EVERY RANK.
+
+    For each parameter the owning pipeline stage all-gathers its TP shards and converts them to
+    HF tensors, which are then broadcast over the pipeline group. These are collectives: every
+    rank of a model-parallel group must consume the iterator to the end, in step. Data-parallel
+    replicas work independently (each yields the same tensors). Order: embedding, layers, head.
+    """
+    from megatron.core import parallel_state as mpu
+
+    own_spec, role = chunk_spec(chunks)
+    spec = spec or own_spec
+    tp_group = mpu.get_tensor_model_parallel_group()
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    tp = mpu.get_tensor_model_parallel_world_size()
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    params = {model.ragen_vp_stage or 0: (model.ragen_layers.start, _local_params(model))
+              for model in map(unwrap, chunks)}
+    first = next(unwrap(chunks[0]).parameters())
+    for name in mapping.megatron_names(spec, role):
+        owner_pp, owner_vp = mapping.owner(name, spec, pp, vpp)
+        hf_tensors = None
+        if owner_pp == pp_rank:
+            offset, local = params[owner_vp]
+            shard = local[mapping.to_local(name, offset)].detach().contiguous()
+            shards = [shard]
+            if tp > 1 and mapping.is_tp_split(name, spec, role):
+                shards = [torch.empty_like(shard) for _ in range(tp)]
+                dist.all_gather(shards, shard, group=tp_group)
+            hf_tensors = list(mapping.megatron_to_hf([(name, shards)], spec, role))
+        if pp == 1:
+            yield from hf_tensors
+            continue
+        src = dist.get_global_rank(pp_group, owner_pp)
+        for hf_name in mapping.hf_names(name, spec, role):
+            tensor = (dict(hf_tensors)[hf_name].contiguous() if hf_tensors is not None else
+                      torch.empty(mapping.hf_shape(hf_name, spec, role), dtype=first.dtype,
+                                  device=first.device))
+            dist.broadcast(tensor, src=src, group=pp_group)
+            yield hf_name, tensor

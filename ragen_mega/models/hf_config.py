@@ -1,0 +1,239 @@
+"""Hugging Face ``config.json`` -> ``ModelSpec`` -> megatron-core ``TransformerConfig`` + layer spec.
+
+API:
+    ModelSpec                                   # frozen dataclass: what the mapping and model need
+    ModelSpec.padded_vocab(tp) -> int           # vocab rounded up to a multiple of divisor * tp
+    model_spec(config_or_dir) -> ModelSpec      # dict, HF config object, or a directory/config.json
+    megatron_config(spec, *, tp=1, pp=1, vpp=None, dtype=torch.float32, **overrides)
+        -> megatron.core.transformer.TransformerConfig
+    layer_spec(spec, *, use_te=None) -> ModuleSpec   # TE spec when transformer_engine imports
+    check_checkpoint(spec, shapes: Mapping[str, Sequence[int]], role="actor") -> None
+        # raises ConfigMismatchError naming the config field a tensor contradicts
+
+Supported families: llama (SmolLM2, Llama 2/3 without rope scaling), qwen2 (q/k/v biases),
+qwen3 (q/k RMSNorm per head, head_dim may differ from hidden/heads). Anything this trainer would
+silently compute differently (rope scaling, sliding window, biases on other projections, another
+activation) is refused with an error naming the config key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+
+class ConfigMismatchError(ValueError):
+    """A checkpoint's tensors contradict its config (or the config is unsupported)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    arch: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qkv_bias: bool
+    qk_layernorm: bool
+    vocab_divisor: int = 128   # megatron pads the vocab to a multiple of vocab_divisor * tp
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        mult = self.vocab_divisor * tp
+        return -(-self.vocab_size // mult) * mult
+
+    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
+        """Raise a ValueError naming the size that a TP / PP layout cannot split."""
+        for name, value in (("num_attention_heads", self.num_heads),
+                            ("num_key_value_heads", self.num_kv_heads),
+                            ("intermediate_size", self.ffn_hidden_size)):
+            if value % tp:
+                raise ValueError(f"tensor parallel size {tp} does not divide {name}={value}")
+        chunks = pp * (vpp or 1)
+        if self.num_layers % chunks:
+            raise ValueError(f"pipeline layout pp={pp} x vpp={vpp or 1} does not divide "
+                             f"num_hidden_layers={self.num_layers}")
+
+
+def _load_config_dict(config_or_dir) -> dict:
+    if isinstance(config_or_dir, Mapping):
+        return dict(config_or_dir)
+    if hasattr(config_or_dir, "to_dict"):
+        return config_or_dir.to_dict()
+    path = Path(config_or_dir)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no HF config at {path}")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rope_theta(cfg: dict) -> float:
+    """transformers 5 keeps it in ``rope_parameters``; older configs at top level."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise ConfigMismatchError(f"rope_type={rope_type!r} (rope scaling) is not supported; "
+                                  "only plain RoPE")
+    theta = params.get("rope_theta", cfg.get("rope_theta"))
+    if theta is None:
+        raise ConfigMismatchError("config has no rope theta (rope_parameters['rope_theta'] "
+                                  "or rope_theta)")
+    return float(theta)
+
+
+def model_spec(config_or_dir, *, vocab_divisor: int = 128) -> ModelSpec:
+    """Read an HF config (dict, PretrainedConfig, directory or config.json path)."""
+    cfg = _load_config_dict(config_or_dir)
+    arch = cfg.get("model_type")
+    if arch not in ARCHS:
+        raise ConfigMismatchError(f"model_type={arch!r} is not supported; expected one of {ARCHS}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigMismatchError(f"hidden_act={cfg['hidden_act']!r} is not supported (silu only)")
+    if cfg.get("mlp_bias"):
+        raise ConfigMismatchError("mlp_bias=True is not supported")
+    if cfg.get("use_sliding_window"):
+        raise ConfigMismatchError("use_sliding_window=True is not supported")
+    attention_bias = bool(cfg.get("attention_bias", False))
+    if arch == "llama" and attention_bias:
+        raise ConfigMismatchError("attention_bias=True (a bias on o_proj too) is not supported "
+                                  "for llama")
+    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                           "intermediate_size", "vocab_size") if k not in cfg]
+    if missing:
+        raise ConfigMismatchError(f"HF config lacks {missing}")
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return ModelSpec(
+        arch=arch, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+        num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
+        ffn_hidden_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rope_theta=_rope_theta(cfg), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        # qwen2 always has q/k/v biases (no config key); qwen3 only with attention_bias
+        qkv_bias=arch == "qwen2" or (arch == "qwen3" and attention_bias),
+        qk_layernorm=arch == "qwen3", vocab_divisor=vocab_divisor)
+
+
+def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                    dtype: torch.dtype = torch.float32, **overrides):
+    """The ``TransformerConfig`` that computes what transformers computes for ``spec``.
+
+    Fusions are off and ``use_cpu_initialization`` on when there is no GPU (CPU_STACK.md);
+    ``moe_token_dispatcher_type="alltoall"`` + ``variable_seq_lengths`` let the pipeline schedule
+    take micro-batches of different lengths. ``overrides`` go straight to TransformerConfig.
+    """
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    spec.check_parallel(tp, pp, vpp)
+    cuda = torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=False,
+        params_dtype=dtype, pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+        use_cpu_initialization=not cuda, variable_seq_lengths=True,
+        moe_token_dispatcher_type="alltoall", batch_p2p_sync=cuda,
+        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "no TE"
+        return False
+    return torch.cuda.is_available()
+
+
+def layer_spec(spec: ModelSpec, *, use_te: bool | None = None):
+    """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
+
+    if use_te is None:
+        use_te = te_available()
+    if use_te:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+
+
+def check_checkpoint(spec: ModelSpec, shapes: Mapping[str, Sequence[int]],
+                     role: str = "actor") -> None:
+    """Compare a checkpoint's tensor names/shapes with ``spec``; name the contradicted field.
+
+    ``shapes`` maps HF tensor names to shapes (e.g. read from safetensors headers without loading
+    data); for a critic the optional ``score.weight`` is not required. Raises
+    ConfigMismatchError for a wrong dimension (naming the config key, the value it has and the
+    value the tensor implies), a missing tensor or an unexpected one.
+    """
+    from ragen_mega.models.mapping import CONFIG_KEY_TO_SPEC, expected_hf_shapes
+
+    expected = expected_hf_shapes(spec, role)
+    for name, dims in expected.items():
+        if name not in shapes:
+            raise ConfigMismatchError(f"checkpoint lacks tensor {name} that the config implies "
+                                      f"({_describe(spec, name)})")
+        shape = tuple(shapes[name])
+        if len(shape) != len(dims):
+            raise ConfigMismatchError(f"tensor {name} has shape {shape}, expected "
+                                      f"{len(dims)} dims")
+        for size, (field, factor) in zip(shape, dims):
+            want = getattr(spec, CONFIG_KEY_TO_SPEC[field]) * factor
+            if size != want:
+                implied = f"{size / factor:g}" if size % factor == 0 else f"{size}/{factor}"
+                raise ConfigMismatchError(
+                    f"{field}: config says {getattr(spec, CONFIG_KEY_TO_SPEC[field])}, checkpoint tensor "
+                    f"{name} has shape {shape}, implying {implied}")
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        raise ConfigMismatchError(f"checkpoint has tensors the config does not imply: "
+                                  f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
+                                  f"({_hint(spec, unexpected[0])})")
+
+
+def _describe(spec: ModelSpec, name: str) -> str:
+    if name == "lm_head.weight":
+        return f"tie_word_embeddings={spec.tie_word_embeddings}"
+    if ".bias" in name:
+        return f"model_type={spec.arch} has q/k/v biases"
+    if "_norm" in name and "self_attn" in name:
+        return f"model_type={spec.arch} has q/k norms"
+    return f"num_hidden_layers={spec.num_layers}"
+
+
+def _hint(spec: ModelSpec, name: str) -> str:
+    if name == "lm_head.weight":
+        return f"tie_word_embeddings: config says {spec.tie_word_embeddings}"
+    if name.startswith("model.layers."):
+        index = int(name.split(".")[2])
+        if index >= spec.num_layers:
+            return f"num_hidden_layers: config says {spec.num_layers}, checkpoint has layer {index}"
+    if ".bias" in name or "_norm" in name:
+        return f"model_type: config says {spec.arch}"
+    return "not part of a llama/qwen2/qwen3 causal LM"

@@ -1,0 +1,417 @@
+"""THE one parameter mapping HF <-> Megatron (llama / qwen2 / qwen3), for conversion and weight sync.
+
+API (``spec`` is a ``ModelSpec``; ``role`` is "actor" (LM head) or "critic" (value head)):
+    rules(spec, role="actor") -> tuple[Rule, ...]      # the table (layer rules use "{i}")
+    chunk_layers(spec, pp_rank, pp_size, vpp=None, vp_stage=None) -> range  # global layer ids
+    chunk_has_embedding / chunk_has_head(pp_rank, pp_size, vpp=None, vp_stage=None) -> bool
+    megatron_names(spec, role="actor") -> list[str]      # every global name, in layer order
+    chunk_param_names(spec, pp_rank, pp_size, vpp=None, vp_stage=None, role="actor")
+        -> list[(global_name, local_name)]               # what one model chunk holds
+    owner(global_name, spec, pp_size, vpp=None) -> (pp_rank, vp_stage)
+    to_local(global_name, layer_offset) / to_global(local_name, layer_offset) -> str
+    hf_to_megatron_shard(hf_state, spec, tp_rank, tp_size, pp_rank=0, pp_size=1, *, vpp=None,
+                         vp_stage=None, role="actor") -> dict[local_name, Tensor]
+    iter_hf_to_megatron_shard(...)  -> Iterator[(local_name, Tensor)]   # same, streaming
+    megatron_to_hf(items, spec, role="actor") -> Iterator[(hf_name, Tensor)]
+        # items: Iterable[(global_name, full tensor | list of TP shards in TP-rank order)]
+    hf_names(global_name, spec, role="actor") -> tuple[str, ...]   # what one param becomes
+    is_tp_split(global_name, spec, role="actor") -> bool  # False: replicated over TP
+    split_tp(global_name, full, spec, tp_rank, tp_size, role) / merge_tp(global_name, shards,
+        spec, role)                                      # full Megatron tensor <-> TP shards
+    expected_hf_shapes(spec, role="actor") -> dict[hf_name, tuple[(config_key, factor), ...]]
+    hf_shape(hf_name, spec, role="actor") -> tuple[int, ...]
+
+Names. Megatron names are those of ``GPTModel`` built with the *local* layer spec
+(``decoder.layers.3.self_attention.linear_qkv.weight``). A "global" name carries the global layer
+index; a model chunk's own ``named_parameters`` carry local indices (``to_local``/``to_global``
+convert). The TE layer spec fuses the pre-norms into the linears; ``TE_ALIASES`` renames them.
+
+Layouts (the reasons the table exists):
+- ``linear_qkv`` is grouped per KV head: for each group g, its q heads, then k_g, then v_g
+  (megatron splits ``[ng, (np/ng + 2) * hn]``). A plain ``[q; k; v]`` stack is wrong. Because
+  groups are contiguous, the TP split of the fused tensor is a contiguous row split.
+- ``linear_fc1`` is ``[gate; up]`` on EVERY TP rank: rank r holds ``[gate_r; up_r]``, so the
+  split/merge works on the halves, not on the fused rows.
+- Column-parallel weights split dim 0, row-parallel dim 1, norms are replicated; embedding and
+  output layer are vocab-parallel over rows padded to ``spec.padded_vocab(tp)`` (zeros; the
+  padding is dropped again on the way back, and masked out of the softmax by forward.py).
+- Tied embeddings: with PP > 1 the last stage holds its own ``output_layer.weight`` copy, loaded
+  from ``model.embed_tokens.weight``; it is never exported (HF has no lm_head when tied).
+- Critic: same backbone; ``output_layer.weight`` is a replicated [1, hidden] value head, HF name
+  ``score.weight``, optional on load (an actor checkpoint has none: the head stays zero).
+
+Streaming: ``megatron_to_hf`` handles one parameter at a time, so a weight sync can gather one
+parameter's TP shards, convert, send, and drop it before the next.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import torch
+
+from ragen_mega.models.hf_config import ModelSpec
+
+ROLES = ("actor", "critic")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+# TE spec name -> local spec name (the TE linears carry the preceding norm's weight)
+TE_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    megatron: str                 # name template; "{i}" = layer index
+    hf: tuple[str, ...]           # HF name templates fused (in order) into this parameter
+    fuse: str = "none"            # "none" | "qkv" | "gate_up"
+    tp_dim: int | None = None     # 0 column-parallel, 1 row-parallel, None replicated
+    vocab: bool = False           # rows are the padded vocabulary
+    place: str = "layer"          # "layer" | "embedding" (first chunk) | "head" (last chunk)
+    export: bool = True           # False: a copy of another parameter (tied output under PP)
+    optional: bool = False        # may be absent from an HF checkpoint (critic value head)
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+
+
+@functools.lru_cache(maxsize=64)
+def rules(spec: ModelSpec, role: str = "actor") -> tuple[Rule, ...]:
+    """The table for one model (cached: a weight sync looks rules up once per parameter)."""
+    _check_role(role)
+    L, A = "decoder.layers.{i}.", "model.layers.{i}."
+    attn = [Rule(L + "self_attention.linear_qkv.weight",
+                 tuple(A + f"self_attn.{p}_proj.weight" for p in "qkv"), "qkv", 0)]
+    if spec.qkv_bias:
+        attn.append(Rule(L + "self_attention.linear_qkv.bias",
+                         tuple(A + f"self_attn.{p}_proj.bias" for p in "qkv"), "qkv", 0))
+    if spec.qk_layernorm:
+        attn += [Rule(L + "self_attention.q_layernorm.weight", (A + "self_attn.q_norm.weight",)),
+                 Rule(L + "self_attention.k_layernorm.weight", (A + "self_attn.k_norm.weight",))]
+    table = [
+        Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), tp_dim=0,
+             vocab=True, place="embedding"),
+        Rule(L + "input_layernorm.weight", (A + "input_layernorm.weight",)),
+        *attn,
+        Rule(L + "self_attention.linear_proj.weight", (A + "self_attn.o_proj.weight",), tp_dim=1),
+        Rule(L + "pre_mlp_layernorm.weight", (A + "post_attention_layernorm.weight",)),
+        Rule(L + "mlp.linear_fc1.weight", (A + "mlp.gate_proj.weight", A + "mlp.up_proj.weight"),
+             "gate_up", 0),
+        Rule(L + "mlp.linear_fc2.weight", (A + "mlp.down_proj.weight",), tp_dim=1),
+        Rule("decoder.final_layernorm.weight", ("model.norm.weight",), place="head"),
+    ]
+    if role == "critic":
+        table.append(Rule("output_layer.weight", ("score.weight",), place="head", optional=True))
+    elif spec.tie_word_embeddings:  # exists only on a last chunk without the embedding (PP > 1)
+        table.append(Rule("output_layer.weight", ("model.embed_tokens.weight",), tp_dim=0,
+                          vocab=True, place="head", export=False))
+    else:
+        table.append(Rule("output_layer.weight", ("lm_head.weight",), tp_dim=0, vocab=True,
+                          place="head"))
+    return tuple(table)
+
+
+# ---------------------------------------------------------------------------------------------
+# pipeline placement
+
+def _num_chunks(pp_size: int, vpp: int | None) -> int:
+    return pp_size * (vpp or 1)
+
+
+def _check_stage(pp_rank: int, pp_size: int, vpp: int | None, vp_stage: int | None) -> int:
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank={pp_rank} outside [0, pp_size={pp_size})")
+    if vpp is None:
+        if vp_stage not in (None, 0):
+            raise ValueError(f"vp_stage={vp_stage} given without vpp")
+        return 0
+    if vp_stage is None or not 0 <= vp_stage < vpp:
+        raise ValueError(f"vp_stage={vp_stage} must be in [0, vpp={vpp})")
+    return vp_stage
+
+
+def chunk_layers(spec: ModelSpec, pp_rank: int, pp_size: int, vpp: int | None = None,
+                 vp_stage: int | None = None) -> range:
+    """Global layer ids of one model chunk; Megatron's even split (interleaved when vpp)."""
+    vp_stage = _check_stage(pp_rank, pp_size, vpp, vp_stage)
+    spec.check_parallel(1, pp_size, vpp)
+    per_chunk = spec.num_layers // _num_chunks(pp_size, vpp)
+    start = (vp_stage * pp_size + pp_rank) * per_chunk
+    return range(start, start + per_chunk)
+
+
+def chunk_has_embedding(pp_rank: int, pp_size: int, vpp: int | None = None,
+                        vp_stage: int | None = None) -> bool:
+    return pp_rank == 0 and _check_stage(pp_rank, pp_size, vpp, vp_stage) == 0
+
+
+def chunk_has_head(pp_rank: int, pp_size: int, vpp: int | None = None,
+                   vp_stage: int | None = None) -> bool:
+    vp_stage = _check_stage(pp_rank, pp_size, vpp, vp_stage)
+    return pp_rank == pp_size - 1 and vp_stage == (vpp or 1) - 1
+
+
+def to_local(name: str, layer_offset: int) -> str:
+    m = _LAYER.match(name)
+    return name if not m else f"decoder.layers.{int(m.group(1)) - layer_offset}.{name[m.end():]}"
+
+
+def to_global(name: str, layer_offset: int) -> str:
+    return to_local(name, -layer_offset)
+
+
+def _layer_index(name: str) -> int | None:
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def _present(rule: Rule, has_embedding: bool, has_head: bool) -> bool:
+    if rule.place == "embedding":
+        return has_embedding
+    if rule.place == "head":
+        # a tied output layer is a separate parameter only where the embedding is not
+        return has_head and (rule.export or not has_embedding)
+    return True
+
+
+def megatron_names(spec: ModelSpec, role: str = "actor") -> list[str]:
+    """Every exported global Megatron name, embedding first, layers in order, head last."""
+    table = [r for r in rules(spec, role) if r.export]
+    names = [r.megatron for r in table if r.place == "embedding"]
+    layer_rules = [r for r in table if r.place == "layer"]
+    for i in range(spec.num_layers):
+        names += [r.megatron.format(i=i) for r in layer_rules]
+    return names + [r.megatron for r in table if r.place == "head"]
+
+
+def chunk_param_names(spec: ModelSpec, pp_rank: int, pp_size: int, vpp: int | None = None,
+                      vp_stage: int | None = None, role: str = "actor") -> list[tuple[str, str]]:
+    """(global, local) names of the parameters one model chunk holds."""
+    layers = chunk_layers(spec, pp_rank, pp_size, vpp, vp_stage)
+    emb = chunk_has_embedding(pp_rank, pp_size, vpp, vp_stage)
+    head = chunk_has_head(pp_rank, pp_size, vpp, vp_stage)
+    out = []
+    for rule in rules(spec, role):
+        if not _present(rule, emb, head):
+            continue
+        if rule.place == "layer":
+            out += [(rule.megatron.format(i=i), rule.megatron.format(i=i - layers.start))
+                    for i in layers]
+        else:
+            out.append((rule.megatron, rule.megatron))
+    return out
+
+
+def owner(global_name: str, spec: ModelSpec, pp_size: int, vpp: int | None = None
+          ) -> tuple[int, int]:
+    """(pp_rank, vp_stage) of the chunk that holds an exported global parameter."""
+    rule, layer = _rule_for(global_name, spec, None)
+    if rule.place == "embedding":
+        return 0, 0
+    if rule.place == "head":
+        return pp_size - 1, (vpp or 1) - 1
+    per_chunk = spec.num_layers // _num_chunks(pp_size, vpp)
+    chunk = layer // per_chunk
+    return chunk % pp_size, chunk // pp_size
+
+
+def _rule_for(global_name: str, spec: ModelSpec, role: str | None) -> tuple[Rule, int | None]:
+    layer = _layer_index(global_name)
+    template = global_name if layer is None else to_local(global_name, layer).replace(
+        "decoder.layers.0.", "decoder.layers.{i}.", 1)
+    for candidate_role in ([role] if role else ROLES):
+        for rule in rules(spec, candidate_role):
+            if rule.megatron == template and (role or rule.export):
+                if layer is not None and layer >= spec.num_layers:
+                    raise KeyError(f"{global_name}: layer {layer} >= num_layers {spec.num_layers}")
+                return rule, layer
+    raise KeyError(f"{global_name} is not a Megatron parameter of a {spec.arch} "
+                   f"{role or 'model'}")
+
+
+# ---------------------------------------------------------------------------------------------
+# tensor layouts
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ModelSpec) -> torch.Tensor:
+    g, hd = spec.num_kv_heads, spec.head_dim
+    rest = q.shape[1:]
+    parts = (q.reshape(g, (spec.num_heads // g) * hd, *rest), k.reshape(g, hd, *rest),
+             v.reshape(g, hd, *rest))
+    return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+
+def _unfuse_qkv(fused: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
+    g, hd = spec.num_kv_heads, spec.head_dim
+    rest = fused.shape[1:]
+    per_group = (spec.num_heads // g) * hd
+    q, k, v = fused.reshape(g, per_group + 2 * hd, *rest).split([per_group, hd, hd], dim=1)
+    return tuple(t.reshape(-1, *rest) for t in (q, k, v))
+
+
+def _hf_to_full(rule: Rule, tensors: Sequence[torch.Tensor], spec: ModelSpec,
+                tp_size: int) -> torch.Tensor:
+    if rule.fuse == "qkv":
+        return _fuse_qkv(*tensors, spec)
+    if rule.fuse == "gate_up":
+        return torch.cat(tensors, dim=0)
+    (t,) = tensors
+    if rule.vocab:
+        pad = spec.padded_vocab(tp_size) - t.shape[0]
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])], dim=0)
+    return t
+
+
+def _full_to_hf(rule: Rule, full: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
+    if rule.fuse == "qkv":
+        return _unfuse_qkv(full, spec)
+    if rule.fuse == "gate_up":
+        return tuple(full.chunk(2, dim=0))
+    return (full[: spec.vocab_size] if rule.vocab else full,)
+
+
+def _split(rule: Rule, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if rule.tp_dim is None or tp_size == 1:
+        return full
+    if rule.fuse == "gate_up":
+        gate, up = full.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], 0)
+    if full.shape[rule.tp_dim] % tp_size:
+        raise ValueError(f"{rule.megatron}: dim {rule.tp_dim} of shape {tuple(full.shape)} does "
+                         f"not split over tp={tp_size}")
+    return full.chunk(tp_size, dim=rule.tp_dim)[tp_rank]
+
+
+def _merge(rule: Rule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    if rule.tp_dim is None or len(shards) == 1:
+        return shards[0]
+    if rule.fuse == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(list(shards), dim=rule.tp_dim)
+
+
+def split_tp(global_name: str, full: torch.Tensor, spec: ModelSpec, tp_rank: int, tp_size: int,
+             role: str = "actor") -> torch.Tensor:
+    """This TP rank's shard of a full (TP=1 layout) Megatron tensor."""
+    return _split(_rule_for(global_name, spec, role)[0], full, tp_rank, tp_size)
+
+
+def merge_tp(global_name: str, shards: Sequence[torch.Tensor], spec: ModelSpec,
+             role: str = "actor") -> torch.Tensor:
+    """The full (TP=1 layout) Megatron tensor from the TP shards in TP-rank order."""
+    return _merge(_rule_for(global_name, spec, role)[0], shards)
+
+
+def is_tp_split(global_name: str, spec: ModelSpec, role: str = "actor") -> bool:
+    """Whether TP ranks hold different slices of this parameter (False: replicated)."""
+    return _rule_for(global_name, spec, role)[0].tp_dim is not None
+
+
+def hf_names(global_name: str, spec: ModelSpec, role: str = "actor") -> tuple[str, ...]:
+    rule, layer = _rule_for(global_name, spec, role)
+    return tuple(n.format(i=layer) for n in rule.hf)
+
+
+# ---------------------------------------------------------------------------------------------
+# the two directions
+
+def iter_hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec,
+                              tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1, *,
+                              vpp: int | None = None, vp_stage: int | None = None,
+                              role: str = "actor") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (local Megatron name, this TP rank's shard) for one model chunk.
+
+    ``hf_state`` is only indexed by the names this chunk needs (a lazy safetensors view works).
+    A missing HF tensor raises KeyError naming it (except optional ones, which are skipped).
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} outside [0, tp_size={tp_size})")
+    spec.check_parallel(tp_size, pp_size, vpp)
+    for global_name, local_name in chunk_param_names(spec, pp_rank, pp_size, vpp, vp_stage, role):
+        rule, layer = _rule_for(global_name, spec, role)
+        names = [n.format(i=layer) for n in rule.hf]
+        missing = [n for n in names if n not in hf_state]
+        if missing:
+            if rule.optional:
+                continue
+            raise KeyError(f"HF checkpoint lacks {missing[0]} (needed for {global_name})")
+        full = _hf_to_full(rule, [hf_state[n] for n in names], spec, tp_size)
+        yield local_name, _split(rule, full, tp_rank, tp_size).clone()
+
+
+def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec, tp_rank: int,
+                         tp_size: int, pp_rank: int = 0, pp_size: int = 1, *,
+                         vpp: int | None = None, vp_stage: int | None = None,
+                         role: str = "actor") -> dict[str, torch.Tensor]:
+    """{local Megatron name: this TP rank's shard} for one model chunk (see the iterator)."""
+    return dict(iter_hf_to_megatron_shard(hf_state, spec, tp_rank, tp_size, pp_rank, pp_size,
+                                          vpp=vpp, vp_stage=vp_stage, role=role))
+
+
+def megatron_to_hf(items: Iterable[tuple[str, torch.Tensor | Sequence[torch.Tensor]]],
+                   spec: ModelSpec, role: str = "actor") -> Iterator[tuple[str, torch.Tensor]]:
+    """Convert (global Megatron name, full tensor or list of TP shards) pairs to HF pairs.
+
+    One item in -> one to three HF tensors out, nothing held between items. Vocab-parallel
+    tensors lose their padding rows. A tied output layer copy is skipped (HF has none).
+    """
+    for name, value in items:
+        rule, layer = _rule_for(name, spec, role)
+        if not rule.export:
+            continue
+        full = _merge(rule, list(value)) if isinstance(value, (list, tuple)) else value
+        for hf_name, tensor in zip(rule.hf, _full_to_hf(rule, full, spec)):
+            yield hf_name.format(i=layer), tensor
+
+
+# HF config key -> ModelSpec attribute (shape errors speak the HF key the user can fix)
+CONFIG_KEY_TO_SPEC = {
+    "hidden_size": "hidden_size", "num_attention_heads": "num_heads",
+    "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+    "intermediate_size": "ffn_hidden_size", "vocab_size": "vocab_size",
+}
+
+
+def hf_shape(hf_name: str, spec: ModelSpec, role: str = "actor") -> tuple[int, ...]:
+    """The shape an HF tensor has for ``spec`` (the critic's ``score.weight`` is [1, hidden])."""
+    if role == "critic" and hf_name == "score.weight":
+        return (1, spec.hidden_size)
+    dims = expected_hf_shapes(spec, role)[hf_name]
+    return tuple(getattr(spec, CONFIG_KEY_TO_SPEC[key]) * factor for key, factor in dims)
+
+
+def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]:
+    """HF tensor name -> dims as (config key, factor): the size is ``config[key] * factor``.
+
+    Used by ``hf_config.check_checkpoint`` to name the config key a tensor contradicts.
+    """
+    H, V, F = ("hidden_size", 1), ("vocab_size", 1), ("intermediate_size", 1)
+    hd = spec.head_dim
+    q, kv = ("num_attention_heads", hd), ("num_key_value_heads", hd)
+    per_suffix = {
+        "self_attn.q_proj.weight": (q, H), "self_attn.k_proj.weight": (kv, H),
+        "self_attn.v_proj.weight": (kv, H), "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.weight": (H, q), "self_attn.q_norm.weight": (("head_dim", 1),),
+        "self_attn.k_norm.weight": (("head_dim", 1),), "mlp.gate_proj.weight": (F, H),
+        "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
+        "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
+        "model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "model.norm.weight": (H,),
+    }
+    out = {}
+    for rule in rules(spec, role):
+        if rule.optional:
+            continue
+        layers = range(spec.num_layers) if rule.place == "layer" else [None]
+        for template in rule.hf:
+            suffix = template.split("{i}.")[-1]
+            for i in layers:
+                out[template.format(i=i)] = per_suffix[suffix]
+    return out
