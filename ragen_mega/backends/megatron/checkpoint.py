@@ -1,0 +1,296 @@
+"""Atomic, resharding Megatron checkpoints: model + optimizer + LR schedule + step + user state.
+
+API:
+    save_checkpoint(root, step, model, optimizer=None, scheduler=None, extra=None, hf_dir=None)
+        -> Path                                  # collective: every rank calls it
+    load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCheckpoint
+        LoadedCheckpoint: step, extra, path      # collective
+    latest_checkpoint(root) -> Path | None       # newest COMPLETE checkpoint, or None
+    checkpoint_hf_dir(ckpt_dir) -> Path          # the config/tokenizer copy kept inside it
+    model_signature(model) -> dict               # architecture fields compared on load
+
+Layout of ``<root>``::
+
+    step_12/            a complete checkpoint (only ever appears by one atomic rename)
+      dist/             megatron dist_checkpointing, torch_dist format (global tensor keys)
+      ragen_state.pt    step, optimizer step count, scheduler state, user ``extra``, signature
+      hf/               config.json + tokenizer files of the model (so export needs no HF dir)
+    .tmp-step_13/       a save in progress, or one that was killed: never looks complete
+    latest              text file naming the newest complete step dir, written last (atomic)
+
+Why torch_dist: tensors are stored under their *global* names and shapes, so a checkpoint
+written at one TP x PP (x VPP) layout loads at any other. The optimizer state follows the model
+sharding (plain optimizer: fully reshardable). Megatron's DistributedOptimizer without
+TE/Apex can only save its ``dp_reshardable`` format: that state resumes at the same TP x PP
+(any DP). Its Adam step counter does not round-trip through ``sharded_state_dict``, so the
+number of optimizer steps is stored here and written back into the Adam state on load.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STATE_FILE = "ragen_state.pt"
+LATEST_FILE = "latest"
+FORMAT_VERSION = 1
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# Architecture fields of megatron's TransformerConfig that must agree between a checkpoint and
+# the model it is loaded into (a mismatch is refused with the field's name).
+_SIGNATURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "kv_channels", "normalization", "gated_linear_unit",
+                     "add_bias_linear", "add_qkv_bias", "qk_layernorm", "layernorm_epsilon")
+# Files copied from the HF model directory so a checkpoint can be exported on its own.
+_HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+                  "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                  "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+
+
+@dataclasses.dataclass
+class LoadedCheckpoint:
+    step: int
+    extra: dict
+    path: Path
+
+
+def _chunks(model) -> list:
+    """The bare GPTModel chunks: Megatron DDP / Float16Module have no ``sharded_state_dict``."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(list(model) if isinstance(model, (list, tuple)) else [model])
+
+
+def model_signature(model) -> dict:
+    """The architecture of ``model`` (chunks) as plain values, e.g. ``{'hidden_size': 576, ...}``.
+
+    ``vocab_size`` is the model's (padded) embedding size; ``role`` separates an actor (LM head)
+    from a critic (value head). Two models load each other's checkpoints iff the signatures match.
+    """
+    first = _chunks(model)[0]
+    sig = {f: getattr(first.config, f, None) for f in _SIGNATURE_FIELDS}
+    sig["normalization"] = str(sig["normalization"])
+    sig["vocab_size"] = getattr(first, "vocab_size", None)
+    sig["share_embeddings_and_output_weights"] = bool(
+        getattr(first, "share_embeddings_and_output_weights", False))
+    sig["role"] = getattr(first, "ragen_role", None)
+    return sig
+
+
+def _model_sharded_state_dict(model) -> dict:
+    # One sub-dict per virtual-pipeline chunk: dict keys inside a chunk are local layer names
+    # (they would collide across chunks), while the ShardedTensor keys are global.
+    return {f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(_chunks(model))}
+
+
+def _inner_optimizers(optimizer):
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        yield opt.optimizer  # the torch.optim.AdamW Megatron drives
+
+
+def _optimizer_steps(optimizer) -> int:
+    steps = [int(st["step"]) for opt in _inner_optimizers(optimizer)
+             for st in opt.state.values() if "step" in st]
+    n = torch.tensor(max(steps, default=0), dtype=torch.long, device=_device())
+    if dist.is_initialized():  # ranks whose shard holds no state still agree
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+    return int(n)
+
+
+def _set_optimizer_steps(optimizer, n: int) -> None:
+    for opt in _inner_optimizers(optimizer):
+        for st in opt.state.values():
+            if "step" in st:
+                st["step"] = torch.tensor(float(n)) if torch.is_tensor(st["step"]) else n
+
+
+@contextlib.contextmanager
+def _children_allowed():
+    """torch_dist's file writer starts helper processes, which Python refuses inside a daemonic
+    process — and ``launch.run_workers`` starts its workers as daemons. Lift the flag while
+    saving (the helpers finish before ``save`` returns)."""
+    proc = multiprocessing.current_process()
+    daemon = proc._config.get("daemon", False)
+    proc._config["daemon"] = False
+    try:
+        yield
+    finally:
+        proc._config["daemon"] = daemon
+
+
+def _prime_adam_state(optimizer) -> None:
+    """Give a fresh optimizer zero Adam state with a step counter before loading into it.
+
+    Megatron's DistributedOptimizer (without TE/Apex) builds its sharded state dict from the
+    current state and asserts one common ``step``; a never-stepped optimizer has none. The loaded
+    values then overwrite these zeros, and ``_set_optimizer_steps`` the counter."""
+    for opt in _inner_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                state = opt.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p.data)
+                    state["exp_avg_sq"] = torch.zeros_like(p.data)
+                state.setdefault("step", torch.tensor(0.0))
+
+
+def _device() -> torch.device:
+    """Where collectives' tensors must live (NCCL needs CUDA tensors)."""
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _commit(tmp: Path, final: Path, root: Path) -> None:
+    """Make the checkpoint visible: rename the finished temp dir, then move ``latest``."""
+    os.rename(tmp, final)
+    pointer = root / (LATEST_FILE + ".tmp")
+    pointer.write_text(final.name + "\n")
+    os.replace(pointer, root / LATEST_FILE)
+
+
+def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
+                    extra: dict | None = None, hf_dir=None) -> Path:
+    """Write ``<root>/step_<step>`` atomically from every rank; return its path.
+
+    ``extra`` is any picklable dict (RNG states, data cursor, ...) taken from rank 0.
+    ``hf_dir``: the HF model directory whose config/tokenizer files are copied in.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    if int(step) < 0:
+        raise ValueError(f"save_checkpoint: step must be >= 0, got {step}")
+    if extra is not None and not isinstance(extra, dict):
+        raise TypeError(f"save_checkpoint: extra must be a dict, got {type(extra).__name__}")
+    root = Path(root)
+    final, tmp = root / f"step_{step}", root / f".tmp-step_{step}"
+    if final.exists():
+        raise FileExistsError(f"save_checkpoint: {final} already exists")
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left over by a killed save
+        (tmp / "dist").mkdir(parents=True)
+    _barrier()
+
+    model_sd = _model_sharded_state_dict(model)
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_METADATA)
+    with _children_allowed():
+        dist_checkpointing.save(state, str(tmp / "dist"),
+                                sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+    opt_steps = _optimizer_steps(optimizer) if optimizer is not None else 0
+    signature = model_signature(model)
+    _barrier()
+    error = None
+    if _rank() == 0:
+        try:
+            torch.save({"format_version": FORMAT_VERSION, "step": int(step),
+                        "optimizer_steps": opt_steps, "has_optimizer": optimizer is not None,
+                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                        "signature": signature, "extra": extra or {}},
+                       tmp / STATE_FILE)
+            if hf_dir is not None:
+                (tmp / "hf").mkdir()
+                for name in _HF_SIDE_FILES:
+                    if (Path(hf_dir) / name).exists():
+                        shutil.copy2(Path(hf_dir) / name, tmp / "hf" / name)
+            _commit(tmp, final, root)
+        except Exception as err:  # noqa: BLE001 - re-raised below, after telling the others
+            error = err
+    # Every rank learns whether rank 0 committed, so none reports a save that did not happen.
+    ok = torch.tensor(int(error is None), device=_device())
+    if dist.is_initialized():
+        dist.broadcast(ok, src=0)
+    if error is not None:
+        raise error
+    if not ok:
+        raise RuntimeError(f"save_checkpoint: rank 0 failed to write {final}; "
+                           f"{tmp} is incomplete")
+    return final
+
+
+def _check_signature(ckpt_dir: Path, saved: dict, current: dict) -> None:
+    for field in sorted(set(saved) | set(current)):
+        if saved.get(field) != current.get(field):
+            raise ValueError(
+                f"checkpoint {ckpt_dir} does not fit this model: field {field!r} is "
+                f"{saved.get(field)!r} in the checkpoint but {current.get(field)!r} in the model")
+
+
+def read_checkpoint_state(ckpt_dir) -> dict:
+    """The small rank-0 state of a complete checkpoint (step, signature, scheduler, extra)."""
+    ckpt_dir = Path(ckpt_dir)
+    path = ckpt_dir / STATE_FILE
+    if ckpt_dir.name.startswith(".tmp-"):
+        raise FileNotFoundError(f"{ckpt_dir} is an unfinished or killed save, not a complete "
+                                "checkpoint")
+    if not path.exists():
+        raise FileNotFoundError(f"{ckpt_dir} is not a complete ragen_mega checkpoint "
+                                f"(no {STATE_FILE}); pass a step_N directory")
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCheckpoint:
+    """Load into already-built ``model`` chunks (any TP x PP layout) and, if given, the optimizer
+    and LR scheduler. Refuses a checkpoint of another architecture, naming the field."""
+    from megatron.core import dist_checkpointing
+
+    ckpt_dir = Path(ckpt_dir)
+    meta = read_checkpoint_state(ckpt_dir)
+    _check_signature(ckpt_dir, meta["signature"], model_signature(model))
+    if optimizer is not None and not meta["has_optimizer"]:
+        raise ValueError(f"checkpoint {ckpt_dir} holds no optimizer state (weights only); "
+                         "load it with optimizer=None")
+
+    model_sd = _model_sharded_state_dict(model)
+    state = {"model": model_sd}
+    if optimizer is not None:
+        _prime_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True,
+                                                          metadata=_OPTIMIZER_METADATA)
+    loaded = dist_checkpointing.load(state, str(ckpt_dir / "dist"))
+    for i, chunk in enumerate(_chunks(model)):
+        chunk.load_state_dict(loaded["model"][f"chunk{i}"])
+    if optimizer is not None:
+        with torch.no_grad():  # the distributed optimizer copies into views of leaf params
+            optimizer.load_state_dict(loaded["optimizer"])
+        _set_optimizer_steps(optimizer, meta["optimizer_steps"])
+    if scheduler is not None and meta["scheduler"] is not None:
+        scheduler.load_state_dict(meta["scheduler"])
+    return LoadedCheckpoint(step=meta["step"], extra=meta["extra"], path=ckpt_dir)
+
+
+def checkpoint_hf_dir(ckpt_dir) -> Path:
+    """The ``hf/`` directory (config.json, tokenizer) stored inside a checkpoint."""
+    hf = Path(ckpt_dir) / "hf"
+    if not (hf / "config.json").exists():
+        raise FileNotFoundError(f"checkpoint {ckpt_dir} carries no hf/config.json; "
+                                "pass the original HF directory explicitly")
+    return hf
+
+
+def latest_checkpoint(root) -> Path | None:
+    """The newest complete ``step_N`` under ``root``, or None.
+
+    The rename of the temp dir is the commit, so every ``step_N`` holding its state file is
+    complete (the ``latest`` pointer, written after it, is for people and shell scripts); temp
+    dirs of unfinished or killed saves (``.tmp-step_N``) are never returned.
+    """
+    root = Path(root)
+    complete = [p for p in root.glob("step_*")
+                if p.name[5:].isdigit() and (p / STATE_FILE).exists()]
+    return max(complete, key=lambda p: int(p.name[5:]), default=None)

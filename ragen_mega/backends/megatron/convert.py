@@ -1,0 +1,241 @@
+"""Convert checkpoints between Hugging Face and Megatron (torch_dist) formats.
+
+API:
+    hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, role="actor") -> Path    # out_dir/step_0
+    megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp=1, pp=1) -> Path
+    main(argv) -> int     # ``ragen-mega convert hf-to-megatron|megatron-to-hf ...``
+
+CLI::
+
+    ragen-mega convert hf-to-megatron --hf-dir A --out-dir B [--tp N] [--pp M]
+    ragen-mega convert megatron-to-hf --megatron-dir B --out-dir C [--hf-dir A] [--tp N] [--pp M]
+    python -m ragen_mega.backends.megatron.convert hf-to-megatron ...
+
+Both directions launch their own worker processes (``launch.run_workers``, one per TP x PP rank)
+and go through the one HF <-> Megatron mapping (``models.mapping``) that the weight sync uses.
+The Megatron side is a weights-only ragen_mega checkpoint (``checkpoint.py``: torch_dist, so it
+loads at any TP x PP; it keeps a copy of config.json and the tokenizer). ``--tp/--pp`` of the
+export only choose how many processes share the work. The HF output is written to a temp dir and
+renamed into place: safetensors in the dtype of the source config (vocab padding removed),
+config.json, tokenizer files — loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from ragen_mega.backends.megatron import checkpoint as ckpt
+from ragen_mega.backends.megatron.launch import WorkerError, run_workers
+
+SHARD_BYTES = 2 * 1024**3  # safetensors file size at which the HF export starts a new file
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf", "model.safetensors.index.json",
+                 "pytorch_model.bin.index.json")
+
+
+def _threads(world_size: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
+def _check_layout(hf_dir: Path, tp: int, pp: int) -> None:
+    """Fail in the parent, before any process starts, on a layout the model cannot take."""
+    from ragen_mega.models.hf_config import model_spec
+
+    if not (hf_dir / "config.json").exists():
+        raise FileNotFoundError(f"{hf_dir} has no config.json (not a Hugging Face model dir)")
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
+    model_spec(hf_dir).check_parallel(tp, pp)
+
+
+def _progress(total: int, desc: str, unit: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------------- HF -> Megatron
+def _import_worker(rank, world_size, hf_dir, out_dir, role):
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
+
+    chunks = build_model(hf_dir, role=role)
+    bar = _progress(len(chunks) + 1, "hf -> megatron", "group") if rank == 0 else None
+    for i, chunk in enumerate(chunks):  # one tensor group per pipeline chunk, then the save
+        load_hf_checkpoint([chunk], hf_dir)
+        if bar:
+            bar.set_postfix_str(f"loaded chunk {i}")
+            bar.update()
+    path = ckpt.save_checkpoint(out_dir, 0, chunks, hf_dir=hf_dir)
+    if bar:
+        bar.set_postfix_str("saved torch_dist")
+        bar.update()
+        bar.close()
+    return str(path)
+
+
+def hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, role: str = "actor") -> Path:
+    """Write the HF model at ``hf_dir`` as a Megatron checkpoint ``<out_dir>/step_0``."""
+    hf_dir, out_dir = Path(hf_dir).resolve(), Path(out_dir).resolve()
+    _check_layout(hf_dir, tp, pp)
+    if (out_dir / "step_0").exists():
+        raise FileExistsError(f"{out_dir / 'step_0'} already exists")
+    world = tp * pp
+    results = run_workers(_import_worker, world, str(hf_dir), str(out_dir), role, tp=tp, pp=pp,
+                          timeout=24 * 3600, threads_per_worker=_threads(world))
+    return Path(results[0])
+
+
+# ---------------------------------------------------------------------- Megatron -> HF
+def _resolve_checkpoint(megatron_dir: Path) -> Path:
+    if (megatron_dir / ckpt.STATE_FILE).exists():
+        return megatron_dir
+    found = ckpt.latest_checkpoint(megatron_dir)
+    if found is None:
+        raise FileNotFoundError(f"no complete ragen_mega checkpoint at or under {megatron_dir}")
+    return found
+
+
+def _target_dtype(hf_dir: Path) -> torch.dtype:
+    config = json.loads((hf_dir / "config.json").read_text())
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(name).replace("torch.", ""), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{hf_dir}/config.json: unknown dtype {name!r}")
+    return dtype
+
+
+class _ShardWriter:
+    """Collects tensors into safetensors files of at most ``SHARD_BYTES``; HF index at the end."""
+
+    def __init__(self, out_dir: Path, dtype: torch.dtype):
+        self.out_dir, self.dtype = out_dir, dtype
+        self.files: list[dict[str, torch.Tensor]] = [{}]
+        self.size = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().to(self.dtype).contiguous().clone()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.files[-1] and self.size + nbytes > SHARD_BYTES:
+            self._flush()
+        self.files[-1][name] = tensor
+        self.size += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        index = len(self.files)
+        save_file(self.files[-1], str(self.out_dir / f"part-{index:05d}.safetensors"),
+                  metadata={"format": "pt"})
+        self.files[-1] = {name: None for name in self.files[-1]}  # keep names, drop tensors
+        self.files.append({})
+        self.size = 0
+
+    def close(self) -> None:
+        self._flush()
+        names = [f for f in self.files if f]
+        if len(names) == 1:
+            os.rename(self.out_dir / "part-00001.safetensors", self.out_dir / "model.safetensors")
+            return
+        weight_map, total = {}, len(names)
+        for i, file_names in enumerate(names, start=1):
+            final = f"model-{i:05d}-of-{total:05d}.safetensors"
+            os.rename(self.out_dir / f"part-{i:05d}.safetensors", self.out_dir / final)
+            weight_map.update({n: final for n in file_names})
+        (self.out_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
+
+
+def _export_worker(rank, world_size, ckpt_dir, src_hf, tmp_out, role):
+    from ragen_mega.backends.megatron.model import build_model, chunk_spec, export_hf_state
+    from ragen_mega.models.mapping import expected_hf_shapes
+
+    chunks = build_model(src_hf, role=role)
+    ckpt.load_checkpoint(ckpt_dir, chunks)
+    spec, _ = chunk_spec(chunks)
+    writer = _ShardWriter(Path(tmp_out), _target_dtype(Path(src_hf))) if rank == 0 else None
+    bar = (_progress(len(expected_hf_shapes(spec, role)), "megatron -> hf", "tensor")
+           if rank == 0 else None)
+    for name, tensor in export_hf_state(chunks):  # collective: every rank iterates
+        if writer:
+            writer.add(name, tensor)
+            bar.update()
+    if writer:
+        writer.close()
+        bar.close()
+    return None
+
+
+def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1) -> Path:
+    """Write a Megatron checkpoint (a ``step_N`` dir, or the newest under a root) as an HF dir.
+
+    ``hf_dir`` supplies config.json and the tokenizer; default: the copy inside the checkpoint.
+    """
+    ckpt_dir = _resolve_checkpoint(Path(megatron_dir).resolve())
+    src_hf = Path(hf_dir).resolve() if hf_dir else ckpt.checkpoint_hf_dir(ckpt_dir)
+    _check_layout(src_hf, tp, pp)
+    role = ckpt.read_checkpoint_state(ckpt_dir)["signature"].get("role") or "actor"
+    out_dir = Path(out_dir).resolve()
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"{out_dir} exists and is not empty")
+    tmp = out_dir.parent / f".tmp-{out_dir.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        world = tp * pp
+        run_workers(_export_worker, world, str(ckpt_dir), str(src_hf), str(tmp), role, tp=tp,
+                    pp=pp, timeout=24 * 3600, threads_per_worker=_threads(world))
+        for item in src_hf.iterdir():  # config, generation config, tokenizer, chat template
+            if item.is_file() and not any(item.match(p) for p in _WEIGHT_FILES):
+                shutil.copy2(item, tmp / item.name)
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+# ---------------------------------------------------------------------- CLI
+def build_parser(prog: str = "ragen-mega convert") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Convert between Hugging Face and "
+                                     "Megatron (torch_dist) checkpoints.")
+    sub = parser.add_subparsers(dest="direction", required=True)
+    imp = sub.add_parser("hf-to-megatron", help="HF model dir -> <out-dir>/step_0")
+    imp.add_argument("--hf-dir", required=True)
+    imp.add_argument("--out-dir", required=True)
+    imp.add_argument("--tp", type=int, default=1, help="tensor parallel size of the save")
+    imp.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the save")
+    exp = sub.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF model dir")
+    exp.add_argument("--megatron-dir", required=True,
+                     help="a step_N checkpoint dir, or a root (its newest complete checkpoint)")
+    exp.add_argument("--out-dir", required=True)
+    exp.add_argument("--hf-dir", default=None,
+                     help="config/tokenizer source (default: the copy inside the checkpoint)")
+    exp.add_argument("--tp", type=int, default=1, help="processes sharing the export (TP)")
+    exp.add_argument("--pp", type=int, default=1, help="processes sharing the export (PP)")
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point; returns a process exit code (errors: a one-line message, exit code 1)."""
+    args = build_parser().parse_args(argv)
+    try:
+        if args.direction == "hf-to-megatron":
+            path = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp)
+        else:
+            path = megatron_to_hf(args.megatron_dir, args.out_dir, hf_dir=args.hf_dir,
+                                  tp=args.tp, pp=args.pp)
+    except (OSError, ValueError, KeyError, WorkerError) as err:
+        print(f"ragen-mega convert: error: {err}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

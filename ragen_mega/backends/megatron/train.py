@@ -1,0 +1,433 @@
+"""One rank of the Megatron actor or critic: StarPO policy step, critic step, log-probs, values.
+
+API (every rank of the TP x PP x DP world calls the same methods in step; ``init_parallel`` first):
+    TrainerConfig(...)                      # dataclass; .validate() raises naming the field
+    MegatronTrainer(config, hf_dir, role="actor"|"critic")
+        .compute_logprobs(batch) -> [B, S]       # actor; column t = log p(token t | tokens < t)
+        .compute_ref_logprobs(batch) -> [B, S]   # frozen reference model (kl_coef > 0 only)
+        .compute_values(batch) -> [B, S]         # critic; column t = V(tokens < t)
+        .train_actor(batch) -> dict[str, float]  # one optimizer step, StarPO loss
+        .train_critic(batch) -> dict[str, float] # one optimizer step, clipped value loss
+        .save_checkpoint(root, extra=None) -> Path / .load_checkpoint(path, optimizer=True) -> extra
+        .export_hf_state() -> iterator of (hf_name, tensor)   # collective, for weight sync
+        .steps                                   # optimizer steps taken (restored on load)
+    dp_shard(batch) -> dict                      # this DP rank's rows of a global batch
+
+Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them):
+``input_ids`` (prompt + response, right padded), ``loss_mask`` (1 on model-written tokens),
+optional ``attention_mask`` (right padding; lets micro-batches be trimmed), and per-token values
+ALIGNED WITH ``input_ids``: column t belongs to token t (it is computed from tokens < t), column
+0 is unused — ``old_logprobs``, ``advantages``, ``ref_logprobs`` (actor), ``returns``,
+``old_values`` (critic). That is the layout of a rollout record (one entry per token), and
+``compute_logprobs`` / ``compute_values`` return the same layout.
+
+Loss normalisation (``algo.losses`` module doc): the global normaliser (loss tokens, or loss
+sequences for the seq-mean modes) is summed over this rank's micro-batches and all-reduced over
+DP; each micro-batch loss is its share of the global mean times M * D, because Megatron's
+schedule divides by the M micro-batches and DDP averages over the D replicas. The gradient is
+then exactly that of the full global batch, whatever the micro-batching and DP split.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ragen_mega.algo.losses import (AGG_MODES, KL_KINDS, aggregate, kl_penalty, loss_normalizer,
+                                    policy_loss, value_loss)
+from ragen_mega.backends.megatron import checkpoint as ckpt
+from ragen_mega.backends.megatron.cpu_compat import cuda_tensor_type_names
+from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_values,
+                                                  make_forward_step, run_schedule,
+                                                  split_microbatches)
+from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    """Trainer settings (one per role). Defaults are StarPO-S's (clip 0.2 / 0.28, dual-clip 3)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None              # virtual pipeline chunks per rank (interleaved 1F1B)
+    micro_batch_size: int = 1
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0               # linear warm-up: step k (1-based) uses lr * k / warmup
+    total_steps: int = 1000             # decay horizon; min_lr afterwards
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.0           # AdamW, never on biases and norm weights (Megatron rule)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0              # max global grad norm; 0 = no clipping
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = 3.0    # dual-clip bound for negative advantages; None = off
+    entropy_coeff: float = 0.0
+    kl_coef: float = 0.0                # 0 = no KL term and no reference model
+    kl_kind: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    loss_horizon: int | None = None     # seq-mean-token-sum-norm divisor; None = batch width - 1
+    value_clip: float | None = 0.5      # critic: clipped value loss range; None = plain MSE
+    temperature: float = 1.0            # the rollout's sampling temperature (log-probs use it)
+    use_distributed_optimizer: bool = False
+    bf16: bool = False                  # GPU only
+    seed: int = 1234
+
+    def validate(self) -> "TrainerConfig":
+        def bad(field, why):
+            raise ValueError(f"TrainerConfig.{field}={getattr(self, field)!r}: {why}")
+
+        for field in ("tp", "pp", "micro_batch_size"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                bad(field, "must be an integer >= 1")
+        if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
+            bad("vpp", "must be None or >= 1 together with pp > 1")
+        if not self.lr > 0:
+            bad("lr", "must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            bad("min_lr", f"must be in [0, lr={self.lr}]")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", "must be >= 0")
+        if self.total_steps <= self.warmup_steps:
+            bad("total_steps", f"must be > warmup_steps={self.warmup_steps}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            bad("lr_decay_style", f"must be one of {LR_DECAY_STYLES}")
+        if self.weight_decay < 0:
+            bad("weight_decay", "must be >= 0")
+        for field in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, field) < 1:
+                bad(field, "must be in [0, 1)")
+        if not self.adam_eps > 0:
+            bad("adam_eps", "must be > 0")
+        if self.grad_clip < 0:
+            bad("grad_clip", "must be >= 0 (0 disables clipping)")
+        if not 0 <= self.clip_ratio_low < 1:
+            bad("clip_ratio_low", "must be in [0, 1)")
+        if self.clip_ratio_high < 0:
+            bad("clip_ratio_high", "must be >= 0")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            bad("clip_ratio_c", "must be > 1 (or None to disable dual-clip)")
+        if self.entropy_coeff < 0:
+            bad("entropy_coeff", "must be >= 0")
+        if self.kl_coef < 0:
+            bad("kl_coef", "must be >= 0 (0 disables the KL term)")
+        if self.kl_kind not in KL_KINDS:
+            bad("kl_kind", f"must be one of {KL_KINDS}")
+        if self.loss_agg_mode not in AGG_MODES:
+            bad("loss_agg_mode", f"must be one of {AGG_MODES}")
+        if self.loss_horizon is not None and self.loss_horizon < 1:
+            bad("loss_horizon", "must be None or >= 1")
+        if self.value_clip is not None and not self.value_clip > 0:
+            bad("value_clip", "must be > 0 or None")
+        if not self.temperature > 0:
+            bad("temperature", "must be > 0")
+        if self.bf16 and not torch.cuda.is_available():
+            bad("bf16", "bf16 training needs a GPU; this machine has none (use bf16=False)")
+        return self
+
+
+def _dp_group():
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_data_parallel_group()
+
+
+def dp_shard(batch: dict) -> dict:
+    """This data-parallel rank's contiguous rows of a global batch (B divisible by DP)."""
+    from megatron.core import parallel_state as mpu
+
+    dp, rank = mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+    rows = batch["input_ids"].shape[0]
+    if rows % dp:
+        raise ValueError(f"dp_shard: batch of {rows} rows does not split over {dp} DP ranks")
+    per = rows // dp
+    return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+
+def _device() -> torch.device:
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
+
+
+def _to_device(batch: dict) -> dict:
+    return {k: v.to(_device(), non_blocking=True) for k, v in batch.items()}
+
+
+def _shifted(t: torch.Tensor) -> torch.Tensor:
+    """Token-aligned [B, S] -> next-token layout [B, S-1] of forward.py (drop column 0)."""
+    return t[:, 1:].float()
+
+
+def _unshifted(t: torch.Tensor) -> torch.Tensor:
+    """[B, S-1] next-token layout -> token-aligned [B, S] with a zero column 0."""
+    return torch.cat([t.new_zeros(t.shape[0], 1), t], dim=1)
+
+
+def _check_batch(batch: dict, keys: tuple[str, ...], fn: str) -> None:
+    missing = [k for k in ("input_ids", "loss_mask", *keys) if k not in batch]
+    if missing:
+        raise KeyError(f"{fn}: batch lacks {missing} (has {sorted(batch)})")
+    shape = tuple(batch["input_ids"].shape)
+    if len(shape) != 2 or shape[1] < 2:
+        raise ValueError(f"{fn}: input_ids must be [batch, seq>=2], got {shape}")
+    for k in ("loss_mask", "attention_mask", *keys):
+        if k in batch and tuple(batch[k].shape) != shape:
+            raise ValueError(f"{fn}: batch[{k!r}] has shape {tuple(batch[k].shape)}, "
+                             f"input_ids has {shape} (per-token values are aligned with tokens)")
+
+
+class MegatronTrainer:
+    """Model chunks in Megatron DDP, Megatron's (distributed) Adam, LR schedule, grad clipping."""
+
+    def __init__(self, config: TrainerConfig, hf_dir, role: str = "actor"):
+        from megatron.core import parallel_state as mpu
+        from megatron.core import tensor_parallel
+
+        self.config = config.validate()
+        for field, actual in (("tp", mpu.get_tensor_model_parallel_world_size()),
+                              ("pp", mpu.get_pipeline_model_parallel_world_size()),
+                              ("vpp", mpu.get_virtual_pipeline_model_parallel_world_size())):
+            if getattr(config, field) != actual:
+                raise ValueError(f"TrainerConfig.{field}={getattr(config, field)} but the process "
+                                 f"groups were initialised with {field}={actual}")
+        if role not in ("actor", "critic"):
+            raise ValueError(f"MegatronTrainer: role must be 'actor' or 'critic', got {role!r}")
+        torch.manual_seed(config.seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        self.role, self.hf_dir, self.steps = role, hf_dir, 0
+        self.dtype = torch.bfloat16 if config.bf16 else torch.float32
+        self.model = self._wrap_ddp(self._load(role))
+        self.optimizer, self.scheduler = self._build_optimizer()
+        self.ref_model = None
+        if role == "actor" and config.kl_coef > 0:
+            self.ref_model = self._load("actor")
+            for chunk in self.ref_model:
+                chunk.requires_grad_(False)
+                chunk.eval()
+
+    # ------------------------------------------------------------------ construction
+    def _load(self, role: str) -> list:
+        # Interleaved 1F1B with Megatron's default batched p2p trades activations and gradients
+        # with the same peer in one batch when pp=2 (next stage == previous stage): they arrive
+        # swapped (measured: wrong gradients, or a shape error for ragged micro-batches).
+        # Megatron-LM's own setting for interleaving, overlapped unbatched p2p, is exact.
+        overrides = {"overlap_p2p_comm": True, "batch_p2p_comm": False} if self.config.vpp else None
+        chunks = build_model(self.hf_dir, role=role, dtype=self.dtype, config_overrides=overrides)
+        load_hf_checkpoint(chunks, self.hf_dir)
+        return chunks
+
+    def _wrap_ddp(self, chunks: list) -> list:
+        from megatron.core.distributed import (DistributedDataParallel,
+                                               DistributedDataParallelConfig, finalize_model_grads)
+        from megatron.core.utils import get_model_config
+
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=self.config.use_distributed_optimizer)
+        model = [DistributedDataParallel(get_model_config(c), ddp_config, c,
+                                         disable_bucketing=i > 0)  # as Megatron-LM does
+                 for i, c in enumerate(chunks)]
+        # The schedule all-reduces DP grads (and tied-embedding grads across PP stages) here.
+        get_model_config(model[0]).finalize_model_grads_func = finalize_model_grads
+        return model
+
+    def _build_optimizer(self):
+        from megatron.core.optimizer import AdamOptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.utils import get_model_config
+
+        c = self.config
+        opt_config = AdamOptimizerConfig(
+            lr=c.lr, min_lr=c.min_lr, weight_decay=c.weight_decay, adam_beta1=c.adam_beta1,
+            adam_beta2=c.adam_beta2, adam_eps=c.adam_eps, clip_grad=c.grad_clip, bf16=c.bf16,
+            params_dtype=self.dtype, use_distributed_optimizer=c.use_distributed_optimizer)
+        with cuda_tensor_type_names():
+            optimizer = get_megatron_optimizer(opt_config, self.model)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if c.warmup_steps else c.lr, max_lr=c.lr, min_lr=c.min_lr,
+            lr_warmup_steps=c.warmup_steps, lr_decay_steps=c.total_steps,
+            lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
+            wd_incr_steps=c.total_steps, wd_incr_style="constant")
+        return optimizer, scheduler
+
+    # ------------------------------------------------------------------ inference
+    def compute_logprobs(self, batch: dict) -> torch.Tensor:
+        """[B, S] log-probs of each token given the tokens before it (column 0 is 0)."""
+        return self._logprobs(self.model, batch)
+
+    def compute_ref_logprobs(self, batch: dict) -> torch.Tensor:
+        if self.ref_model is None:
+            raise RuntimeError("compute_ref_logprobs: no reference model (TrainerConfig.kl_coef "
+                               "is 0, or this is a critic)")
+        return self._logprobs(self.ref_model, batch)
+
+    def _logprobs(self, chunks, batch):
+        if self.role != "actor":
+            raise RuntimeError("compute_logprobs needs role='actor'")
+        batch = _to_device(batch)
+        logprobs, _ = forward_logprobs(chunks, batch["input_ids"], batch.get("attention_mask"),
+                                       temperature=self.config.temperature, compute_entropy=False,
+                                       micro_batch_size=self.config.micro_batch_size)
+        return _unshifted(logprobs)
+
+    def compute_values(self, batch: dict) -> torch.Tensor:
+        """[B, S] critic values: column t is V(state before token t) (column 0 is 0)."""
+        if self.role != "critic":
+            raise RuntimeError("compute_values needs role='critic'")
+        batch = _to_device(batch)
+        values = forward_values(self.model, batch["input_ids"], batch.get("attention_mask"),
+                                micro_batch_size=self.config.micro_batch_size)
+        return _unshifted(values[:, :-1])
+
+    # ------------------------------------------------------------------ training
+    def _microbatches(self, batch: dict, keys: tuple[str, ...]):
+        """Micro-batches (per-token tensors in next-token layout), the global loss normaliser,
+        the global loss-token count and the batch width (the default loss horizon)."""
+        mbs = self.config.micro_batch_size
+        rows = batch["input_ids"].shape[0]
+        if rows % mbs:
+            raise ValueError(f"batch of {rows} rows is not a multiple of "
+                             f"TrainerConfig.micro_batch_size={mbs}")
+        extra = {k: _shifted(batch[k]) for k in ("loss_mask", *keys)}
+        mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs, **extra)
+        counts = torch.stack([
+            sum(loss_normalizer(mb["loss_mask"], self.config.loss_agg_mode) for mb in mbs_list),
+            sum(mb["loss_mask"].sum() for mb in mbs_list)]).float()
+        dist.all_reduce(counts, group=_dp_group())
+        return mbs_list, counts[0], counts[1].clamp(min=1), batch["input_ids"].shape[1] - 1
+
+    def _step(self, microbatches: list, loss_fn, stat_names: tuple[str, ...]) -> dict:
+        """Forward/backward over all micro-batches, optimizer step; global metrics on every rank."""
+        from megatron.core import parallel_state as mpu
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = run_schedule(self.model, microbatches,
+                               make_forward_step(temperature=self.config.temperature,
+                                                 loss_fn=loss_fn), forward_only=False)
+        self.scheduler.step(1)  # lr of this update: schedule at step k (1-based)
+        lr = self.optimizer.param_groups[0]["lr"]
+        with cuda_tensor_type_names():
+            updated, grad_norm, _ = self.optimizer.step()
+        if updated:
+            self.steps += 1
+        stats = torch.zeros(len(stat_names), device=_device())
+        for r in results:  # last pipeline stage only; summed shares of the global means
+            stats += r["stats"]
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            dist.all_reduce(stats, group=mpu.get_pipeline_model_parallel_group())
+        dist.all_reduce(stats, group=_dp_group())
+        metrics = dict(zip(stat_names, stats.tolist()))
+        metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                       lr=float(lr), update_successful=float(bool(updated)))
+        return metrics
+
+    def _scale(self, num_microbatches: int) -> float:
+        """Undo the schedule's 1/M and DDP's 1/D so gradients are those of the global loss."""
+        from megatron.core import parallel_state as mpu
+
+        return float(num_microbatches * mpu.get_data_parallel_world_size())
+
+    def train_actor(self, batch: dict) -> dict:
+        """One StarPO step: PPO clipped surrogate (asymmetric + dual clip), minus entropy bonus,
+        plus KL to the reference (kl_coef > 0). Returns global metrics (same on every rank):
+        loss, pg_loss, entropy (token-mean), kl, pg_clipfrac, pg_clipfrac_upper/_lower,
+        dual_clip_frac, approx_kl, grad_norm, lr, update_successful."""
+        if self.role != "actor":
+            raise RuntimeError("train_actor needs role='actor'")
+        c = self.config
+        keys = ("old_logprobs", "advantages")
+        if c.kl_coef > 0:
+            if "ref_logprobs" not in batch:
+                batch = {**batch, "ref_logprobs": self.compute_ref_logprobs(batch)}
+            keys += ("ref_logprobs",)
+        _check_batch(batch, keys, "train_actor")
+        batch = _to_device(batch)
+        microbatches, normalizer, global_tokens, width = self._microbatches(batch, keys)
+        scale = self._scale(len(microbatches))
+        agg = dict(mode=c.loss_agg_mode, normalizer=normalizer, horizon=c.loss_horizon or width)
+        names = ("loss", "pg_loss", "entropy", "kl", "pg_clipfrac", "pg_clipfrac_upper",
+                 "pg_clipfrac_lower", "dual_clip_frac", "approx_kl")
+
+        def loss_fn(outputs, mb):
+            mask = mb["loss_mask"]
+            logprobs, entropy = outputs["logprobs"], outputs["entropy"]
+            pg, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                                c.clip_ratio_low, c.clip_ratio_high, c.clip_ratio_c,
+                                agg=agg["mode"], normalizer=normalizer, horizon=agg["horizon"])
+            loss = pg
+            if c.entropy_coeff:
+                loss = loss - c.entropy_coeff * aggregate(entropy, mask, **agg)
+            kl = loss.new_zeros(())
+            if c.kl_coef:
+                kl = aggregate(kl_penalty(logprobs, mb["ref_logprobs"], c.kl_kind), mask, **agg)
+                loss = loss + c.kl_coef * kl
+            with torch.no_grad():
+                share = mask.sum() / global_tokens  # token-weighted metric share
+                stats = torch.stack([
+                    loss, pg, (entropy * mask).sum() / global_tokens, kl,
+                    m["clip_frac"] * share, m["clip_frac_upper"] * share,
+                    m["clip_frac_lower"] * share, m["dual_clip_frac"] * share,
+                    m["approx_kl"] * share]).detach().float()
+            return loss * scale, {"stats": stats}
+
+        return self._step(microbatches, loss_fn, names)
+
+    def train_critic(self, batch: dict) -> dict:
+        """One critic step on the clipped value loss against ``returns`` (``old_values`` are the
+        critic's values at rollout time). Metrics: value_loss, vf_clipfrac, vpred_mean, grad_norm,
+        lr, update_successful."""
+        if self.role != "critic":
+            raise RuntimeError("train_critic needs role='critic'")
+        c = self.config
+        keys = ("returns", "old_values")
+        _check_batch(batch, keys, "train_critic")
+        batch = _to_device(batch)
+        microbatches, normalizer, global_tokens, width = self._microbatches(batch, keys)
+        scale = self._scale(len(microbatches))
+
+        def loss_fn(outputs, mb):
+            mask = mb["loss_mask"]
+            values = outputs["values"][:, :-1]  # V(tokens < t+1) predicts token t+1's return
+            loss, m = value_loss(values, mb["old_values"], mb["returns"], mask, c.value_clip,
+                                 agg=c.loss_agg_mode, normalizer=normalizer,
+                                 horizon=c.loss_horizon or width)
+            with torch.no_grad():
+                share = mask.sum() / global_tokens
+                stats = torch.stack([loss, m["vf_clip_frac"] * share,
+                                     m["vpred_mean"] * share]).detach().float()
+            return loss * scale, {"stats": stats}
+
+        return self._step(microbatches, loss_fn, ("value_loss", "vf_clipfrac", "vpred_mean"))
+
+    # ------------------------------------------------------------------ state
+    def save_checkpoint(self, root, extra: dict | None = None):
+        """Atomic ``<root>/step_<steps>`` with model, optimizer, LR schedule and ``extra``."""
+        return ckpt.save_checkpoint(root, self.steps, self.model, self.optimizer, self.scheduler,
+                                    extra=extra, hf_dir=self.hf_dir)
+
+    def load_checkpoint(self, path, optimizer: bool = True) -> dict:
+        """Load a checkpoint dir (or the newest under a root); returns its ``extra`` dict.
+
+        ``optimizer=False`` loads weights only (e.g. a converted HF checkpoint) and keeps the
+        step count at 0."""
+        path = Path(path)
+        found = path if (path / ckpt.STATE_FILE).exists() else ckpt.latest_checkpoint(path)
+        if found is None:
+            raise FileNotFoundError(f"no complete checkpoint at or under {path}")
+        loaded = ckpt.load_checkpoint(found, self.model, self.optimizer if optimizer else None,
+                                      self.scheduler if optimizer else None)
+        if optimizer:
+            self.steps = loaded.step
+        return loaded.extra
+
+    def export_hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return export_hf_state(self.model)
