@@ -11,7 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
+import torch
+
 from ragen_mega.agent.config import AgentConfig
+from ragen_mega.algo.losses import AGG_MODES, KL_KINDS
 from ragen_mega.config_tree import ConfigError, load_config
 from ragen_mega.logging import EchoTrapThresholds
 
@@ -104,48 +107,108 @@ class AlgoConfig:
                 raise ConfigError(f"{key}: must be in [0, 1], got {getattr(self, key)}")
 
 
-@dataclasses.dataclass
-class OptimConfig:
-    """Megatron trainer knobs of one model (actor or critic)."""
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    micro_batch_size: int = 4
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    use_distributed_optimizer: bool = False
-
-    def validate(self):
-        for key in ("tp", "pp", "dp", "micro_batch_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
-        if self.lr <= 0:
-            raise ConfigError(f"lr: must be > 0, got {self.lr}")
-
-
-@dataclasses.dataclass
-class ActorConfig(OptimConfig):
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: Optional[float] = 3.0     # dual-clip; None = off
-    entropy_coeff: float = 0.0
-    kl_coef: float = 0.0                    # 0 = no reference model (StarPO-S)
-    kl_kind: Literal["k1", "k2", "k3", "low_var_kl", "abs"] = "low_var_kl"
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-
-
-@dataclasses.dataclass
-class CriticConfig(OptimConfig):
-    enable: bool = True
-    lr: float = 1e-5
-    clip_range_value: float = 0.5
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
 
 
 @dataclasses.dataclass
 class TrainerConfig:
+    """Megatron trainer settings of one role (``actor`` / ``critic`` sections). Defaults are
+    StarPO-S's (clip 0.2 / 0.28, dual-clip 3, no KL). ``validate`` raises :class:`ConfigError`
+    naming the field; the run's tree puts the section in front (``actor.lr: ...``)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None              # virtual pipeline chunks per rank (interleaved 1F1B)
+    micro_batch_size: int = 1
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    warmup_steps: int = 0               # linear warm-up: step k (1-based) uses lr * k / warmup
+    total_steps: int = 1000             # decay horizon; min_lr afterwards
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.0           # AdamW, never on biases and norm weights (Megatron rule)
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0              # max global grad norm; 0 = no clipping
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = 3.0    # dual-clip bound for negative advantages; None = off
+    entropy_coeff: float = 0.0
+    kl_coef: float = 0.0                # 0 = no KL term and no reference model
+    kl_kind: str = "low_var_kl"
+    loss_agg_mode: str = "token-mean"
+    loss_horizon: int | None = None     # seq-mean-token-sum-norm divisor; None = batch width - 1
+    value_clip: float | None = 0.5      # critic: clipped value loss range; None = plain MSE
+    temperature: float = 1.0            # log-probs at the sampling temperature: the run sets it
+                                        # from rollout.temperature
+    use_distributed_optimizer: bool = False
+    bf16: bool = False                  # GPU only
+    seed: int = 1234
+
+    def validate(self) -> "TrainerConfig":
+        def bad(field, why):
+            raise ConfigError(f"{field}: {why} (got {getattr(self, field)!r})")
+
+        for field in ("tp", "pp", "micro_batch_size"):
+            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
+                bad(field, "must be an integer >= 1")
+        if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
+            bad("vpp", "must be None or >= 1 together with pp > 1")
+        if not self.lr > 0:
+            bad("lr", "must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            bad("min_lr", f"must be in [0, lr={self.lr}]")
+        if self.warmup_steps < 0:
+            bad("warmup_steps", "must be >= 0")
+        if self.total_steps <= self.warmup_steps:
+            bad("total_steps", f"must be > warmup_steps={self.warmup_steps}")
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            bad("lr_decay_style", f"must be one of {LR_DECAY_STYLES}")
+        if self.weight_decay < 0:
+            bad("weight_decay", "must be >= 0")
+        for field in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, field) < 1:
+                bad(field, "must be in [0, 1)")
+        if not self.adam_eps > 0:
+            bad("adam_eps", "must be > 0")
+        if self.grad_clip < 0:
+            bad("grad_clip", "must be >= 0 (0 disables clipping)")
+        if not 0 <= self.clip_ratio_low < 1:
+            bad("clip_ratio_low", "must be in [0, 1)")
+        if self.clip_ratio_high < 0:
+            bad("clip_ratio_high", "must be >= 0")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
+            bad("clip_ratio_c", "must be > 1 (or None to disable dual-clip)")
+        if self.entropy_coeff < 0:
+            bad("entropy_coeff", "must be >= 0")
+        if self.kl_coef < 0:
+            bad("kl_coef", "must be >= 0 (0 disables the KL term)")
+        if self.kl_kind not in KL_KINDS:
+            bad("kl_kind", f"must be one of {KL_KINDS}")
+        if self.loss_agg_mode not in AGG_MODES:
+            bad("loss_agg_mode", f"must be one of {AGG_MODES}")
+        if self.loss_horizon is not None and self.loss_horizon < 1:
+            bad("loss_horizon", "must be None or >= 1")
+        if self.value_clip is not None and not self.value_clip > 0:
+            bad("value_clip", "must be > 0 or None")
+        if not self.temperature > 0:
+            bad("temperature", "must be > 0")
+        if self.bf16 and not torch.cuda.is_available():
+            bad("bf16", "bf16 training needs a GPU; this machine has none (use bf16=False)")
+        return self
+
+
+
+@dataclasses.dataclass
+class CriticConfig(TrainerConfig):
+    """The critic: the actor's settings plus ``enable`` (False: critic-free, e.g. GRPO)."""
+    enable: bool = True
+    lr: float = 1e-5
+
+
+@dataclasses.dataclass
+class RunSection:
+    """The run as a whole: length, where it writes, placement, resume."""
     total_steps: int = 200
     run_dir: str = "runs/default"
     save_every: int = 0          # 0 = only at the end
@@ -153,11 +216,17 @@ class TrainerConfig:
     resume: str = "auto"         # auto | never | a checkpoint directory
     colocate: bool = False
     ray_address: Optional[str] = None   # None: start a private local Ray; "auto" on clusters
+    data_parallel: int = 1       # replicas of the actor and of the critic (each TP x PP ranks)
+    sync_bucket_mb: int = 512    # weight-sync bucket size (slime's default)
+    check_weight_sync: bool = False     # after each sync, compare engine and trainer log-probs
     seed: int = 0
 
     def validate(self):
         if self.total_steps < 1:
             raise ConfigError(f"total_steps: must be >= 1, got {self.total_steps}")
+        for key in ("data_parallel", "sync_bucket_mb"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
         for key in ("save_every", "eval_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
@@ -171,9 +240,9 @@ class RunConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
-    actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
+    actor: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
-    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    trainer: RunSection = dataclasses.field(default_factory=RunSection)
     echo_trap: EchoTrapThresholds = dataclasses.field(default_factory=EchoTrapThresholds)
 
     def validate(self):

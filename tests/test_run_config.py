@@ -18,12 +18,14 @@ def test_defaults_are_ragen_starpo_s():
     assert (cfg.filter.ratio, cfg.filter.mode) == (0.25, "std")
     assert (cfg.algo.adv_estimator, cfg.algo.gamma, cfg.algo.lam) == ("gae", 1.0, 1.0)
     assert cfg.critic.enable and cfg.critic.lr == 1e-5 and cfg.actor.lr == 1e-6
+    assert cfg.actor.clip_ratio_c == 3.0 and cfg.actor.loss_agg_mode == "token-mean"
 
 
 @pytest.mark.parametrize("overrides, needle", [
     (["actor.lrr=1"], "unknown config key 'actor.lrr'; allowed keys here:"),
-    (["actor.tp=0"], "actor.tp: must be >= 1, got 0"),
+    (["actor.tp=0"], "actor.tp: must be an integer >= 1 (got 0)"),
     (["critic.lr=-1"], "critic.lr: must be > 0"),
+    (["trainer.data_parallel=0"], "trainer.data_parallel: must be >= 1"),
     (["env.name=chess"], "env.name: unknown env 'chess'; registered envs: babyai, bandit"),
     (["filter.ratio=0"], "filter.ratio: must be in (0, 1]"),
     (["filter.mode=top"], "filter.mode: 'top' is not allowed; allowed values: 'std', 'std_rev'"),
@@ -50,3 +52,18 @@ def test_overrides_apply():
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_examples_load(path):
     load_run_config(path)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"micro_batch_size": 0}, "micro_batch_size"), ({"clip_ratio_c": 0.5}, "clip_ratio_c"),
+    ({"loss_agg_mode": "mean"}, "loss_agg_mode"), ({"kl_kind": "k9"}, "kl_kind"),
+    ({"warmup_steps": 10, "total_steps": 5}, "total_steps"), ({"bf16": True}, "bf16")])
+def test_trainer_config_errors_name_the_field(kwargs, field):
+    """The Megatron trainer refuses a bad TrainerConfig itself too (not only via the tree)."""
+    from ragen_mega.config import TrainerConfig
+
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        TrainerConfig(**kwargs).validate()
+    overrides = [f"critic.{k}={v}" for k, v in kwargs.items()]
+    with pytest.raises(ConfigError, match=f"^critic.{field}: "):
+        load_run_config(None, overrides)

@@ -159,6 +159,12 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
+    if vpp:
+        # Interleaved 1F1B with Megatron's default batched p2p trades activations and gradients
+        # with the same peer in one batch when pp=2 (next stage == previous stage): they arrive
+        # swapped (measured on gloo: wrong gradients, or a shape error for ragged micro-batches).
+        # Megatron-LM's own setting for interleaving, overlapped unbatched p2p, is exact.
+        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 

@@ -27,9 +27,7 @@ number of optimizer steps is stored here and written back into the Adam state on
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import multiprocessing
 import os
 import shutil
 from pathlib import Path
@@ -109,20 +107,6 @@ def _set_optimizer_steps(optimizer, n: int) -> None:
                 st["step"] = torch.tensor(float(n)) if torch.is_tensor(st["step"]) else n
 
 
-@contextlib.contextmanager
-def _children_allowed():
-    """torch_dist's file writer starts helper processes, which Python refuses inside a daemonic
-    process — and ``launch.run_workers`` starts its workers as daemons. Lift the flag while
-    saving (the helpers finish before ``save`` returns)."""
-    proc = multiprocessing.current_process()
-    daemon = proc._config.get("daemon", False)
-    proc._config["daemon"] = False
-    try:
-        yield
-    finally:
-        proc._config["daemon"] = daemon
-
-
 def _prime_adam_state(optimizer) -> None:
     """Give a fresh optimizer zero Adam state with a step counter before loading into it.
 
@@ -189,9 +173,8 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
     state = {"model": model_sd}
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_METADATA)
-    with _children_allowed():
-        dist_checkpointing.save(state, str(tmp / "dist"),
-                                sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
+    dist_checkpointing.save(state, str(tmp / "dist"),
+                            sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
     opt_steps = _optimizer_steps(optimizer) if optimizer is not None else 0
     signature = model_signature(model)
     _barrier()

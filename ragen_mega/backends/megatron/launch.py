@@ -64,7 +64,9 @@ def run_workers(fn, world_size: int, *args, tp: int = 1, pp: int = 1, vpp: int |
     ctx = mp.get_context("spawn")
     layout = dict(tp=tp, pp=pp, vpp=vpp, seed=seed)
     with tempfile.TemporaryDirectory(prefix="ragen_mega_launch_") as tmp:
-        procs = [ctx.Process(target=_worker, daemon=True,
+        # Not daemonic: torch_dist checkpoint saving starts helper processes, which Python
+        # forbids inside a daemon. The finally-block below kills every worker by PID instead.
+        procs = [ctx.Process(target=_worker,
                              args=(r, world_size, tmp, fn, args, layout, threads_per_worker))
                  for r in range(world_size)]
         for p in procs:

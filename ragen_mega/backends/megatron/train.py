@@ -36,102 +36,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ragen_mega.algo.losses import (AGG_MODES, KL_KINDS, aggregate, kl_penalty, loss_normalizer,
-                                    policy_loss, value_loss)
+from ragen_mega.algo.losses import aggregate, kl_penalty, loss_normalizer, policy_loss, value_loss
 from ragen_mega.backends.megatron import checkpoint as ckpt
 from ragen_mega.backends.megatron.cpu_compat import cuda_tensor_type_names
 from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_values,
                                                   make_forward_step, run_schedule,
                                                   split_microbatches)
 from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
-
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
-
-
-@dataclasses.dataclass
-class TrainerConfig:
-    """Trainer settings (one per role). Defaults are StarPO-S's (clip 0.2 / 0.28, dual-clip 3)."""
-
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None              # virtual pipeline chunks per rank (interleaved 1F1B)
-    micro_batch_size: int = 1
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    warmup_steps: int = 0               # linear warm-up: step k (1-based) uses lr * k / warmup
-    total_steps: int = 1000             # decay horizon; min_lr afterwards
-    lr_decay_style: str = "constant"
-    weight_decay: float = 0.0           # AdamW, never on biases and norm weights (Megatron rule)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0              # max global grad norm; 0 = no clipping
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float | None = 3.0    # dual-clip bound for negative advantages; None = off
-    entropy_coeff: float = 0.0
-    kl_coef: float = 0.0                # 0 = no KL term and no reference model
-    kl_kind: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"
-    loss_horizon: int | None = None     # seq-mean-token-sum-norm divisor; None = batch width - 1
-    value_clip: float | None = 0.5      # critic: clipped value loss range; None = plain MSE
-    temperature: float = 1.0            # the rollout's sampling temperature (log-probs use it)
-    use_distributed_optimizer: bool = False
-    bf16: bool = False                  # GPU only
-    seed: int = 1234
-
-    def validate(self) -> "TrainerConfig":
-        def bad(field, why):
-            raise ValueError(f"TrainerConfig.{field}={getattr(self, field)!r}: {why}")
-
-        for field in ("tp", "pp", "micro_batch_size"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
-                bad(field, "must be an integer >= 1")
-        if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
-            bad("vpp", "must be None or >= 1 together with pp > 1")
-        if not self.lr > 0:
-            bad("lr", "must be > 0")
-        if not 0 <= self.min_lr <= self.lr:
-            bad("min_lr", f"must be in [0, lr={self.lr}]")
-        if self.warmup_steps < 0:
-            bad("warmup_steps", "must be >= 0")
-        if self.total_steps <= self.warmup_steps:
-            bad("total_steps", f"must be > warmup_steps={self.warmup_steps}")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            bad("lr_decay_style", f"must be one of {LR_DECAY_STYLES}")
-        if self.weight_decay < 0:
-            bad("weight_decay", "must be >= 0")
-        for field in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, field) < 1:
-                bad(field, "must be in [0, 1)")
-        if not self.adam_eps > 0:
-            bad("adam_eps", "must be > 0")
-        if self.grad_clip < 0:
-            bad("grad_clip", "must be >= 0 (0 disables clipping)")
-        if not 0 <= self.clip_ratio_low < 1:
-            bad("clip_ratio_low", "must be in [0, 1)")
-        if self.clip_ratio_high < 0:
-            bad("clip_ratio_high", "must be >= 0")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            bad("clip_ratio_c", "must be > 1 (or None to disable dual-clip)")
-        if self.entropy_coeff < 0:
-            bad("entropy_coeff", "must be >= 0")
-        if self.kl_coef < 0:
-            bad("kl_coef", "must be >= 0 (0 disables the KL term)")
-        if self.kl_kind not in KL_KINDS:
-            bad("kl_kind", f"must be one of {KL_KINDS}")
-        if self.loss_agg_mode not in AGG_MODES:
-            bad("loss_agg_mode", f"must be one of {AGG_MODES}")
-        if self.loss_horizon is not None and self.loss_horizon < 1:
-            bad("loss_horizon", "must be None or >= 1")
-        if self.value_clip is not None and not self.value_clip > 0:
-            bad("value_clip", "must be > 0 or None")
-        if not self.temperature > 0:
-            bad("temperature", "must be > 0")
-        if self.bf16 and not torch.cuda.is_available():
-            bad("bf16", "bf16 training needs a GPU; this machine has none (use bf16=False)")
-        return self
-
+from ragen_mega.config import TrainerConfig
 
 def _dp_group():
     from megatron.core import parallel_state as mpu
@@ -214,12 +126,7 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ construction
     def _load(self, role: str) -> list:
-        # Interleaved 1F1B with Megatron's default batched p2p trades activations and gradients
-        # with the same peer in one batch when pp=2 (next stage == previous stage): they arrive
-        # swapped (measured: wrong gradients, or a shape error for ragged micro-batches).
-        # Megatron-LM's own setting for interleaving, overlapped unbatched p2p, is exact.
-        overrides = {"overlap_p2p_comm": True, "batch_p2p_comm": False} if self.config.vpp else None
-        chunks = build_model(self.hf_dir, role=role, dtype=self.dtype, config_overrides=overrides)
+        chunks = build_model(self.hf_dir, role=role, dtype=self.dtype)
         load_hf_checkpoint(chunks, self.hf_dir)
         return chunks
 
