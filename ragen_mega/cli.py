@@ -12,6 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "play": ("ragen_mega.envs.play", "play an environment by hand, seeing the model's text"),
     "prepare-model": ("ragen_mega.models.prepare", "write a local HF model directory (no hub)"),
     "convert": ("ragen_mega.backends.megatron.convert", "convert checkpoints HF <-> Megatron"),
+    "train": ("ragen_mega.ray.driver", "train with StarPO / StarPO-S (CONFIG.yaml [key=value ...])"),
 }
 
 

@@ -1,0 +1,312 @@
+"""``ragen-mega train CONFIG [key=value ...]``: the StarPO / StarPO-S training loop.
+
+One step, as DESIGN.md draws it::
+
+    rollout (all episodes concurrently over the SGLang engines)
+      -> StarPO-S filter -> old log-probs (actor) and values (critic) -> advantages
+      -> critic update -> actor update -> weight sync into the engines -> log -> checkpoint
+
+:class:`Run` holds the placed pieces (engines, actor, critic, logger); :func:`train` is the loop.
+Resuming (``trainer.resume=auto``) restarts from the newest step whose actor (and critic)
+checkpoints are complete; seeds are a function of the step, so the data cursor is the step.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ragen_mega.config import RunConfig, load_run_config
+from ragen_mega.config_tree import to_dict
+from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
+from ragen_mega.rollout.episode import Episode, group_specs, run_episodes, seeds_per_step
+
+LATEST = "latest_step"
+
+
+def resolve_model(path: str) -> str:
+    """``smollm2`` -> the prepared SmolLM2 directory; otherwise an HF directory that must exist."""
+    if path == "smollm2":
+        from ragen_mega.models.prepare import prepare_smollm2
+
+        return str(prepare_smollm2())
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: {path!r} is not a Hugging Face model directory "
+                                f"(no config.json)")
+    return path
+
+
+def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    """Means of the per-episode metrics, plus reward std and response length."""
+    out: dict[str, float] = {}
+    for key in episodes[0].metrics:
+        out[f"{prefix}/{key}"] = sum(e.metrics[key] for e in episodes) / len(episodes)
+    rewards = torch.tensor([e.metrics["reward"] for e in episodes])
+    out[f"{prefix}/reward_mean"] = float(rewards.mean())
+    out[f"{prefix}/reward_std"] = float(rewards.std()) if len(episodes) > 1 else 0.0
+    lengths = [len(s.response_ids) for e in episodes for s in e.samples]
+    out[f"{prefix}/response_length"] = sum(lengths) / len(lengths)
+    return out
+
+
+@dataclasses.dataclass
+class Run:
+    cfg: RunConfig
+    model_dir: str
+    tokenizer: object
+    engines: object
+    actor: object
+    critic: object | None
+    placement_group: object
+
+    def shutdown(self) -> None:
+        """Stop what this run started: engines, trainer actors, the placement group."""
+        from ray.util.placement_group import remove_placement_group
+
+        self.actor.kill()  # first: it closes its weight-update group with the live engines
+        if self.critic is not None:
+            self.critic.kill()
+        self.engines.shutdown()
+        remove_placement_group(self.placement_group)
+
+    def rollout(self, step: int, *, evaluate: bool = False) -> tuple[list[Episode], float]:
+        """Play one step's episodes (training seeds, or the held-out seeds at eval temperature)."""
+        env, r = self.cfg.env, self.cfg.rollout
+        if evaluate:
+            name, kwargs = env.val_name or env.name, env.val_kwargs or env.kwargs
+            specs = group_specs(name, kwargs, env_groups=env.val_groups, group_size=1,
+                                first_seed=env.val_seed, env_tag=f"val_{name}")
+            temperature = r.val_temperature
+        else:
+            first = env.seed + (step - 1) * seeds_per_step(env.name, env.env_groups, env.group_size)
+            specs = group_specs(env.name, env.kwargs, env_groups=env.env_groups,
+                                group_size=env.group_size, first_seed=first, env_tag=env.name)
+            temperature = r.temperature
+        sampling = {"temperature": temperature, "top_p": r.top_p,
+                    "max_new_tokens": r.max_new_tokens, "stop": ["</answer>"],
+                    "no_stop_trim": True}
+
+        async def play():
+            try:
+                return await run_episodes(specs, tokenizer=self.tokenizer, agent=self.cfg.agent,
+                                          generate=self.engines.generate, sampling=sampling,
+                                          max_turns=env.max_turns,
+                                          env_steps_in_thread=r.env_steps_in_thread)
+            finally:
+                await self.engines.close_clients()  # the clients belong to this event loop
+
+        start = time.perf_counter()
+        episodes = asyncio.run(play())
+        return episodes, time.perf_counter() - start
+
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, metrics = self.cfg, {}
+        t0 = time.perf_counter()
+        episodes, rollout_s = self.rollout(step)
+        metrics.update(summarize(episodes, "rollout"))
+        samples = [s for e in episodes for s in e.samples]
+        metrics["rollout/group_reward_std_before_filter"] = _group_std(samples)
+        samples, filter_metrics = filter_groups(samples, cfg.filter.ratio, cfg.filter.mode)
+        metrics.update(filter_metrics)
+        metrics["rollout/group_reward_std_after_filter"] = _group_std(samples)
+        batch = build_batch(samples, pad_id=self.tokenizer.pad_token_id)
+        t1 = time.perf_counter()
+        batch["old_logprobs"] = self.actor.compute_logprobs(batch)
+        values = None
+        if self.critic is not None:
+            values = self.critic.compute_values(batch)
+            batch["old_values"] = values
+        batch = compute_advantages(batch, estimator=cfg.algo.adv_estimator, gamma=cfg.algo.gamma,
+                                   lam=cfg.algo.lam, reward_norm=cfg.algo.reward_norm,
+                                   grpo_norm_by_std=cfg.algo.grpo_norm_by_std,
+                                   token_values=values)
+        mask = batch["loss_mask"].bool()
+        metrics["train/rollout_vs_trainer_logprob_diff"] = float(
+            (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].abs().mean())
+        if self.critic is not None:
+            metrics.update(self.critic.train(batch))
+        metrics.update(self.actor.train(batch))
+        t2 = time.perf_counter()
+        metrics.update(self.actor.sync_weights(step))
+        t3 = time.perf_counter()
+        if cfg.trainer.check_weight_sync:
+            metrics["sync/max_logprob_diff"] = self.check_weight_sync()
+        tokens = int(batch["attention_mask"].sum())
+        metrics.update({"time/rollout_s": rollout_s, "time/train_s": t2 - t1,
+                        "time/sync_s": t3 - t2, "time/step_s": t3 - t0,
+                        "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
+                        "train/batch_samples": float(len(samples)),
+                        "weight_version": float(step)})
+        return metrics
+
+    def check_weight_sync(self) -> float:
+        """Max |engine - trainer| log-prob over a greedy completion of a fixed prompt, on every
+        engine (slime's check-weight-update-equal): near 0 iff the engines serve the trainer's
+        weights."""
+        prompt = self.tokenizer.encode("Which slot machine pays more, Phoenix or Dragon?",
+                                       add_special_tokens=False)
+        sampling = {"temperature": 0.0, "max_new_tokens": 8}
+
+        async def ask_all():
+            try:
+                return await asyncio.gather(*(self.engines.generate(prompt, sampling, engine=i)
+                                              for i in range(len(self.engines.urls))))
+            finally:
+                await self.engines.close_clients()
+
+        worst = 0.0
+        for gen in asyncio.run(ask_all()):
+            ids = torch.tensor([prompt + gen.output_ids])
+            batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                     "loss_mask": torch.zeros(ids.shape)}
+            trainer = self.actor.compute_logprobs(batch)[0, len(prompt):]
+            worst = max(worst, float((trainer - torch.tensor(gen.logprobs)).abs().max()))
+        return worst
+
+    def evaluate(self) -> dict[str, float]:
+        episodes, seconds = self.rollout(0, evaluate=True)
+        return {**summarize(episodes, "val"), "time/eval_s": seconds}
+
+    def save(self, step: int) -> None:
+        """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete."""
+        root = Path(self.cfg.trainer.run_dir) / "checkpoints"
+        extra = {"step": step}
+        self.actor.save_checkpoint(str(root / "actor"), extra)
+        if self.critic is not None:
+            self.critic.save_checkpoint(str(root / "critic"), extra)
+        tmp = root / f".{LATEST}.tmp"
+        tmp.write_text(str(step))
+        os.replace(tmp, root / LATEST)
+
+    def resume(self) -> int:
+        """The step to continue after (0 = fresh start), loading its checkpoints."""
+        mode = self.cfg.trainer.resume
+        root = Path(self.cfg.trainer.run_dir) / "checkpoints"
+        if mode == "never" or (mode == "auto" and not (root / LATEST).exists()):
+            return 0
+        if mode == "auto":
+            step = int((root / LATEST).read_text())
+            actor_dir, critic_dir = root / "actor" / f"step_{step}", root / "critic" / f"step_{step}"
+        else:
+            actor_dir, critic_dir = Path(mode) / "actor", Path(mode) / "critic"
+        step = int(self.actor.load_checkpoint(str(actor_dir))["step"])
+        if self.critic is not None:
+            self.critic.load_checkpoint(str(critic_dir))
+        return step
+
+
+def _group_std(samples) -> float:
+    from ragen_mega.algo.advantages import group_stats
+    from ragen_mega.rollout.batch import episode_scores
+
+    _, group_ids, scores = episode_scores(torch.tensor([s.episode_id for s in samples]),
+                                          torch.tensor([s.group_id for s in samples]),
+                                          torch.tensor([s.reward for s in samples]))
+    return float(group_stats(scores, group_ids).std.mean())
+
+
+def build_run(cfg: RunConfig) -> Run:
+    """Start Ray (or join it), place engines and trainers, connect the weight sync."""
+    from transformers import AutoTokenizer
+
+    from ragen_mega.ray.cluster import init_ray
+    from ragen_mega.ray.engine_group import EngineGroup
+    from ragen_mega.ray.placement import create_placement_group, plan_placement
+    from ragen_mega.ray.trainer_group import TrainerGroup
+
+    model_dir = resolve_model(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    init_ray(cfg.trainer.ray_address)
+    import ray
+
+    use_gpu = torch.cuda.is_available()
+    actor_world = cfg.actor.tp * cfg.actor.pp * cfg.trainer.data_parallel
+    critic_world = cfg.critic.tp * cfg.critic.pp * cfg.trainer.data_parallel if cfg.critic.enable else 0
+    n_bundles = actor_world + critic_world + (0 if cfg.trainer.colocate else
+                                              cfg.rollout.num_engines * cfg.rollout.engine_tp)
+    cpus = 1.0 if use_gpu else min(1.0, ray.cluster_resources().get("CPU", 1) / n_bundles)
+    plan = plan_placement(num_trainer_ranks=actor_world + critic_world,
+                          num_engines=cfg.rollout.num_engines, engine_tp=cfg.rollout.engine_tp,
+                          colocate=cfg.trainer.colocate, use_gpu=use_gpu, cpus_per_bundle=cpus)
+    pg = create_placement_group(plan)
+    run_dir = Path(cfg.trainer.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    engines = EngineGroup(model_dir, pg, plan.engine_bundles, tp=cfg.rollout.engine_tp,
+                          dtype=cfg.model.dtype, log_dir=str((run_dir / "logs").resolve()),
+                          num_cpus=cpus / 2 if cfg.trainer.colocate else cpus,
+                          num_gpus=0.0)
+    trainer_cpus = cpus / 2 if cfg.trainer.colocate else cpus
+    gpus = 0.5 if (use_gpu and cfg.trainer.colocate) else (1.0 if use_gpu else 0.0)
+    total = cfg.trainer.total_steps
+    actor_cfg = dataclasses.replace(cfg.actor, total_steps=max(total, cfg.actor.warmup_steps + 1),
+                                    temperature=max(cfg.rollout.temperature, 1e-6),
+                                    seed=cfg.trainer.seed)
+    actor = TrainerGroup("actor", model_dir, actor_cfg, pg, plan.trainer_bundles[:actor_world],
+                         num_cpus=trainer_cpus, num_gpus=gpus)
+    critic = None
+    if cfg.critic.enable:
+        critic_cfg = dataclasses.replace(cfg.critic, seed=cfg.trainer.seed,
+                                         total_steps=max(total, cfg.critic.warmup_steps + 1))
+        critic = TrainerGroup("critic", model_dir, critic_cfg, pg,
+                              plan.trainer_bundles[actor_world:], num_cpus=trainer_cpus,
+                              num_gpus=gpus)
+    actor.connect_engines(engines.urls, engines.tp_sizes,
+                          mode="tensor" if cfg.trainer.colocate else "distributed",
+                          bucket_bytes=cfg.trainer.sync_bucket_mb << 20)
+    return Run(cfg, model_dir, tokenizer, engines, actor, critic, pg)
+
+
+def train(cfg: RunConfig) -> list[dict[str, float]]:
+    """Run the loop; returns every step's metrics (also in TensorBoard and metrics.jsonl)."""
+    from ragen_mega.logging import RunLogger
+
+    run = build_run(cfg)
+    run_dir = Path(cfg.trainer.run_dir)
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
+    history = []
+    try:
+        start = run.resume()
+        run.actor.sync_weights(start)  # engines serve exactly the trainer's weights from now on
+        if start == 0 and cfg.trainer.eval_every:
+            logger.log(0, run.evaluate())
+        for step in range(start + 1, cfg.trainer.total_steps + 1):
+            metrics = run.train_step(step)
+            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
+                metrics.update(run.evaluate())
+            logger.log(step, metrics)
+            history.append({"step": step, **metrics})
+            with open(run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+            last = step == cfg.trainer.total_steps
+            if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
+                run.save(step)
+    finally:
+        logger.close()
+        run.shutdown()
+    return history
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ragen-mega train CONFIG.yaml [key=value ...]``"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ragen-mega train", description=main.__doc__)
+    parser.add_argument("config", help="YAML config file (see examples/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6")
+    args = parser.parse_args(argv)
+    from ragen_mega.config_tree import ConfigError
+
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"ragen-mega train: config error: {e}", file=sys.stderr)
+        return 2
+    train(cfg)
+    return 0

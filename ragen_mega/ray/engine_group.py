@@ -1,0 +1,68 @@
+"""SGLang rollout engines placed by Ray, and the rollout's generate function over all of them.
+
+Each :class:`EngineWorker` is a small Ray actor that starts one SGLang server on its node (the
+server is the actor's child process group, so killing the actor's group stops it) and reports
+its URL. The driver then talks to the servers directly over HTTP: generation never goes through
+Ray's object store.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from ragen_mega.ray.actor_group import ActorGroup
+from ragen_mega.rollout.episode import Generation
+
+
+class EngineWorker:
+    """Owns one SGLang server process on the node Ray put this actor on."""
+
+    def __init__(self, rank: int, world: int, model_path: str, tp: int, dtype: str | None,
+                 log_dir: str, startup_timeout: float):
+        import ray
+
+        from ragen_mega.backends.sglang.server import launch_server
+
+        host = ray.util.get_node_ip_address()
+        self.server = launch_server(model_path, host=host, tp=tp, dtype=dtype,
+                                    log_file=f"{log_dir}/engine_{rank}.log",
+                                    startup_timeout=startup_timeout)
+
+    def url(self) -> str:
+        return self.server.url
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+class EngineGroup:
+    """``num_engines`` SGLang servers; :meth:`generate` spreads requests over them."""
+
+    def __init__(self, model_path: str, pg, bundles: list[list[int]], *, tp: int,
+                 dtype: str | None, log_dir: str, num_cpus: float, num_gpus: float = 0.0,
+                 startup_timeout: float = 600.0):
+        from ragen_mega.backends.sglang.client import AsyncEngineClient
+
+        # An engine spanning several devices sits on its first bundle; the others stay reserved.
+        self.group = ActorGroup(EngineWorker, pg, [b[0] for b in bundles], num_cpus=num_cpus,
+                                num_gpus=num_gpus * tp,
+                                init_args=(model_path, tp, dtype, log_dir, startup_timeout))
+        self.urls = self.group.call("url", timeout_s=startup_timeout)
+        self.tp_sizes = [tp] * len(self.urls)
+        self.clients = [AsyncEngineClient(u) for u in self.urls]
+        self._next = itertools.cycle(range(len(self.clients)))
+
+    async def generate(self, prompt_ids: list[int], sampling: dict[str, Any],
+                       engine: int | None = None) -> Generation:
+        """One completion (token ids and log-probs) from ``engine``, or the next one in turn."""
+        client = self.clients[next(self._next) if engine is None else engine]
+        out = await client.generate(prompt_ids, sampling, return_logprob=True)
+        return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
+
+    async def close_clients(self) -> None:
+        for client in self.clients:
+            await client.close()
+
+    def shutdown(self) -> None:
+        self.group.call("shutdown")
+        self.group.kill()

@@ -1,0 +1,176 @@
+"""The Megatron actor or critic as a group of Ray actors, one per rank, plus weight sync.
+
+Each :class:`TrainerWorker` is one rank of the TP x PP x DP world: it joins torch.distributed
+(gloo on CPU, NCCL on GPU) through a ``tcp://`` rendezvous on rank 0's node, builds a
+:class:`~ragen_mega.backends.megatron.train.MegatronTrainer`, and runs whatever the driver asks
+on every rank at once (the methods are SPMD collectives). The driver hands over the GLOBAL batch;
+each rank cuts its data-parallel share.
+
+Weight sync is the actor group's: every rank walks ``export_hf_state`` in step (it gathers TP
+shards and PP stages collectively) and global rank 0 streams the HF-named tensors into the
+engines through :class:`~ragen_mega.backends.sglang.weight_sender.BucketedWeightSender`.
+"""
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import torch
+
+from ragen_mega.ray.actor_group import ActorGroup
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def rendezvous_on_bundle(pg, bundle: int) -> str:
+    """``tcp://ip:port`` with a free port on the node that holds ``bundle`` of ``pg``."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def probe():
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return _node_ip(), s.getsockname()[1]
+
+    ip, port = ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        placement_group=pg, placement_group_bundle_index=bundle)).remote())
+    return f"tcp://{ip}:{port}"
+
+
+class TrainerWorker:
+    """One rank of a Megatron trainer (actor or critic), living in a Ray actor."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, role: str, hf_dir: str,
+                 config, threads: int | None = None):
+        from ragen_mega.backends.megatron.parallel import init_parallel
+        from ragen_mega.backends.megatron.train import MegatronTrainer
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.rank = rank
+        init_parallel(rank, world_size, init_method, tp=config.tp, pp=config.pp, vpp=config.vpp,
+                      seed=config.seed)
+        self.trainer = MegatronTrainer(config, hf_dir, role=role)
+        self.sender = None
+
+    def _local(self, batch: dict) -> dict:
+        from ragen_mega.backends.megatron.train import dp_shard
+
+        return dp_shard(batch)
+
+    def compute_logprobs(self, batch: dict) -> torch.Tensor | None:
+        """Log-probs [B, S] of the global batch (returned by rank 0 only)."""
+        return self._gather_rows(self.trainer.compute_logprobs(self._local(batch)))
+
+    def compute_values(self, batch: dict) -> torch.Tensor | None:
+        return self._gather_rows(self.trainer.compute_values(self._local(batch)))
+
+    def train(self, batch: dict) -> dict[str, float]:
+        local = self._local(batch)
+        if self.trainer.role == "actor":
+            return self.trainer.train_actor(local)
+        return self.trainer.train_critic(local)
+
+    def save_checkpoint(self, root: str, extra: dict | None = None) -> str:
+        return str(self.trainer.save_checkpoint(root, extra=extra))
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self.trainer.load_checkpoint(path)
+
+    def steps(self) -> int:
+        return self.trainer.steps
+
+    def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], mode: str,
+                        bucket_bytes: int) -> None:
+        """Rank 0 opens the weight-update channel to every engine (others have nothing to do)."""
+        if self.rank != 0:
+            return
+        from ragen_mega.backends.sglang.client import EngineClient
+        from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
+
+        if mode == "tensor":
+            torch.multiprocessing.set_sharing_strategy("file_system")
+        self.sender = BucketedWeightSender(
+            [EngineClient(u) for u in urls], mode=mode, bucket_bytes=bucket_bytes,
+            master_addr=_node_ip(), engine_tp_sizes=engine_tp_sizes)
+        if mode == "distributed":
+            self.sender.connect()
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the current weights into the engines (collective over every rank)."""
+        named = self.trainer.export_hf_state()
+        if self.sender is None:  # not the sending rank: take part in the gathers only
+            for _ in named:
+                pass
+            return {}
+        stats = self.sender.send(named, version)
+        return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes),
+                "sync/buckets": float(stats.num_buckets)}
+
+    def close(self) -> None:
+        """Tear down the weight-update channel (its process group and HTTP sessions)."""
+        if self.sender is not None:
+            self.sender.close()
+            for client in self.sender.engines:
+                client.close()
+            self.sender = None
+
+    def _gather_rows(self, local: torch.Tensor) -> torch.Tensor | None:
+        """Rows of every DP rank, in global order, on rank 0 (None elsewhere)."""
+        from megatron.core import parallel_state as mpu
+
+        dp = mpu.get_data_parallel_world_size()
+        if dp > 1:
+            parts = [torch.empty_like(local) for _ in range(dp)]
+            torch.distributed.all_gather(parts, local.contiguous(),
+                                         group=mpu.get_data_parallel_group())
+            local = torch.cat(parts)
+        return local if self.rank == 0 else None
+
+
+class TrainerGroup:
+    """All ranks of one trainer role; every method runs on all ranks and returns rank 0's."""
+
+    def __init__(self, role: str, hf_dir: str, config, pg, bundles: list[int], *,
+                 num_cpus: float, num_gpus: float = 0.0, threads: int | None = None):
+        init_method = rendezvous_on_bundle(pg, bundles[0])
+        self.group = ActorGroup(TrainerWorker, pg, bundles, num_cpus=num_cpus, num_gpus=num_gpus,
+                                init_args=(init_method, role, hf_dir, config, threads))
+        self.role = role
+
+    def _first(self, method: str, *args: Any) -> Any:
+        return self.group.call(method, *args)[0]
+
+    def compute_logprobs(self, batch: dict) -> torch.Tensor:
+        return self._first("compute_logprobs", batch)
+
+    def compute_values(self, batch: dict) -> torch.Tensor:
+        return self._first("compute_values", batch)
+
+    def train(self, batch: dict) -> dict[str, float]:
+        return {f"{self.role}/{k}": v for k, v in self._first("train", batch).items()}
+
+    def save_checkpoint(self, root: str, extra: dict | None = None) -> str:
+        return self._first("save_checkpoint", root, extra)
+
+    def load_checkpoint(self, path: str) -> dict:
+        return self._first("load_checkpoint", path)
+
+    def steps(self) -> int:
+        return self._first("steps")
+
+    def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], *, mode: str,
+                        bucket_bytes: int) -> None:
+        self.group.call("connect_engines", urls, engine_tp_sizes, mode, bucket_bytes)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        return self._first("sync_weights", version)
+
+    def kill(self) -> None:
+        self.group.call("close")
+        self.group.kill()
