@@ -122,3 +122,19 @@ def test_agrees_with_ragen_regex_on_random_texts():
                 assert r.thought == thought, text
             assert r.penalty == (0.0 if ok else config.format_penalty)
     assert n_ok > 300  # the sample exercised well-formed responses, not only broken ones
+
+
+def test_answer_line_mode_reads_the_first_line():
+    cfg = AgentConfig(think=False, answer_line=True, max_actions_per_turn=1)
+    assert parse_response(" Dragon </answer> more", cfg).actions == ["Dragon"]
+    assert parse_response(" \nPhoenix.\nTurn 2: Dragon", cfg).actions == ["Phoenix."]
+    assert parse_response(" Phoenix", cfg, finished=True).actions == ["Phoenix"]
+    # cut at max_new_tokens in the middle of the line: not an answer
+    cut = parse_response(" Phoenix is the one I", cfg, finished=False)
+    assert not cut.format_ok and cut.penalty == cfg.format_penalty
+    assert not parse_response("   \n  ", cfg, finished=True).format_ok
+    # without answer_line the same texts need the closing tag, as RAGEN's parser does
+    strict = AgentConfig(think=False, max_actions_per_turn=1)
+    assert not parse_response(" \nPhoenix.\nTurn 2", strict).format_ok
+    with pytest.raises(ValueError, match="AgentConfig.answer_line is for answer-only mode"):
+        AgentConfig(think=True, answer_line=True)

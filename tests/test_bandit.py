@@ -64,6 +64,18 @@ def test_numbers_pick_the_arm_in_the_shown_order():
             assert env.step(f" {number} ")[3]["arm"] == order[int(number) - 1]
 
 
+def test_short_answers_naming_one_arm_pull_it():
+    env = make("bandit", low_risk_name="Teacher", high_risk_name="Trader")
+    for text, arm in [("2. Trader", "Trader"), ("Trader slot", "Trader"), ("[teacher].", "Teacher"),
+                      ("  TEACHER!", "Teacher")]:
+        env.reset(1)
+        obs, _, done, info = env.step(text)
+        assert info["action_is_valid"] and info["arm"] == arm and done, text
+    for text in ("Teacher or Trader", "Traders", "I would pull the trader " + "x" * 60):
+        env.reset(1)
+        assert env.step(text)[3]["action_is_valid"] is False, text
+
+
 def test_invalid_actions_step_limits_and_bad_kwargs():
     env = make("bandit", low_risk_name="Teacher", high_risk_name="Trader")
     with pytest.raises(RuntimeError, match="reset"):

@@ -30,10 +30,17 @@ class AgentConfig:
     #: prompt length limit in tokens, None = no limit. Over it, a bounded window (memory_turns set)
     #: drops its oldest turns until the prompt fits; otherwise building the prompt raises.
     max_prompt_tokens: int | None = None
+    #: answer-only mode: the answer is the response's first line, ended by ``</answer>``, a
+    #: newline, or the model's own end of turn (not a cut at max_new_tokens). Small models rarely
+    #: close the tag within a few tokens; this reads what they meant without guessing.
+    answer_line: bool = False
 
     def __post_init__(self):
         _check_bool("think", self.think)
         _check_bool("include_thoughts_in_memory", self.include_thoughts_in_memory)
+        _check_bool("answer_line", self.answer_line)
+        if self.answer_line and self.think:
+            raise ValueError("AgentConfig.answer_line is for answer-only mode; set think=false")
         _check_int("max_actions_per_turn", self.max_actions_per_turn, minimum=1)
         _check_int("memory_turns", self.memory_turns, minimum=0, optional=True)
         _check_int("max_prompt_tokens", self.max_prompt_tokens, minimum=1, optional=True)

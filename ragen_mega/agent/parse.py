@@ -56,8 +56,11 @@ def response_prefix(config: AgentConfig) -> str:
     return THINK_OPEN if config.think else ANSWER_OPEN
 
 
-def parse_response(text: str, config: AgentConfig) -> ParsedResponse:
-    """Parse the text the model sampled after the prompt (without :func:`response_prefix`)."""
+def parse_response(text: str, config: AgentConfig, *, finished: bool = False) -> ParsedResponse:
+    """Parse the text the model sampled after the prompt (without :func:`response_prefix`).
+
+    ``finished``: the model ended the response itself (end-of-turn token or a stop string), as
+    opposed to being cut at ``max_new_tokens``; only ``config.answer_line`` reads it."""
     full = response_prefix(config) + text
     if config.think:
         bridge = _THINK_TO_ANSWER.search(full, len(THINK_OPEN))  # full starts with <think>
@@ -68,6 +71,8 @@ def parse_response(text: str, config: AgentConfig) -> ParsedResponse:
     else:
         thought, answer_start = "", len(ANSWER_OPEN)
     answer_end = full.find(ANSWER_CLOSE, answer_start)
+    if config.answer_line:
+        answer_end = _line_end(full, answer_start, answer_end, finished)
     if answer_end < 0:
         return _broken(config, "no '</answer>'")
     answer = _clean(full[answer_start:answer_end])
@@ -77,6 +82,15 @@ def parse_response(text: str, config: AgentConfig) -> ParsedResponse:
     kept = actions[:config.max_actions_per_turn]
     return ParsedResponse(actions=kept, thought=_clean(thought), format_ok=True,
                           n_dropped=len(actions) - len(kept))
+
+
+def _line_end(full: str, start: int, close: int, finished: bool) -> int:
+    """End of a one-line answer: ``</answer>``, the first newline after the answer's first
+    visible character, or the end of a response the model finished itself; -1 if cut off."""
+    body = len(full) - len(full[start:].lstrip())
+    newline = full.find("\n", body)
+    ends = [e for e in (close, newline) if e >= 0] + ([len(full)] if finished else [])
+    return min(ends) if ends else -1
 
 
 def _clean(content: str) -> str:

@@ -9,10 +9,12 @@ is the better one: 0.25 x 1.0 = 0.25 > 0.1.
 The seed fixes the order in which the arms are shown (so "1"/"2" are not a fixed answer) and the
 high-risk arm's draw. ``info`` says which arm was pulled and whether it has the higher expected
 reward (``chose_better_arm``, also ``success`` as in RAGEN); with equal expectations both arms
-count as better. Text naming neither arm is an invalid-action step: reward 0, episode goes on.
+count as better. A short answer (at most 64 characters) naming exactly one arm pulls it ("2.
+Dragon"); text naming neither or both is an invalid-action step: reward 0, episode goes on.
 """
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -20,6 +22,10 @@ import numpy as np
 from ragen_mega.envs.base import TextEnv, invalid_action_info
 from ragen_mega.envs.episode import check_seed, ensure_steppable, is_real
 from ragen_mega.envs.text_actions import match_action, normalize_action, unknown_action_reason
+
+
+#: answers longer than this are not read for an arm name (a ramble is not a pull)
+_MAX_NAMING_CHARS = 64
 
 
 class BanditEnv(TextEnv):
@@ -87,10 +93,23 @@ class BanditEnv(TextEnv):
                      f"2. {self._order[1]}. Which machine will you pull?")
         return self._obs
 
+    def _named_arm(self, action: Any) -> int | None:
+        """Index in the shown order of the one arm a short answer names ("2. Dragon", "Dragon
+        slot"), None if it names neither or both. Small models rarely write the bare name; a
+        short answer that is unambiguous still counts as that pull."""
+        if not isinstance(action, str) or len(action) > _MAX_NAMING_CHARS or "<" in action:
+            return None  # a ramble, or tags the parser should have removed: not a pull
+        words = f" {' '.join(re.findall(r'[a-z0-9]+', action.lower()))} "
+        named = [i for i, arm in enumerate(self._order)
+                 if f" {' '.join(re.findall(r'[a-z0-9]+', arm.lower()))} " in words]
+        return named[0] if len(named) == 1 else None
+
     def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         ensure_steppable("bandit", self._rng is not None, self._done)
         choices = self._order + ["1", "2"]
         index = match_action(action, [normalize_action(choice) for choice in choices])
+        if index is None:
+            index = self._named_arm(action)
         if index is None:
             return self._obs, 0.0, False, invalid_action_info(
                 unknown_action_reason(action, choices))

@@ -1,9 +1,10 @@
 """Matching a model's action text against an env's action words.
 
-Models write "Turn left", "turn  left", "TURN_LEFT" or a 100 KB ramble; all but the last should
-reach the same action, and none may raise. Matching ignores case, surrounding and repeated
-whitespace, and treats "_" like a space (crafter's own names are "move_left", BALROG's
-"move left"). Anything else is no match: the env then takes an invalid-action step.
+Models write "Turn left", "turn  left", "TURN_LEFT", "[turn left]." or a 100 KB ramble; all but
+the last should reach the same action, and none may raise. Matching ignores case, surrounding and
+repeated whitespace, surrounding punctuation, quotes and brackets, and treats "_" like a space
+(crafter's own names are "move_left", BALROG's "move left"). Anything else is no match: the env
+then takes an invalid-action step.
 """
 from __future__ import annotations
 
@@ -12,9 +13,13 @@ from typing import Sequence
 _PREVIEW_CHARS = 40
 
 
+_OUTER_PUNCTUATION = " \t\n.,!?;:'\"`*[](){}"
+
+
 def normalize_action(text: str) -> str:
-    """Canonical spelling: lower case, "_" as space, single spaces, no outer whitespace."""
-    return " ".join(text.replace("_", " ").lower().split())
+    """Canonical spelling: lower case, "_" as space, single spaces, no outer whitespace or
+    punctuation."""
+    return " ".join(text.replace("_", " ").lower().split()).strip(_OUTER_PUNCTUATION)
 
 
 def match_action(text: object, actions: Sequence[str]) -> int | None:

@@ -63,7 +63,8 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
         history.observe(obs, actions_left=(max_turns - turn + 1) * agent.max_actions_per_turn)
         prompt = builder.build(history)
         gen = await generate(prompt.ids, sampling)
-        parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent)
+        parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent,
+                                finished=gen.finish_reason == "stop")
         reward, all_valid = 0.0, True
         for action in parsed.actions:
             obs, r, done, info = await step(action)
