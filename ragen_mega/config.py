@@ -100,6 +100,10 @@ class AlgoConfig:
     grpo_norm_by_std: bool = True
     #: RAGEN's episode-score normalisation within a group (same seed) before advantages
     reward_norm: Literal["identity", "mean", "mean_std", "asym_clip"] = "identity"
+    #: take the engine's sampled log-probs as the PPO "old" log-probs instead of recomputing
+    #: them with the actor (slime's --use-rollout-logprobs): saves a forward pass. Checked equal
+    #: to the trainer's in fp32 at temperature 1 only, hence allowed only there.
+    use_rollout_logprobs: bool = False
 
     def validate(self):
         for key in ("gamma", "lam"):
@@ -249,6 +253,10 @@ class RunConfig:
         if self.algo.adv_estimator == "gae" and not self.critic.enable:
             raise ConfigError(f"algo.adv_estimator: {self.algo.adv_estimator!r} needs a critic; "
                               f"set critic.enable=true or algo.adv_estimator=grpo")
+        if self.algo.use_rollout_logprobs and self.rollout.temperature != 1.0:
+            raise ConfigError("algo.use_rollout_logprobs: needs rollout.temperature=1.0 (engine "
+                              "and trainer log-probs are checked equal there only), got "
+                              f"{self.rollout.temperature}")
         if self.algo.adv_estimator == "grpo" and self.env.group_size < 2:
             raise ConfigError("env.group_size: grpo compares episodes within a group, so it "
                               f"needs group_size >= 2, got {self.env.group_size}")

@@ -26,6 +26,8 @@ def test_defaults_are_ragen_starpo_s():
     (["actor.tp=0"], "actor.tp: must be an integer >= 1 (got 0)"),
     (["critic.lr=-1"], "critic.lr: must be > 0"),
     (["trainer.data_parallel=0"], "trainer.data_parallel: must be >= 1"),
+    (["algo.use_rollout_logprobs=true", "rollout.temperature=0.7"],
+     "algo.use_rollout_logprobs: needs rollout.temperature=1.0"),
     (["env.name=chess"], "env.name: unknown env 'chess'; registered envs: babyai, bandit"),
     (["filter.ratio=0"], "filter.ratio: must be in (0, 1]"),
     (["filter.mode=top"], "filter.mode: 'top' is not allowed; allowed values: 'std', 'std_rev'"),

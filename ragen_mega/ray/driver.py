@@ -117,7 +117,13 @@ class Run:
         metrics["rollout/group_reward_std_after_filter"] = _group_std(samples)
         batch = build_batch(samples, pad_id=self.tokenizer.pad_token_id)
         t1 = time.perf_counter()
-        batch["old_logprobs"] = self.actor.compute_logprobs(batch)
+        if cfg.algo.use_rollout_logprobs:
+            batch["old_logprobs"] = batch["rollout_logprobs"]
+        else:
+            batch["old_logprobs"] = self.actor.compute_logprobs(batch)
+            mask = batch["loss_mask"].bool()
+            metrics["train/rollout_vs_trainer_logprob_diff"] = float(
+                (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].abs().mean())
         values = None
         if self.critic is not None:
             values = self.critic.compute_values(batch)
@@ -126,9 +132,6 @@ class Run:
                                    lam=cfg.algo.lam, reward_norm=cfg.algo.reward_norm,
                                    grpo_norm_by_std=cfg.algo.grpo_norm_by_std,
                                    token_values=values)
-        mask = batch["loss_mask"].bool()
-        metrics["train/rollout_vs_trainer_logprob_diff"] = float(
-            (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].abs().mean())
         if self.critic is not None:
             metrics.update(self.critic.train(batch))
         metrics.update(self.actor.train(batch))

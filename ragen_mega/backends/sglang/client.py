@@ -1,0 +1,434 @@
+"""HTTP client for one SGLang server: token-in/token-out generation and the weight-update API.
+
+Token-in, token-out: prompts go in as ``input_ids`` and completions come back as
+``output_ids`` with ``meta_info.output_token_logprobs`` — text is never re-tokenized, so the
+trainer trains on exactly the tokens the engine sampled.
+
+``AsyncEngineClient`` is the aiohttp implementation; ``EngineClient`` is a thin synchronous
+wrapper that runs it on a private event-loop thread, so plain code (and several threads at once,
+e.g. a weight sender that must keep an HTTP call open while it broadcasts) can use it.
+
+Errors are :class:`EngineError` and always name the engine URL and the endpoint. Only calls that
+are safe to repeat are retried (generation, health, info, flush): a weight-update call that
+timed out may still be running on the server, and repeating it would desynchronise the broadcast.
+
+Endpoints (SGLang 0.5.23, sglang/srt/entrypoints/http_server.py): /generate, /health_generate,
+/model_info, /server_info, /flush_cache, /begin_weight_update, /end_weight_update,
+/init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed,
+/update_weights_from_tensor, /update_weights_from_disk, /update_weight_version,
+/pause_generation, /continue_generation, /release_memory_occupation, /resume_memory_occupation.
+Every weight update must happen inside a ``begin_weight_update``/``end_weight_update`` session
+(:meth:`AsyncEngineClient.weight_update`); SGLang refuses updates outside one.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import aiohttp
+
+
+class EngineError(RuntimeError):
+    """A request to an SGLang engine failed; the message names the URL and endpoint."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled completion, in token ids (never text).
+
+    ``output_logprobs[i]`` is the engine's log-probability of ``output_ids[i]`` (``None`` when
+    the request did not ask for logprobs). ``finish_reason`` is ``"stop"`` (EOS, a stop token or
+    a stop string: ``matched_stop`` says which), ``"length"`` or ``"abort"``.
+    """
+
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_reason: str
+    matched_stop: int | str | None
+    weight_version: str
+    prompt_tokens: int
+    text: str
+    meta_info: dict
+
+
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                for t in x)
+
+
+def _check_input_ids(input_ids: Any) -> bool:
+    """Validate prompts; return True for a single prompt (list[int]), False for a batch."""
+    if _is_token_list(input_ids) and len(input_ids) > 0:
+        return True
+    if isinstance(input_ids, (list, tuple)) and input_ids and all(
+            _is_token_list(p) and len(p) > 0 for p in input_ids):
+        return False
+    raise ValueError("generate: input_ids must be a non-empty list[int] or a non-empty "
+                     f"list of non-empty list[int]; got {str(input_ids)[:200]}")
+
+
+def _dtype_name(dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"`` (SGLang resolves it with getattr(torch, name))."""
+    return str(dtype).removeprefix("torch.")
+
+
+class AsyncEngineClient:
+    """Async client of one SGLang server at ``url``.
+
+    ``timeout`` bounds each HTTP attempt (seconds); ``retries`` is how many times a repeatable
+    call is retried after a connection error, a timeout or a 5xx answer (with ``backoff`` s,
+    doubling). A client belongs to the event loop it is first used on.
+    """
+
+    def __init__(self, url: str, *, timeout: float = 300.0, retries: int = 2,
+                 backoff: float = 0.5, connect_timeout: float = 10.0):
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"EngineClient: url must start with http:// or https://, got {url!r}")
+        if retries < 0:
+            raise ValueError(f"EngineClient: retries must be >= 0, got {retries}")
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self.retries = retries
+        self.backoff = backoff
+        self.connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "AsyncEngineClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def request(self, method: str, path: str, payload: dict | None = None, *,
+                      timeout: float | None = None, retry: bool = True,
+                      expect_json: bool = True) -> Any:
+        """One call to ``path``; JSON (or text) result, or :class:`EngineError`."""
+        where = f"{method} {self.url}{path}"
+        timeout = self.timeout if timeout is None else timeout
+        attempts = 1 + (self.retries if retry else 0)
+        last: str = ""
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
+            session = await self._get_session()
+            try:
+                async with session.request(
+                        method, f"{self.url}{path}", json=payload,
+                        timeout=aiohttp.ClientTimeout(total=timeout,
+                                                      sock_connect=self.connect_timeout)) as r:
+                    body = await r.read()
+                    status = r.status
+            except asyncio.TimeoutError:
+                last = f"no answer within {timeout:g} s"
+                continue
+            except aiohttp.ClientConnectionError as e:
+                last = f"cannot connect ({type(e).__name__}: {e}); is the engine running?"
+                continue
+            text = body.decode("utf-8", errors="replace")
+            if status >= 500:
+                last = f"HTTP {status}: {text[:500]}"
+                continue
+            if status >= 400:
+                raise EngineError(f"{where} was refused: HTTP {status}: {text[:1000]}")
+            if not expect_json:
+                return text
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError:
+                raise EngineError(
+                    f"{where}: malformed response (not JSON): {text[:300]!r}") from None
+        raise EngineError(f"{where} failed after {attempts} attempt(s): {last}")
+
+    async def _control(self, path: str, payload: dict | None = None, *,
+                       timeout: float | None = None) -> dict:
+        """A state-changing call (never retried); checks SGLang's ``success`` flag."""
+        out = await self.request("POST", path, payload or {}, timeout=timeout, retry=False)
+        if isinstance(out, dict) and out.get("success") is False:
+            raise EngineError(f"POST {self.url}{path} failed: {out.get('message')}")
+        return out
+
+    # ----- health and info -----
+
+    async def health(self, timeout: float = 30.0) -> bool:
+        """True if the engine generates (``/health_generate`` answers 200)."""
+        try:
+            await self.request("GET", "/health_generate", timeout=timeout, retry=False,
+                               expect_json=False)
+            return True
+        except EngineError:
+            return False
+
+    async def model_info(self) -> dict:
+        return await self.request("GET", "/model_info")
+
+    async def server_info(self) -> dict:
+        return await self.request("GET", "/server_info")
+
+    async def get_weight_version(self) -> str:
+        info = await self.model_info()
+        if not isinstance(info, dict) or "weight_version" not in info:
+            raise EngineError(f"GET {self.url}/model_info: malformed response, "
+                              f"no weight_version: {str(info)[:300]}")
+        return info["weight_version"]
+
+    # ----- generation -----
+
+    def _parse_completion(self, item: Any, return_logprob: bool) -> Completion:
+        where = f"POST {self.url}/generate"
+        try:
+            output_ids = [int(t) for t in item["output_ids"]]
+            meta = item["meta_info"]
+            finish = meta["finish_reason"] or {}
+            logprobs = None
+            if return_logprob:
+                entries = meta["output_token_logprobs"]
+                if [int(e[1]) for e in entries] != output_ids:
+                    raise EngineError(f"{where}: malformed response: output_token_logprobs "
+                                      f"token ids do not match output_ids")
+                logprobs = [float(e[0]) for e in entries]
+            return Completion(output_ids=output_ids, output_logprobs=logprobs,
+                              finish_reason=finish.get("type", "unknown"),
+                              matched_stop=finish.get("matched"),
+                              weight_version=str(meta.get("weight_version")),
+                              prompt_tokens=int(meta.get("prompt_tokens", 0)),
+                              text=item.get("text", ""), meta_info=meta)
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise EngineError(f"{where}: malformed response ({type(e).__name__}: {e}): "
+                              f"{str(item)[:300]}") from None
+
+    async def _generate_request(self, input_ids, sampling_params: dict, return_logprob: bool,
+                                timeout: float | None) -> list:
+        out = await self.request("POST", "/generate", {
+            "input_ids": input_ids, "sampling_params": sampling_params,
+            "return_logprob": return_logprob}, timeout=timeout)
+        return out if isinstance(out, list) else [out]
+
+    async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
+                       sampling_params: dict | None = None, *, return_logprob: bool = True,
+                       timeout: float | None = None):
+        """Sample completions for one prompt or a batch of prompts, given as token ids.
+
+        ``sampling_params`` is SGLang's dict (``temperature``, ``top_p``, ``top_k``,
+        ``max_new_tokens``, ``stop`` (strings), ``stop_token_ids``, ``n``, ``ignore_eos`` (which
+        in SGLang also disables ``stop_token_ids``), ...). The result
+        mirrors the input: one prompt -> a :class:`Completion` (or a list of ``n``); a batch ->
+        a list with that per prompt. A batch with ``n == 1`` is one engine request; with
+        ``n > 1`` each prompt is its own concurrent request (SGLang's advice for n > 1).
+        """
+        single = _check_input_ids(input_ids)
+        params = dict(sampling_params or {})
+        n = params.get("n", 1)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"generate: sampling_params['n'] must be an int >= 1, got {n!r}")
+        prompts = [list(input_ids)] if single else [list(p) for p in input_ids]
+
+        if n == 1:
+            items = await self._generate_request(prompts[0] if single else prompts, params,
+                                                 return_logprob, timeout)
+            per_prompt = [[item] for item in items]
+        else:
+            per_prompt = await asyncio.gather(*(
+                self._generate_request(p, params, return_logprob, timeout) for p in prompts))
+        if len(per_prompt) != len(prompts) or any(len(x) != n for x in per_prompt):
+            raise EngineError(f"POST {self.url}/generate: malformed response: expected "
+                              f"{len(prompts)} prompt(s) x n={n} completions, got "
+                              f"{[len(x) for x in per_prompt]}")
+        results = [[self._parse_completion(item, return_logprob) for item in group]
+                   for group in per_prompt]
+        shaped = [group[0] if n == 1 else group for group in results]
+        return shaped[0] if single else shaped
+
+    # ----- cache and scheduling -----
+
+    async def flush_cache(self) -> None:
+        """Drop the radix (prefix) cache; SGLang refuses while requests are running."""
+        await self.request("POST", "/flush_cache", expect_json=False)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """Stop scheduling: ``abort`` running requests, ``retract`` them to the queue (KV cache
+        can then be flushed) or keep them ``in_place``."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_generation: mode must be abort|retract|in_place, got {mode!r}")
+        await self.request("POST", "/pause_generation", {"mode": mode}, retry=False)
+
+    async def continue_generation(self) -> None:
+        await self.request("POST", "/continue_generation", {}, retry=False)
+
+    async def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free weights and/or KV cache memory (``tags``: ``weights``, ``kv_cache``; GPU only,
+        a no-op on CPU)."""
+        await self.request("POST", "/release_memory_occupation", {"tags": tags}, retry=False,
+                           expect_json=False)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        await self.request("POST", "/resume_memory_occupation", {"tags": tags}, retry=False,
+                           expect_json=False)
+
+    # ----- weight updates -----
+
+    async def begin_weight_update(self) -> None:
+        await self._control("/begin_weight_update")
+
+    async def end_weight_update(self) -> None:
+        await self._control("/end_weight_update")
+
+    @contextlib.asynccontextmanager
+    async def weight_update(self):
+        """``async with client.weight_update(): ...`` — the session SGLang requires around every
+        weight update; it is closed even when an update inside fails."""
+        await self.begin_weight_update()
+        try:
+            yield self
+        finally:
+            await self.end_weight_update()
+
+    async def init_weights_update_group(self, master_addr: str, master_port: int,
+                                        rank_offset: int, world_size: int,
+                                        group_name: str = "weight_update_group",
+                                        backend: str = "nccl",
+                                        timeout: float | None = None) -> None:
+        """Make the engine's TP ranks join a process group (ranks ``rank_offset`` ...
+        ``rank_offset + tp - 1`` of ``world_size``) whose rank 0 is the weight sender. Blocks
+        until every member has joined, so the sender must join concurrently."""
+        await self._control("/init_weights_update_group", {
+            "master_address": master_addr, "master_port": int(master_port),
+            "rank_offset": int(rank_offset), "world_size": int(world_size),
+            "group_name": group_name, "backend": backend}, timeout=timeout)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence,
+                                              shapes: Sequence[Sequence[int]],
+                                              group_name: str = "weight_update_group", *,
+                                              flush_cache: bool = True,
+                                              load_format: str | None = None,
+                                              weight_version: str | None = None,
+                                              timeout: float | None = None) -> None:
+        """Receive tensors broadcast from rank 0 of ``group_name`` and load them.
+
+        The engine allocates ``names``/``dtypes``/``shapes`` and waits for the broadcast, so
+        this call returns only after the sender has broadcast: issue it concurrently with the
+        broadcast. ``load_format="flattened_bucket"``: one uint8 tensor holding all of them.
+        """
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError("update_weights_from_distributed: names, dtypes and shapes must be "
+                             f"non-empty and equally long, got {len(names)}, {len(dtypes)}, "
+                             f"{len(shapes)}")
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError("update_weights_from_distributed: load_format must be None or "
+                             f"'flattened_bucket', got {load_format!r}")
+        await self._control("/update_weights_from_distributed", {
+            "names": list(names), "dtypes": [_dtype_name(d) for d in dtypes],
+            "shapes": [list(s) for s in shapes], "group_name": group_name,
+            "flush_cache": flush_cache, "load_format": load_format,
+            "weight_version": weight_version}, timeout=timeout)
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: Sequence[bytes | str], *,
+                                         load_format: str | None = None,
+                                         flush_cache: bool = True,
+                                         weight_version: str | None = None,
+                                         timeout: float | None = None) -> None:
+        """Colocated update: one serialized payload per engine TP rank (see
+        ``weight_sender.serialize_for_engine``); tensors travel by shared memory, not HTTP."""
+        payloads = [base64.b64encode(p).decode("ascii") if isinstance(p, (bytes, bytearray))
+                    else p for p in serialized_named_tensors]
+        await self._control("/update_weights_from_tensor", {
+            "serialized_named_tensors": payloads, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version}, timeout=timeout)
+
+    async def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
+                                       flush_cache: bool = True,
+                                       weight_version: str | None = None,
+                                       timeout: float | None = None) -> None:
+        """Reload weights from an HF checkpoint directory (same architecture)."""
+        await self._control("/update_weights_from_disk", {
+            "model_path": str(model_path), "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version}, timeout=timeout)
+
+    async def update_weight_version(self, new_version: str | int, *,
+                                    abort_all_requests: bool = False) -> None:
+        """Label the engine's weights; completions report it as ``Completion.weight_version``."""
+        await self._control("/update_weight_version", {
+            "new_version": str(new_version), "abort_all_requests": abort_all_requests})
+
+
+class EngineClient:
+    """Synchronous wrapper of :class:`AsyncEngineClient` (same methods, same arguments).
+
+    It runs the async client on its own event-loop thread, so it works from plain code and from
+    several threads at once; :meth:`submit` starts any call and returns a
+    ``concurrent.futures.Future`` for overlapping work (e.g. a broadcast).
+    """
+
+    def __init__(self, url: str, *, timeout: float = 300.0, retries: int = 2,
+                 backoff: float = 0.5, connect_timeout: float = 10.0):
+        self.aio = AsyncEngineClient(url, timeout=timeout, retries=retries, backoff=backoff,
+                                     connect_timeout=connect_timeout)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"EngineClient {url}")
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return self.aio.url
+
+    def submit(self, method: str, *args, **kwargs):
+        """Start ``AsyncEngineClient.<method>(*args, **kwargs)``; return a Future."""
+        return asyncio.run_coroutine_threadsafe(getattr(self.aio, method)(*args, **kwargs),
+                                                self._loop)
+
+    def _call(self, method: str, *args, **kwargs):
+        return self.submit(method, *args, **kwargs).result()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        asyncio.run_coroutine_threadsafe(self.aio.close(), self._loop).result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def weight_update(self):
+        """``with client.weight_update(): ...`` — see :meth:`AsyncEngineClient.weight_update`."""
+        self.begin_weight_update()
+        try:
+            yield self
+        finally:
+            self.end_weight_update()
+
+    def __getattr__(self, name: str):
+        method = getattr(AsyncEngineClient, name, None)
+        if name.startswith("_") or method is None or not callable(method):
+            raise AttributeError(f"EngineClient has no method {name!r}")
+
+        def call(*args, **kwargs):
+            return self._call(name, *args, **kwargs)
+
+        call.__name__ = name
+        call.__doc__ = method.__doc__
+        return call

@@ -1,0 +1,243 @@
+"""Launch a real SGLang server (``python -m sglang.launch_server``) as a child process.
+
+One process group per server (``start_new_session=True``): SGLang forks a scheduler and a
+detokenizer, and killing only the launcher would leave them holding memory and ports, so
+:meth:`EngineServer.shutdown` signals the whole group (SIGTERM, then SIGKILL after a grace
+period). The server's stdout/stderr go to a log file; when start-up fails or times out, the
+error carries the log's tail, because that is where SGLang says why.
+
+On GPU clusters the server gets SGLang's defaults. On a machine without CUDA it gets the CPU way
+measured in /work/shared/CPU_STACK.md: ``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu
+--attention-backend torch_native --sampling-backend pytorch --disable-cuda-graph``, import-only
+stand-ins for ``sgl_kernel``/``torchvision`` (see ``cpu_standins``), a bounded KV cache
+(SGLang sizes it from *host* RAM on CPU: ~15 GB for a tiny model by default) and
+``--sleep-on-idle``.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
+
+# --sleep-on-idle: without it an idle CPU server's scheduler busy-polls one full core (measured
+# 0.98 CPU-s/s idle vs 0.016 with it), which on a small machine starves the trainer next to it.
+CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native",
+            "--sampling-backend", "pytorch", "--disable-cuda-graph", "--sleep-on-idle")
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+LOG_TAIL_CHARS = 4000
+
+
+class EngineStartupError(RuntimeError):
+    """The server exited or did not become healthy in time; the message holds its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _group_alive(pgid: int) -> bool:
+    """True while any non-zombie process of group ``pgid`` exists (Linux /proc; else kill 0)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError as e:
+        return f"<could not read {path}: {e}>"
+    return text[-chars:]
+
+
+@dataclass
+class EngineServer:
+    """Handle of one running SGLang server process group."""
+
+    process: subprocess.Popen
+    url: str
+    log_file: Path
+    command: list[str]
+    _closed: bool = field(default=False, repr=False)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
+        return _log_tail(self.log_file, chars)
+
+    def _fail(self, why: str) -> EngineStartupError:
+        return EngineStartupError(
+            f"SGLang server at {self.url} (pid {self.pid}) {why}.\n"
+            f"command: {' '.join(self.command)}\nlog {self.log_file}, last lines:\n"
+            f"{self.log_tail()}")
+
+    def wait_healthy(self, timeout: float = 300.0, poll: float = 1.0) -> "EngineServer":
+        """Block until ``/health_generate`` answers 200 (the server generated one token).
+
+        Raises :class:`EngineStartupError` with the log tail if the process exits first or
+        ``timeout`` seconds pass.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise self._fail(f"exited with code {code} during start-up")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet, or still starting (503)
+            if time.monotonic() > deadline:
+                raise self._fail(f"was not healthy after {timeout:.0f} s")
+            time.sleep(poll)
+
+    def shutdown(self, grace: float = 15.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL what is left after ``grace`` s."""
+        if self._closed:
+            return
+        self._closed = True
+        pgid = self.process.pid  # start_new_session=True: the launcher leads its own group
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                break
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                try:
+                    self.process.wait(timeout=0.2)
+                except subprocess.TimeoutExpired:
+                    continue
+                if not _group_alive(pgid):
+                    break
+            if not _group_alive(pgid):
+                break
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def __enter__(self) -> "EngineServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+def build_command(model_path: str | Path, *, host: str, port: int, tp: int, device: str,
+                  dtype: str | None, mem_fraction: float | None, max_total_tokens: int | None,
+                  extra_args: Sequence[str] = ()) -> list[str]:
+    """The ``sglang.launch_server`` command line for these settings."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
+           "--host", host, "--port", str(port), "--tp-size", str(tp)]
+    if device == "cpu":
+        cmd += CPU_ARGS
+        if max_total_tokens is None:
+            max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+    elif device != "cuda":
+        cmd += ["--device", device]
+    if dtype:
+        cmd += ["--dtype", dtype]
+    if mem_fraction is not None:
+        cmd += ["--mem-fraction-static", str(mem_fraction)]
+    if max_total_tokens is not None:
+        cmd += ["--max-total-tokens", str(max_total_tokens)]
+    return cmd + [str(a) for a in extra_args]
+
+
+def launch_server(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
+                  tp: int = 1, device: str = "auto", dtype: str | None = None,
+                  mem_fraction: float | None = None, max_total_tokens: int | None = None,
+                  extra_args: Sequence[str] = (), log_file: str | Path | None = None,
+                  startup_timeout: float = 300.0, wait: bool = True,
+                  env: dict[str, str] | None = None,
+                  cpu_threads: int | None = None) -> EngineServer:
+    """Start an SGLang server for the HF checkpoint at ``model_path``; return its handle.
+
+    ``port=None`` picks a free port; ``device="auto"`` is ``cuda`` when CUDA is available, else
+    ``cpu`` (with the CPU arguments and stand-ins, see the module docstring). ``dtype``,
+    ``mem_fraction`` (``--mem-fraction-static``) and ``max_total_tokens`` are passed through when
+    given (on CPU the token budget defaults to 32768). ``extra_args`` are appended verbatim;
+    ``env`` replaces the inherited environment; ``log_file`` defaults to
+    ``$TMPDIR/ragen_mega_sglang/server-<host>-<port>-<pid>.log``. ``cpu_threads`` (CPU only)
+    sets the server's ``OMP_NUM_THREADS``: on a machine shared with other busy processes, torch's
+    default (one thread per core) collapses under oversubscription (SmolLM2, 2 busy cores:
+    2-7 new tok/s with the default, 76 with ``cpu_threads=1``).
+    With ``wait=True`` (default) this returns once the server is healthy, or raises
+    :class:`EngineStartupError` (after stopping the process group) with the log tail.
+    """
+    model_path = Path(model_path)
+    if not (model_path / "config.json").is_file():
+        raise FileNotFoundError(f"launch_server: model_path {model_path} has no config.json")
+    if tp < 1:
+        raise ValueError(f"launch_server: tp must be >= 1, got {tp}")
+    device = _default_device() if device == "auto" else device
+    port = free_port(host) if port is None else port
+    cmd = build_command(model_path, host=host, port=port, tp=tp, device=device, dtype=dtype,
+                        mem_fraction=mem_fraction, max_total_tokens=max_total_tokens,
+                        extra_args=extra_args)
+
+    child_env = dict(os.environ if env is None else env)
+    if device == "cpu":
+        child_env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if cpu_threads is not None:
+            child_env["OMP_NUM_THREADS"] = str(cpu_threads)
+        standins = server_pythonpath()
+        if standins:
+            child_env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (standins, child_env.get("PYTHONPATH")) if p)
+    if log_file is None:
+        log_dir = Path(tempfile.gettempdir()) / "ragen_mega_sglang"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_file = log_dir / f"server-{host}-{port}-{os.getpid()}.log"
+    log_file = Path(log_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as log:
+        process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+    server = EngineServer(process=process, url=f"http://{host}:{port}", log_file=log_file,
+                          command=cmd)
+    atexit.register(server.shutdown)  # never leave a server behind when the caller crashes
+    if wait:
+        try:
+            server.wait_healthy(startup_timeout)
+        except BaseException:
+            server.shutdown(grace=5.0)
+            raise
+    return server

@@ -1,0 +1,311 @@
+"""Ship a model's weights, as ``(hf_name, tensor)`` pairs, into running SGLang engines.
+
+The trainer side of weight sync, independent of how the tensors were produced (Megatron export,
+a plain ``state_dict``): tensors are packed into buckets of about ``bucket_bytes`` (a tensor
+larger than a bucket goes alone) so only one bucket is in flight at a time, then each bucket is
+
+* ``mode="distributed"`` (trainer and engines on different devices/nodes): broadcast from rank 0
+  of a process group that the sender and every engine TP rank joined (engine ``i`` takes ranks
+  ``1 + sum(tp of engines before i)`` onwards). SGLang's ``/update_weights_from_distributed``
+  answers only after the broadcast has arrived, so the HTTP calls run on the clients' threads
+  while this thread broadcasts; if an engine refuses the update, the broadcast is abandoned with
+  an error instead of waiting forever.
+* ``mode="tensor"`` (colocated: sender and engine on the same host/GPU): serialized with torch's
+  multiprocessing pickler, so only handles (CUDA IPC, or a shared-memory file on CPU) travel
+  over HTTP.
+
+Each :meth:`BucketedWeightSender.send` is one ``begin_weight_update``/``end_weight_update``
+session per engine, flushes the prefix cache with the last bucket, then labels the engines with
+the new weight version. Pausing generation around a sync is the caller's choice
+(``EngineClient.pause_generation``/``continue_generation``).
+
+The design follows slime's ``UpdateWeightFromDistributed`` (buckets, a custom group with the
+trainer at rank 0, HTTP calls overlapped with the broadcast); the code is our own.
+"""
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from types import SimpleNamespace
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ragen_mega.backends.sglang.client import EngineClient, EngineError
+from ragen_mega.backends.sglang.server import free_port
+
+DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+
+
+def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
+                 bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs, in order, into lists of at most ``bucket_bytes`` bytes;
+    a tensor larger than ``bucket_bytes`` forms a bucket of its own."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        tensor = tensor.detach().contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]):
+    """``(names, dtypes, shapes, flat_uint8)`` in SGLang's ``flattened_bucket`` layout.
+
+    SGLang places tensors back to back without padding and requires each one to start at a
+    multiple of its item size, so tensors are ordered by item size, largest first.
+    """
+    ordered = sorted(bucket, key=lambda nt: -nt[1].element_size())
+    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in ordered])
+    return ([n for n, _ in ordered], [t.dtype for _, t in ordered],
+            [list(t.shape) for _, t in ordered], flat)
+
+
+def serialize_for_engine(bucket: list[tuple[str, torch.Tensor]], *,
+                         flattened: bool = False) -> bytes:
+    """Pickle a bucket the way SGLang's ``update_weights_from_tensor`` unpickles it.
+
+    Tensors are shared, not copied into the payload: CUDA tensors by IPC handle, CPU tensors by
+    a shared-memory file. On CPU that needs the ``file_system`` sharing strategy (the default
+    ``file_descriptor`` strategy passes fds that the server cannot receive over HTTP, and the
+    server process dies). The payload is only valid while the tensors are alive.
+    With ``flattened=True`` the layout is SGLang's flattened bucket (one tensor + metadata; the
+    metadata are ``SimpleNamespace`` records, which SGLang's restricted unpickler accepts).
+    """
+    # `import torch` has already registered torch's tensor reductions with ForkingPickler.
+    from multiprocessing.reduction import ForkingPickler
+
+    if any(t.device.type == "cpu" for _, t in bucket):
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    if flattened:
+        names, dtypes, shapes, flat = flatten_bucket(bucket)
+        metadata, offset = [], 0
+        for name, dtype, shape in zip(names, dtypes, shapes):
+            nbytes = torch.Size(shape).numel() * dtype.itemsize
+            metadata.append(SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype,
+                                            start_idx=offset, end_idx=offset + nbytes,
+                                            numel=nbytes))
+            offset += nbytes
+        obj = {"flattened_tensor": flat, "metadata": metadata}
+    else:
+        obj = list(bucket)
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(obj)
+    return buf.getvalue()
+
+
+def join_update_group(master_addr: str, master_port: int, world_size: int, group_name: str,
+                      backend: str, timeout: float = 600.0, *, rank: int = 0):
+    """Join the process group that SGLang engines create in ``init_weights_update_group``.
+
+    The sender is ``rank`` 0 and hosts the rendezvous store. The group is separate from the
+    default one, so the trainer keeps its own (e.g. Megatron's) ``torch.distributed`` world; it
+    is built the way SGLang builds its side (same rendezvous, same store prefix).
+    """
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
+                                                    _new_process_group_helper, _world)
+    from torch.distributed.rendezvous import rendezvous
+
+    td = timedelta(seconds=timeout)
+    store, rank, world = next(rendezvous(f"tcp://{master_addr}:{master_port}", rank, world_size,
+                                         timeout=td))
+    store.set_timeout(td)
+    pg, _ = _new_process_group_helper(world, rank, [], Backend(backend),
+                                      PrefixStore(group_name, store), group_name=group_name,
+                                      timeout=td)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    return pg
+
+
+@dataclass
+class SyncStats:
+    """What one :meth:`BucketedWeightSender.send` moved and how long it took."""
+
+    version: str
+    num_tensors: int
+    num_buckets: int
+    num_bytes: int
+    seconds: float
+
+
+class BucketedWeightSender:
+    """Sends ``(hf_name, tensor)`` streams into one or more SGLang engines, bucket by bucket.
+
+    ``engines``: :class:`EngineClient` per engine. ``mode``: ``"distributed"`` (broadcast over a
+    process group; call :meth:`connect` first) or ``"tensor"`` (colocated, shared memory/IPC).
+    ``bucket_bytes``: bucket size (default 512 MiB). ``load_format``: ``None`` (tensors one by
+    one) or ``"flattened_bucket"`` (one flat tensor per bucket). ``backend``: ``"gloo"`` or
+    ``"nccl"`` (default: nccl when CUDA is available). ``engine_tp_sizes``: ranks each engine
+    takes in the group (default: asked from each engine's ``/server_info``).
+    """
+
+    def __init__(self, engines: Sequence[EngineClient], *, mode: str = "distributed",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, load_format: str | None = None,
+                 backend: str | None = None, master_addr: str = "127.0.0.1",
+                 master_port: int | None = None, group_name: str = "ragen_mega_weight_sync",
+                 engine_tp_sizes: Sequence[int] | None = None, timeout: float = 600.0):
+        if mode not in ("distributed", "tensor"):
+            raise ValueError(f"BucketedWeightSender: mode must be 'distributed' or 'tensor', "
+                             f"got {mode!r}")
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError("BucketedWeightSender: load_format must be None or "
+                             f"'flattened_bucket', got {load_format!r}")
+        if bucket_bytes <= 0:
+            raise ValueError(f"BucketedWeightSender: bucket_bytes must be > 0, got {bucket_bytes}")
+        if not engines:
+            raise ValueError("BucketedWeightSender: engines must not be empty")
+        if engine_tp_sizes is not None and len(engine_tp_sizes) != len(engines):
+            raise ValueError(f"BucketedWeightSender: engine_tp_sizes has {len(engine_tp_sizes)} "
+                             f"entries for {len(engines)} engines")
+        self.engines = list(engines)
+        self.mode = mode
+        self.bucket_bytes = bucket_bytes
+        self.load_format = load_format
+        self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.group_name = group_name
+        self.engine_tp_sizes = list(engine_tp_sizes) if engine_tp_sizes else None
+        self.timeout = timeout
+        self.group = None
+
+    def _tp_sizes(self) -> list[int]:
+        if self.engine_tp_sizes is None:
+            self.engine_tp_sizes = [int(e.server_info()["tp_size"]) for e in self.engines]
+        return self.engine_tp_sizes
+
+    def connect(self) -> None:
+        """Create the broadcast group: every engine joins over HTTP while this process joins as
+        rank 0 (distributed mode only)."""
+        if self.mode != "distributed":
+            raise RuntimeError("BucketedWeightSender.connect is for mode='distributed' only")
+        if self.group is not None:
+            return
+        tp_sizes = self._tp_sizes()
+        world_size = 1 + sum(tp_sizes)
+        port = self.master_port or free_port(self.master_addr)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        futures = [e.submit("init_weights_update_group", self.master_addr, port, offset,
+                            world_size, self.group_name, self.backend, timeout=self.timeout)
+                   for e, offset in zip(self.engines, offsets)]
+        try:
+            self.group = join_update_group(self.master_addr, port, world_size, self.group_name,
+                                           self.backend, self.timeout)
+        finally:
+            for f in futures:
+                f.result()
+
+    def close(self) -> None:
+        """Tear the broadcast group down on the engines and here (after an abandoned broadcast
+        this waits until the pending broadcast fails or ``timeout`` passes)."""
+        if self.group is None:
+            return
+        group, self.group = self.group, None
+        errors = []
+        for e in self.engines:
+            try:
+                e.destroy_weights_update_group(self.group_name)
+            except EngineError as err:
+                errors.append(str(err))
+        dist.destroy_process_group(group)
+        if errors:
+            raise EngineError("destroy_weights_update_group failed: " + "; ".join(errors))
+
+    def __enter__(self) -> "BucketedWeightSender":
+        if self.mode == "distributed":
+            self.connect()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+             version: str | int) -> SyncStats:
+        """Load all ``named_tensors`` into every engine, then set their weight version."""
+        if self.mode == "distributed" and self.group is None:
+            raise RuntimeError("BucketedWeightSender.send: call connect() first "
+                               "(or use the sender as a context manager)")
+        start = time.perf_counter()
+        n_tensors = n_buckets = n_bytes = 0
+        for e in self.engines:
+            e.begin_weight_update()
+        try:
+            pending = None
+            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+                if pending is not None:  # flush the prefix cache only with the last bucket
+                    self._send_bucket(pending, flush_cache=False)
+                pending = bucket
+                n_buckets += 1
+                n_tensors += len(bucket)
+                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            if pending is None:
+                raise ValueError("BucketedWeightSender.send: named_tensors was empty")
+            self._send_bucket(pending, flush_cache=True)
+        finally:
+            for e in self.engines:
+                e.end_weight_update()
+        for e in self.engines:
+            e.update_weight_version(str(version))
+        return SyncStats(version=str(version), num_tensors=n_tensors, num_buckets=n_buckets,
+                         num_bytes=n_bytes, seconds=time.perf_counter() - start)
+
+    def _send_bucket(self, bucket, *, flush_cache: bool) -> None:
+        if self.mode == "distributed":
+            self._broadcast_bucket(bucket, flush_cache)
+        else:
+            self._share_bucket(bucket, flush_cache)
+
+    def _broadcast_bucket(self, bucket, flush_cache: bool) -> None:
+        flattened = self.load_format == "flattened_bucket"
+        if flattened:
+            names, dtypes, shapes, flat = flatten_bucket(bucket)
+            tensors = [flat]
+        else:
+            names = [n for n, _ in bucket]
+            dtypes = [t.dtype for _, t in bucket]
+            shapes = [list(t.shape) for _, t in bucket]
+            tensors = [t for _, t in bucket]
+        futures = [e.submit("update_weights_from_distributed", names, dtypes, shapes,
+                            self.group_name, flush_cache=flush_cache,
+                            load_format=self.load_format, timeout=self.timeout)
+                   for e in self.engines]
+        works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True)
+                 for t in tensors]
+        deadline = time.monotonic() + self.timeout
+        while not all(w.is_completed() for w in works):
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:  # an engine refused: it will never receive, so the broadcast would hang
+                raise EngineError(
+                    f"weight broadcast abandoned, the process group {self.group_name!r} is "
+                    f"now unusable (close() it, which waits until the pending broadcast fails or "
+                    f"times out, then connect() again): {failed[0].exception()}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"weight broadcast did not finish within {self.timeout:g} s")
+            time.sleep(0.001)
+        for w in works:
+            w.wait()
+        for f in futures:
+            f.result()
+
+    def _share_bucket(self, bucket, flush_cache: bool) -> None:
+        flattened = self.load_format == "flattened_bucket"
+        payload = serialize_for_engine(bucket, flattened=flattened)
+        futures = [e.submit("update_weights_from_tensor", [payload] * tp,
+                            load_format=self.load_format, flush_cache=flush_cache,
+                            timeout=self.timeout)
+                   for e, tp in zip(self.engines, self._tp_sizes())]
+        for f in futures:
+            f.result()  # the tensors (and their shared memory) stay alive until here

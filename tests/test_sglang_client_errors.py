@@ -1,0 +1,232 @@
+"""EngineClient error paths that a healthy SGLang server cannot be pushed into.
+
+A small fake HTTP server on 127.0.0.1 plays the broken engine (hanging, failing with 5xx,
+answering garbage); a real process that is killed plays the dead one.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from ragen_mega.backends.sglang.client import EngineClient, EngineError
+from ragen_mega.backends.sglang.server import free_port
+
+GOOD_ITEM = {"text": "ab", "output_ids": [5, 6],
+             "meta_info": {"finish_reason": {"type": "length", "length": 2},
+                           "prompt_tokens": 3, "weight_version": "7",
+                           "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]]}}
+
+
+class FakeEngine:
+    """``routes[path]`` is a list of (status, body) answers, used in turn (the last repeats);
+    a status of ``None`` means: never answer (until the test ends)."""
+
+    def __init__(self):
+        self.routes: dict[str, list] = {}
+        self.calls: dict[str, int] = {}
+        self.release = threading.Event()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                self.rfile.read(length)
+                n = fake.calls.get(self.path, 0)
+                fake.calls[self.path] = n + 1
+                answers = fake.routes.get(self.path, [(404, "no such route")])
+                status, body = answers[min(n, len(answers) - 1)]
+                if status is None:
+                    fake.release.wait(60)
+                    return
+                data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            do_GET = do_POST = _answer
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.release.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake():
+    engine = FakeEngine()
+    yield engine
+    engine.close()
+
+
+def test_well_formed_answer_is_parsed(fake):
+    """The fake speaks SGLang's format: the happy path works, so the failures below are real."""
+    fake.routes["/generate"] = [(200, GOOD_ITEM)]
+    with EngineClient(fake.url) as client:
+        out = client.generate([1, 2, 3], {"max_new_tokens": 2})
+    assert out.output_ids == [5, 6] and out.output_logprobs == [-0.5, -1.5]
+    assert out.finish_reason == "length" and out.weight_version == "7"
+
+
+def test_engine_that_does_not_answer_times_out_naming_url(fake):
+    fake.routes["/generate"] = [(None, "")]
+    with EngineClient(fake.url, timeout=0.5, retries=1, backoff=0.1) as client:
+        start = time.monotonic()
+        with pytest.raises(EngineError) as err:
+            client.generate([1, 2, 3], {"max_new_tokens": 2})
+        elapsed = time.monotonic() - start
+    assert f"{fake.url}/generate" in str(err.value)
+    assert "no answer within 0.5 s" in str(err.value) and "2 attempt(s)" in str(err.value)
+    assert fake.calls["/generate"] == 2
+    assert elapsed < 30  # bounded: the fake would hold the request for 60 s
+
+
+def test_server_errors_are_retried_then_reported(fake):
+    fake.routes["/generate"] = [(500, "scheduler exploded")]
+    with EngineClient(fake.url, retries=2, backoff=0.01) as client:
+        with pytest.raises(EngineError, match="HTTP 500: scheduler exploded") as err:
+            client.generate([1, 2, 3])
+    assert fake.url in str(err.value) and "3 attempt(s)" in str(err.value)
+    assert fake.calls["/generate"] == 3
+
+
+def test_transient_server_error_recovers_by_retry(fake):
+    fake.routes["/generate"] = [(503, "busy"), (200, GOOD_ITEM)]
+    with EngineClient(fake.url, retries=1, backoff=0.01) as client:
+        assert client.generate([1, 2, 3]).output_ids == [5, 6]
+    assert fake.calls["/generate"] == 2
+
+
+def test_refusals_are_not_retried(fake):
+    fake.routes["/generate"] = [(400, '{"error": "max_new_tokens must be >= 0"}')]
+    fake.routes["/update_weights_from_distributed"] = [(500, "boom")]
+    with EngineClient(fake.url, retries=3, backoff=0.01) as client:
+        with pytest.raises(EngineError, match="refused: HTTP 400.*max_new_tokens"):
+            client.generate([1, 2, 3], {"max_new_tokens": -1})
+        with pytest.raises(EngineError, match="1 attempt"):  # weight updates: never repeated
+            client.update_weights_from_distributed(["w"], ["float32"], [[2]], "g")
+    assert fake.calls == {"/generate": 1, "/update_weights_from_distributed": 1}
+
+
+def test_control_call_reporting_failure_raises(fake):
+    fake.routes["/begin_weight_update"] = [(200, {"success": False, "message": "busy updating"})]
+    with EngineClient(fake.url) as client:
+        with pytest.raises(EngineError, match="begin_weight_update failed: busy updating"):
+            with client.weight_update():
+                pass
+
+
+def test_weight_update_session_is_closed_when_the_body_fails(fake):
+    fake.routes["/begin_weight_update"] = [(200, {"success": True, "message": ""})]
+    fake.routes["/end_weight_update"] = [(200, {"success": True, "message": ""})]
+    with EngineClient(fake.url) as client:
+        with pytest.raises(ZeroDivisionError):
+            with client.weight_update():
+                1 / 0
+    assert fake.calls == {"/begin_weight_update": 1, "/end_weight_update": 1}
+
+
+@pytest.mark.parametrize("body, problem", [
+    ("<html>oops</html>", "not JSON"),
+    ({"text": "x"}, "KeyError"),
+    ({**GOOD_ITEM, "meta_info": {**GOOD_ITEM["meta_info"],
+                                 "output_token_logprobs": [[-0.5, 9, None], [-1.5, 6, None]]}},
+     "do not match output_ids"),
+    ([GOOD_ITEM, GOOD_ITEM], r"expected 1 prompt\(s\) x n=1"),
+])
+def test_malformed_responses_are_reported(fake, body, problem):
+    fake.routes["/generate"] = [(200, body)]
+    with EngineClient(fake.url, retries=0) as client:
+        with pytest.raises(EngineError, match=problem) as err:
+            client.generate([1, 2, 3])
+    assert f"{fake.url}/generate" in str(err.value) and "malformed" in str(err.value)
+
+
+def test_dead_server_is_reported(tmp_path):
+    """A real server process that is killed: the client says it cannot connect."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                             "127.0.0.1", "--directory", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while True:  # wait until it listens, so the kill below is what breaks it
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "http.server did not start"
+                time.sleep(0.1)
+    finally:
+        proc.kill()
+        proc.wait()
+    url = f"http://127.0.0.1:{port}"
+    with EngineClient(url, retries=1, backoff=0.01) as client:
+        with pytest.raises(EngineError, match="cannot connect.*is the engine running") as err:
+            client.generate([1, 2, 3])
+        assert not client.health()
+    assert f"{url}/generate" in str(err.value)
+
+
+def test_bad_arguments_name_the_problem():
+    with pytest.raises(ValueError, match="url must start with http"):
+        EngineClient("127.0.0.1:30000")
+    with EngineClient("http://127.0.0.1:9") as client:
+        with pytest.raises(ValueError, match="input_ids must be a non-empty list"):
+            client.generate("hello")
+        with pytest.raises(ValueError, match=r"sampling_params\['n'\]"):
+            client.generate([1], {"n": 0})
+        with pytest.raises(ValueError, match="mode must be abort"):
+            client.pause_generation("stop")
+
+
+def test_sender_stops_when_an_engine_refuses_the_broadcast(fake):
+    """An engine that joined the group but refuses the update never receives the broadcast: the
+    sender must raise (naming the engine) instead of waiting for it forever."""
+    import torch
+
+    from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
+
+    ok = {"success": True, "message": ""}
+    for path in ("/begin_weight_update", "/end_weight_update", "/update_weight_version",
+                 "/init_weights_update_group", "/destroy_weights_update_group"):
+        fake.routes[path] = [(200, ok)]
+    fake.routes["/update_weights_from_distributed"] = [
+        (400, {"success": False, "message": "Group g not in []"})]
+    port = free_port()
+    # the fake engine's rank 1: a process that joins the group and then never receives
+    peer = subprocess.Popen([sys.executable, "-c", (
+        "import time; from ragen_mega.backends.sglang.weight_sender import join_update_group; "
+        f"join_update_group('127.0.0.1', {port}, 2, 'g', 'gloo', rank=1); time.sleep(300)")])
+    try:
+        with EngineClient(fake.url) as client:
+            sender = BucketedWeightSender([client], backend="gloo", master_port=port,
+                                          group_name="g", engine_tp_sizes=[1], timeout=60)
+            sender.connect()
+            with pytest.raises(EngineError, match="Group g not in") as err:
+                sender.send([("w", torch.ones(1 << 22))], version=1)
+            assert fake.url in str(err.value)
+            assert fake.calls["/end_weight_update"] == 1  # the session was still closed
+            assert "/update_weight_version" not in fake.calls  # a failed sync is not labelled
+            peer.kill()  # the refused broadcast ends when its receiver goes away ...
+            peer.wait()
+            sender.close()  # ... and then the broken group can be torn down
+            assert fake.calls["/destroy_weights_update_group"] == 1 and sender.group is None
+    finally:
+        peer.kill()
+        peer.wait()

@@ -1,0 +1,319 @@
+"""The real SGLang 0.5.23 server on CPU against transformers as the reference.
+
+One tiny-Qwen2 server (fp32) serves every check of this module (launches cost ~20 s and
+~1.6 GB each); a second one runs SmolLM2-135M-Instruct for one real-model check. Tests that
+change the served weights put the original checkpoint back (update_weights_from_disk) before
+they end, so the order of tests does not matter.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from ragen_mega.backends.sglang.client import EngineClient, EngineError, _dtype_name
+from ragen_mega.backends.sglang.cpu_standins import STANDIN_ROOT
+from ragen_mega.backends.sglang.server import launch_server
+from ragen_mega.backends.sglang.weight_sender import (BucketedWeightSender, flatten_bucket,
+                                                     iter_buckets, serialize_for_engine)
+
+PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 77], list(range(500, 530))]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt, n_new):
+    """Greedy continuation and the log-probs of the chosen tokens, by plain forward passes."""
+    ids = list(prompt)
+    logprobs = []
+    for _ in range(n_new):
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+        lp = torch.log_softmax(logits, -1)
+        nxt = int(torch.argmax(lp))
+        ids.append(nxt)
+        logprobs.append(float(lp[nxt]))
+    return ids[len(prompt):], logprobs
+
+
+def perturbed_state(model, seed, scale=0.05):
+    """HF-named fp32 weights with noise; loaded into ``model`` too, as the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale * p.std().clamp(min=1e-3))
+            state[name] = p.detach().clone()
+    return state
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny_model):
+    return tiny_model("qwen2", tied=False)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    # cpu_threads=1: robust to other jobs on a small shared CPU (see benchmarks/README.md)
+    with launch_server(tiny_dir, dtype="float32", startup_timeout=600, cpu_threads=1) as server:
+        with EngineClient(server.url, timeout=120, retries=1) as client:
+            yield server, client
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    """transformers' greedy continuations of PROMPTS on the original tiny checkpoint."""
+    model = hf_model(tiny_dir)
+    return [hf_greedy(model, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+
+
+def check_against(client, refs, atol=2e-4):
+    outs = client.generate(PROMPTS, GREEDY)
+    for out, (ids, lps) in zip(outs, refs):
+        assert out.output_ids == ids
+        assert out.finish_reason == "length"
+        assert max(abs(a - b) for a, b in zip(out.output_logprobs, lps)) < atol
+    return outs
+
+
+def test_smollm2_real_model_matches_transformers(smollm2_dir):
+    """First in the module, so its server does not share the CPU with the tiny one."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   add_generation_prompt=True, tokenize=False)
+    prompt = tok(text, add_special_tokens=False)["input_ids"]
+    ids, lps = hf_greedy(hf_model(smollm2_dir), prompt, 12)
+    with launch_server(smollm2_dir, dtype="float32", startup_timeout=600, cpu_threads=1) as server:
+        with EngineClient(server.url, timeout=120) as client:
+            out = client.generate(prompt, {"temperature": 0.0, "max_new_tokens": 12})
+    assert out.output_ids == ids[:len(out.output_ids)]
+    assert len(out.output_ids) == 12 or out.finish_reason == "stop"
+    assert max(abs(a - b) for a, b in zip(out.output_logprobs, lps)) < 1e-3
+    assert "Paris" in tok.decode(out.output_ids)
+
+
+def test_server_handle_and_health(engine):
+    server, client = engine
+    assert server.url == client.url and server.process.poll() is None
+    assert client.health()
+    assert client.server_info()["device"] == "cpu"
+    environ = dict(kv.split("=", 1) for kv in
+                   open(f"/proc/{server.pid}/environ").read().split("\0") if "=" in kv)
+    assert environ["SGLANG_USE_CPU_ENGINE"] == "1" and environ["OMP_NUM_THREADS"] == "1"
+    assert environ["PYTHONPATH"].split(os.pathsep)[0] == str(STANDIN_ROOT)
+    assert "--sleep-on-idle" in server.command and "--max-total-tokens" in server.command
+
+
+def test_greedy_and_logprobs_match_transformers(engine, reference):
+    _, client = engine
+    outs = check_against(client, reference)
+    assert all(o.prompt_tokens == len(p) for o, p in zip(outs, PROMPTS))
+    single = client.generate(PROMPTS[1], GREEDY)  # one prompt in -> one Completion out
+    assert single.output_ids == reference[1][0]
+    short = client.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 3})
+    assert short.output_ids == reference[0][0][:3] and short.finish_reason == "length"
+
+
+def test_concurrent_requests_from_threads(engine, reference):
+    _, client = engine
+    futures = [client.submit("generate", p, GREEDY) for p in PROMPTS * 3]
+    got = [f.result().output_ids for f in futures]
+    assert got == [r[0] for r in reference] * 3
+
+
+def test_n_samples(engine):
+    _, client = engine
+    outs = client.generate(PROMPTS[:2], {"temperature": 1.0, "max_new_tokens": 6, "n": 4,
+                                         "ignore_eos": True})
+    assert [len(group) for group in outs] == [4, 4]
+    for group in outs:
+        assert all(len(c.output_ids) == 6 and len(c.output_logprobs) == 6 for c in group)
+        assert len({tuple(c.output_ids) for c in group}) > 1  # 49k-token vocab: samples differ
+
+
+def test_stop_token_ids_and_stop_strings(engine, reference, tiny_dir):
+    from transformers import AutoTokenizer
+
+    _, client = engine
+    greedy = reference[2][0]
+    stop_tok = greedy[4]
+    first = greedy.index(stop_tok)
+    stopping = {**GREEDY, "ignore_eos": False}  # SGLang's ignore_eos also ignores stop_token_ids
+    out = client.generate(PROMPTS[2], {**stopping, "stop_token_ids": [stop_tok]})
+    assert out.output_ids == greedy[:first + 1]
+    assert out.finish_reason == "stop" and out.matched_stop == stop_tok
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    full_text = tok.decode(greedy)
+    k = next(i for i in range(3, len(greedy)) if tok.decode(greedy[i]).strip()
+             and tok.decode(greedy[i]).strip() not in tok.decode(greedy[:i]))
+    stop = tok.decode(greedy[k]).strip()
+    assert stop in full_text
+    out = client.generate(PROMPTS[2], {**stopping, "stop": [stop]})
+    assert out.finish_reason == "stop" and out.matched_stop == stop
+    assert out.output_ids == greedy[:len(out.output_ids)]  # a prefix of the greedy run ...
+    assert stop in tok.decode(out.output_ids)  # ... that ends where the stop string appears
+    assert stop not in tok.decode(out.output_ids[:-1])
+
+
+def test_distributed_weight_sync_bucket_sizes(engine, reference, tiny_dir):
+    _, client = engine
+    model = hf_model(tiny_dir)
+    state = perturbed_state(model, seed=1)
+    refs = [hf_greedy(model, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    assert [r[0] for r in refs] != [r[0] for r in reference]  # the perturbation shows
+    smallest = min(t.numel() * t.element_size() for t in state.values())
+    rounds = [(512 << 20, None), (300_000, None), (smallest // 2, None),
+              (300_000, "flattened_bucket")]
+    runs = []
+    with BucketedWeightSender([client], mode="distributed", backend="gloo") as sender:
+        for i, (bucket_bytes, load_format) in enumerate(rounds):
+            sender.bucket_bytes, sender.load_format = bucket_bytes, load_format
+            stats = sender.send(state.items(), version=f"dist-{i}")
+            assert stats.num_tensors == len(state)
+            if i == 0:
+                assert stats.num_buckets == 1
+            if bucket_bytes < smallest:  # a bucket smaller than any tensor: each goes alone
+                assert stats.num_buckets == len(state)
+            assert client.get_weight_version() == f"dist-{i}"
+            outs = check_against(client, refs)
+            assert {o.weight_version for o in outs} == {f"dist-{i}"}
+            runs.append([(o.output_ids, o.output_logprobs) for o in outs])
+    assert all(run == runs[0] for run in runs)  # bucketing never changes what the engine holds
+
+    client.update_weights_from_disk(str(tiny_dir))  # weights from disk: back to the original
+    check_against(client, reference)
+
+
+def test_colocated_tensor_weight_sync(engine, reference, tiny_dir):
+    _, client = engine
+    model = hf_model(tiny_dir)
+    state = perturbed_state(model, seed=2)
+    refs = [hf_greedy(model, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
+    for load_format in (None, "flattened_bucket"):
+        sender = BucketedWeightSender([client], mode="tensor", bucket_bytes=300_000,
+                                      load_format=load_format)
+        stats = sender.send(state.items(), version=f"tensor-{load_format}")
+        assert stats.num_buckets > 1
+        assert client.get_weight_version() == f"tensor-{load_format}"
+        check_against(client, refs)
+        client.update_weights_from_disk(str(tiny_dir), weight_version="original")
+        check_against(client, reference)
+    assert client.get_weight_version() == "original"
+
+
+def test_updates_outside_a_session_are_refused(engine, tiny_dir):
+    """SGLang 0.5.23 requires begin/end_weight_update; the client reports its refusal."""
+    _, client = engine
+    model = hf_model(tiny_dir)
+    name, tensor = next(iter(model.state_dict().items()))
+    refusal = "update_weights_from_tensor.*must run between begin_weight_update"
+    with pytest.raises(EngineError, match=refusal):
+        client.update_weights_from_tensor([serialize_for_engine([(name, tensor)])])
+    with client.weight_update():  # inside a session the same call is accepted
+        client.update_weights_from_tensor([serialize_for_engine([(name, tensor)])])
+
+
+def test_flush_pause_continue_and_memory(engine, reference):
+    _, client = engine
+    client.flush_cache()
+    client.pause_generation(mode="retract")
+    held = client.submit("generate", PROMPTS[0], GREEDY)
+    time.sleep(1.0)
+    assert not held.done()  # a paused engine holds new requests ...
+    client.continue_generation()
+    assert held.result(timeout=60).output_ids == reference[0][0]  # ... and serves them after
+    client.release_memory_occupation()
+    client.resume_memory_occupation()
+    check_against(client, reference)
+
+
+def test_cpu_standins_raise_clear_errors():
+    """The stand-ins import, report themselves, and refuse to be used."""
+    code = (
+        "import sgl_kernel, torchvision\n"
+        "from torchvision.transforms import InterpolationMode\n"
+        "from torchvision.io import ImageReadMode, decode_image\n"
+        "assert InterpolationMode.BICUBIC.value == 'bicubic'\n"
+        "assert 'standin' in torchvision.__version__\n"
+        "try:\n    sgl_kernel.copy_all_layer_kv_cache_cpu()\n"
+        "except RuntimeError as e:\n    print('CALL', e)\n"
+        "try:\n    from sgl_kernel import flash_attn_varlen_func\n"
+        "except ImportError as e:\n    print('IMPORT', e)\n")
+    env = {**os.environ, "PYTHONPATH": str(STANDIN_ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "CALL sgl_kernel.copy_all_layer_kv_cache_cpu was called, but it is a CPU" in out.stdout
+    assert "IMPORT cannot import name 'flash_attn_varlen_func'" in out.stdout
+
+
+def test_buckets_by_hand():
+    sizes = [100, 200, 50, 1000, 10]  # bytes; a 256-byte bucket: 1000 must travel alone
+    named = [(f"w{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate(sizes)]
+    got = [[name for name, _ in b] for b in iter_buckets(named, 256)]
+    assert got == [["w0"], ["w1", "w2"], ["w3"], ["w4"]]
+    with pytest.raises(TypeError, match="weight 'x' is a list"):
+        list(iter_buckets([("x", [1.0])], 256))
+
+
+def test_flattened_bucket_roundtrips_through_sglangs_receiver():
+    """Mixed dtypes with odd sizes: SGLang's own receive-side bucket rebuilds every tensor."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    gen = torch.Generator().manual_seed(0)
+    bucket = [("a", torch.randn(3, generator=gen).to(torch.bfloat16)),
+              ("b", torch.randn(5, 7, generator=gen)),
+              ("c", torch.randint(0, 100, (9,), generator=gen).to(torch.int8)),
+              ("d", torch.randn(2, 3, generator=gen).double())]
+    names, dtypes, shapes, flat = flatten_bucket(bucket)
+    received = FlattenedTensorBucket.empty(names, [_dtype_name(d) for d in dtypes], shapes, "cpu")
+    received.get_flattened_tensor().copy_(flat)
+    rebuilt = dict(received.reconstruct_tensors())
+    for name, tensor in bucket:
+        assert rebuilt[name].dtype == tensor.dtype and torch.equal(rebuilt[name], tensor)
+
+
+def test_startup_failures_carry_the_log_tail_and_leave_nothing_behind(tmp_path, tiny_dir):
+    from ragen_mega.backends.sglang.server import EngineStartupError, _group_alive
+
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "no_such_arch"}')
+    with pytest.raises(EngineStartupError, match="exited with code") as err:
+        launch_server(bad, log_file=tmp_path / "bad.log", startup_timeout=300)
+    assert "no_such_arch" in str(err.value)  # SGLang's own complaint, from the log tail
+    assert str(tmp_path / "bad.log") in str(err.value)
+
+    with pytest.raises(EngineStartupError, match="was not healthy after 1 s") as err:
+        launch_server(tiny_dir, startup_timeout=1)  # still importing SGLang after 1 s
+    pid = int(str(err.value).split("(pid ")[1].split(")")[0])
+    assert not _group_alive(pid)  # the whole process group was stopped
+    with pytest.raises(FileNotFoundError, match="has no config.json"):
+        launch_server(tmp_path)
+
+
+def test_standins_never_shadow_an_installed_package(monkeypatch):
+    import importlib.util
+
+    from ragen_mega.backends.sglang import cpu_standins
+
+    real_find_spec = importlib.util.find_spec
+    installed = {"torchvision"}  # pretend only sgl_kernel is missing
+    monkeypatch.setattr(cpu_standins.importlib.util, "find_spec",
+                        lambda name: object() if name in installed else real_find_spec(name))
+    path = cpu_standins.server_pythonpath()
+    assert sorted(os.listdir(path)) == ["_cpu_standin.py", "sgl_kernel"]
+    installed.add("sgl_kernel")
+    assert cpu_standins.server_pythonpath() is None
