@@ -115,7 +115,8 @@ def test_fused_layouts_match_hand_built_example():
     assert full[qkv + "bias"].tolist() == [-10, -11, -20, -30, -12, -13, -21, -31]
     assert full["decoder.layers.0.mlp.linear_fc1.weight"].flatten().tolist() == \
         [40, 41, 42, 43, 50, 51, 52, 53]
-    assert full["embedding.word_embeddings.weight"].flatten().tolist() == [1, 2, 3, 0]  # pad 4
+    # padded to 16 rows, a multiple of divisor 2 x 8 (the same for TP 1, 2, 4, 8)
+    assert full["embedding.word_embeddings.weight"].flatten().tolist() == [1, 2, 3] + [0] * 13
     r0, r1 = (mapping.hf_to_megatron_shard(state, spec, r, 2) for r in (0, 1))
     assert r0[qkv + "weight"].flatten().tolist() == [10, 11, 20, 30]
     assert r1[qkv + "weight"].flatten().tolist() == [12, 13, 21, 31]
@@ -123,7 +124,8 @@ def test_fused_layouts_match_hand_built_example():
     assert r1["decoder.layers.0.mlp.linear_fc1.weight"].flatten().tolist() == [42, 43, 52, 53]
     assert r0["decoder.layers.0.self_attention.linear_proj.weight"].tolist() == [[60, 61]]
     assert r1["decoder.layers.0.mlp.linear_fc2.weight"].tolist() == [[72, 73]]
-    assert r1["embedding.word_embeddings.weight"].flatten().tolist() == [3, 0]
+    assert r0["embedding.word_embeddings.weight"].flatten().tolist() == [1, 2, 3] + [0] * 5
+    assert r1["embedding.word_embeddings.weight"].flatten().tolist() == [0] * 8  # all padding
     assert r1["decoder.layers.0.input_layernorm.weight"].tolist() == [1]
 
 
@@ -184,4 +186,6 @@ def test_unsupported_configs_are_refused_naming_the_key():
 
 def test_padded_vocab_rule():
     spec = dataclasses.replace(model_spec(hf_config("qwen2", True)), vocab_size=151936)
-    assert spec.padded_vocab(1) == 151936 and spec.padded_vocab(2) == 152064
+    # one padded size for TP 1, 2, 4, 8 (152576 = 149 x 1024), so checkpoints move across them
+    assert {spec.padded_vocab(tp) for tp in (1, 2, 4, 8)} == {152576}
+    assert spec.padded_vocab(3) == 153600 and 153600 % (128 * 3) == 0

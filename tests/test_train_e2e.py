@@ -40,7 +40,8 @@ def test_two_steps_then_resume(tiny_model, tmp_path, private_ray):
         "trainer.save_every=1", "trainer.check_weight_sync=true", "trainer.eval_every=0",
         "env.name=bandit", "env.env_groups=2", "env.group_size=2", "env.max_turns=1",
         "agent.think=false", "agent.max_actions_per_turn=1", "rollout.max_new_tokens=6",
-        "filter.ratio=1.0", "algo.adv_estimator=gae", "critic.enable=true", "actor.tp=2", "actor.lr=1e-3",
+        "filter.ratio=1.0", "algo.adv_estimator=gae", "algo.use_rollout_logprobs=false",
+        "critic.enable=true", "actor.tp=2", "actor.lr=1e-3",
         "actor.micro_batch_size=2", "critic.micro_batch_size=2", "critic.lr=1e-3"]
     cfg = load_run_config("examples/bandit_cpu_demo.yaml", overrides)
     history = driver.train(cfg)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -47,10 +48,14 @@ class ModelSpec:
     max_position_embeddings: int
     qkv_bias: bool
     qk_layernorm: bool
-    vocab_divisor: int = 128   # megatron pads the vocab to a multiple of vocab_divisor * tp
+    vocab_divisor: int = 128   # each TP rank's vocab shard is a multiple of this
 
     def padded_vocab(self, tp: int = 1) -> int:
-        mult = self.vocab_divisor * tp
+        """Rows of the padded embedding: a multiple of ``vocab_divisor * tp`` (each TP shard a
+        multiple of the divisor) that is the SAME for every power-of-two TP up to 8, so a
+        checkpoint saved at one such TP loads at another (Megatron-LM's ``divisor * tp`` rule
+        would make Qwen2.5's 151936 rows 151936 at TP1 but 152064 at TP2)."""
+        mult = math.lcm(self.vocab_divisor * 8, self.vocab_divisor * tp)
         return -(-self.vocab_size // mult) * mult
 
     def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
