@@ -58,6 +58,7 @@ _CONSOLE_KEYS = (
     ("rollout/success", "succ"), ("rollout/reward_mean", "rew"),
     ("rollout/valid_action_rate", "valid"), ("actor/pg_loss", "pg"),
     ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("critic/value_loss", "vf"),
+    ("val/success", "val succ"), ("val/valid_action_rate", "val valid"),
     ("time/step_s", "s/step"),
 )
 

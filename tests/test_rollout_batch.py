@@ -60,3 +60,19 @@ def test_gae_needs_values():
         compute_advantages(batch, estimator="gae")
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
         compute_advantages(batch, estimator="ppo")
+
+
+def test_summarize_means_and_pass_at_k():
+    from ragen_mega.ray.driver import summarize
+    from ragen_mega.rollout.episode import Episode
+
+    def episode(group, success, reward):
+        metrics = {"success": success, "reward": reward}
+        return Episode([turn(0, group, 1, reward, True, response=(1, 2, 3))], metrics)
+
+    eps = [episode(0, 1.0, 1.0), episode(0, 0.0, 0.0), episode(1, 0.0, 0.0), episode(1, 0.0, 2.0)]
+    out = summarize(eps, "rollout")
+    assert out["rollout/success"] == 0.25 and out["rollout/reward_mean"] == 0.75
+    assert out["rollout/pass@2"] == 0.5          # group 0 has a success, group 1 none
+    assert out["rollout/response_length"] == 3.0
+    assert out["rollout/reward_std"] == pytest.approx(torch.tensor([1.0, 0, 0, 2]).std().item())

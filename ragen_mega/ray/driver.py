@@ -43,7 +43,8 @@ def resolve_model(path: str) -> str:
 
 
 def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    """Means of the per-episode metrics, plus reward std and response length."""
+    """Means of the per-episode metrics, reward std, response length, and pass@k over groups
+    of k episodes."""
     out: dict[str, float] = {}
     for key in episodes[0].metrics:
         out[f"{prefix}/{key}"] = sum(e.metrics[key] for e in episodes) / len(episodes)
@@ -52,6 +53,12 @@ def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
     out[f"{prefix}/reward_std"] = float(rewards.std()) if len(episodes) > 1 else 0.0
     lengths = [len(s.response_ids) for e in episodes for s in e.samples]
     out[f"{prefix}/response_length"] = sum(lengths) / len(lengths)
+    groups: dict[int, list[float]] = {}
+    for e in episodes:
+        groups.setdefault(e.samples[0].group_id, []).append(e.metrics["success"])
+    k = min(len(g) for g in groups.values())
+    if k > 1:  # pass@k: a group counts if any of its k episodes succeeded
+        out[f"{prefix}/pass@{k}"] = sum(max(g) for g in groups.values()) / len(groups)
     return out
 
 
@@ -250,15 +257,18 @@ def build_run(cfg: RunConfig) -> Run:
     actor_cfg = dataclasses.replace(cfg.actor, total_steps=max(total, cfg.actor.warmup_steps + 1),
                                     temperature=max(cfg.rollout.temperature, 1e-6),
                                     seed=cfg.trainer.seed)
+    # Ray gives an actor with a fractional CPU one OpenMP thread; on CPU the phases (rollout,
+    # critic, actor) run one after another, so each trainer rank may use the cores it shares.
+    threads = None if use_gpu else max(1, (os.cpu_count() or 1) // max(actor_world, critic_world))
     actor = TrainerGroup("actor", model_dir, actor_cfg, pg, plan.trainer_bundles[:actor_world],
-                         num_cpus=trainer_cpus, num_gpus=gpus)
+                         num_cpus=trainer_cpus, num_gpus=gpus, threads=threads)
     critic = None
     if cfg.critic.enable:
         critic_cfg = dataclasses.replace(cfg.critic, seed=cfg.trainer.seed,
                                          total_steps=max(total, cfg.critic.warmup_steps + 1))
         critic = TrainerGroup("critic", model_dir, critic_cfg, pg,
                               plan.trainer_bundles[actor_world:], num_cpus=trainer_cpus,
-                              num_gpus=gpus)
+                              num_gpus=gpus, threads=threads)
     actor.connect_engines(engines.urls, engines.tp_sizes,
                           mode="tensor" if cfg.trainer.colocate else "distributed",
                           bucket_bytes=cfg.trainer.sync_bucket_mb << 20)

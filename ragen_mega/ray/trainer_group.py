@@ -47,6 +47,9 @@ class TrainerWorker:
 
     def __init__(self, rank: int, world_size: int, init_method: str, role: str, hf_dir: str,
                  config, threads: int | None = None):
+        from ragen_mega.backends.megatron.cpu_compat import quiet_cpu_warnings
+
+        quiet_cpu_warnings()
         from ragen_mega.backends.megatron.parallel import init_parallel
         from ragen_mega.backends.megatron.train import MegatronTrainer
 

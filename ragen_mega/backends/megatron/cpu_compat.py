@@ -5,6 +5,7 @@ API:
     cuda_tensor_type_names()           # context manager: patch 6, wrap get_megatron_optimizer
                                        # and grad clipping in it (only while they run)
     cpu_patches_applied() -> bool
+    quiet_cpu_warnings()               # silence megatron's "no TE/Apex" import chatter on CPU
 
 Megatron calls CUDA in about forty places. Seven small patches (measured, see
 /work/shared/CPU_STACK.md) make model building, the pipeline schedules, Megatron DDP, the
@@ -33,6 +34,7 @@ import contextlib
 import functools
 import importlib
 import types
+import warnings
 
 import torch
 
@@ -92,6 +94,20 @@ def _cpu_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
 
 def _cpu_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
+
+
+#: Warnings megatron-core prints in every CPU process about GPU-only packages and settings the
+#: CPU path does not use; silenced so that warnings that matter stay visible.
+_CPU_NOISE = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+              "full scope is deprecated", "When using async grad allreduce it is recommended")
+
+
+def quiet_cpu_warnings() -> None:
+    """Filter :data:`_CPU_NOISE` (call before importing megatron); nothing on a GPU machine."""
+    if torch.cuda.is_available():
+        return
+    for text in _CPU_NOISE:
+        warnings.filterwarnings("ignore", message=text, category=UserWarning)
 
 
 def cpu_patches_applied() -> bool:

@@ -39,6 +39,9 @@ def _worker(rank, world_size, tmp, fn, args, layout, threads):
 
     torch.set_num_threads(threads)
     try:
+        from ragen_mega.backends.megatron.cpu_compat import quiet_cpu_warnings
+
+        quiet_cpu_warnings()
         from ragen_mega.backends.megatron.parallel import (destroy_parallel, file_init_method,
                                                            init_parallel)
 
