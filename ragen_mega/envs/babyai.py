@@ -39,7 +39,7 @@ from minigrid.envs.babyai.core.verifier import (
 
 from ragen_mega.envs.babyai_text import describe
 from ragen_mega.envs.base import TextEnv, invalid_action_info
-from ragen_mega.envs.episode import check_seed, ensure_steppable, is_int
+from ragen_mega.envs.checks import check_seed, ensure_steppable, is_int
 from ragen_mega.envs.text_actions import match_action, unknown_action_reason
 
 #: BALROG's action names, in minigrid's action order (left, right, forward, pickup, drop, toggle)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ragen_mega.envs.base import TextEnv, invalid_action_info
-from ragen_mega.envs.episode import check_seed, ensure_steppable, is_real
+from ragen_mega.envs.checks import check_seed, ensure_steppable, is_real
 from ragen_mega.envs.text_actions import match_action, normalize_action, unknown_action_reason
 
 

@@ -38,7 +38,7 @@ import crafter
 from crafter import constants
 
 from ragen_mega.envs.base import TextEnv, invalid_action_info
-from ragen_mega.envs.episode import check_seed, ensure_steppable, is_int
+from ragen_mega.envs.checks import check_seed, ensure_steppable, is_int
 from ragen_mega.envs.crafter_text import VITALS, describe
 from ragen_mega.envs.text_actions import match_action, unknown_action_reason
 

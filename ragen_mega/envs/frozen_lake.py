@@ -20,7 +20,7 @@ from gymnasium.envs.toy_text.frozen_lake import FrozenLakeEnv as GymFrozenLake
 from gymnasium.envs.toy_text.frozen_lake import generate_random_map
 
 from ragen_mega.envs.base import TextEnv, invalid_action_info
-from ragen_mega.envs.episode import check_seed, ensure_steppable, is_int, is_real
+from ragen_mega.envs.checks import check_seed, ensure_steppable, is_int, is_real
 from ragen_mega.envs.text_actions import match_action, normalize_action, unknown_action_reason
 
 #: action word -> gymnasium action id (gymnasium's order: LEFT=0, DOWN=1, RIGHT=2, UP=3)
