@@ -1,0 +1,98 @@
+"""Weight sync from a TP=2 Megatron trainer into one SGLang engine, against a raw gloo broadcast.
+
+  python benchmarks/bench_weight_sync.py [--hidden 512] [--layers 4] [--rounds 3]
+
+Builds a random Qwen2-shaped checkpoint of a few hundred MB (fp32), starts one SGLang server on
+it, and launches two Megatron ranks (TP=2, gloo) that load it. Per round every rank walks
+``export_hf_state`` (TP all-gather + HF names through the one mapping) and rank 0 streams it
+into the engine with ``BucketedWeightSender`` (512 MiB buckets, per-tensor broadcast), exactly as
+the training loop's sync does. Reported next to it: the export alone (no sending), and a raw
+gloo broadcast of the same bytes, in the same bucket sizes, from a process to one plain peer
+(nothing loaded, no HTTP) - the floor. Ratio = raw / sync (1.0 = sync costs no more than the
+bare transfer). Prints JSON lines and a Markdown row.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_sglang import raw_gloo_broadcast  # noqa: E402
+
+
+def _tp2_worker(rank, world_size, hf_dir, url, rounds, bucket_bytes):
+    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.sglang.client import EngineClient
+    from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
+
+    chunks = build_model(hf_dir)
+    load_hf_checkpoint(chunks, hf_dir)
+    export_s = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        sizes = [t.numel() * t.element_size() for _, t in export_hf_state(chunks)]
+        export_s.append(time.perf_counter() - start)
+    sender = None
+    if rank == 0:
+        sender = BucketedWeightSender([EngineClient(url)], mode="distributed",
+                                      bucket_bytes=bucket_bytes, backend="gloo")
+        sender.connect()
+    sync_s = []
+    for i in range(rounds):
+        named = export_hf_state(chunks)
+        if sender is None:
+            for _ in named:
+                pass
+            continue
+        start = time.perf_counter()
+        sender.send(named, version=f"bench-{i}")
+        sync_s.append(time.perf_counter() - start)
+    if sender is not None:
+        sender.close()
+    return {"export_s": min(export_s), "sync_s": min(sync_s) if sync_s else None,
+            "tensor_bytes": sizes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=int, default=512)
+    args = parser.parse_args()
+
+    from ragen_mega.backends.megatron.launch import run_workers
+    from ragen_mega.backends.sglang.server import launch_server
+    from ragen_mega.backends.sglang.weight_sender import iter_buckets
+    from ragen_mega.models.prepare import make_tiny_model
+
+    hf_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="bench_sync_")) / "model", "qwen2",
+                             hidden_size=args.hidden, num_layers=args.layers, num_heads=8,
+                             num_kv_heads=4, intermediate_size=3 * args.hidden)
+    bucket_bytes = args.bucket_mb << 20
+    with launch_server(hf_dir, dtype="float32", cpu_threads=1) as server:
+        [r0, _] = run_workers(_tp2_worker, 2, str(hf_dir), server.url, args.rounds, bucket_bytes,
+                              tp=2, timeout=1200, threads_per_worker=1)
+    sizes = r0["tensor_bytes"]
+    metas = ((str(i), torch.empty(n, dtype=torch.uint8, device="meta")) for i, n in enumerate(sizes))
+    buckets = [sum(t.numel() for _, t in b) for b in iter_buckets(metas, bucket_bytes)]
+    raw = raw_gloo_broadcast(buckets, args.rounds)
+    total = sum(sizes)
+    row = {"model_mb": round(total / 2**20), "tensors": len(sizes), "buckets": len(buckets),
+           "raw_broadcast_s": round(raw, 3), "tp2_export_s": round(r0["export_s"], 3),
+           "tp2_sync_s": round(r0["sync_s"], 3), "ratio_raw_over_sync": round(raw / r0["sync_s"], 2)}
+    print(json.dumps(row))
+    print(f"| {row['model_mb']} MiB fp32, {row['tensors']} tensors, {row['buckets']} bucket(s) | "
+          f"{row['raw_broadcast_s']} s | {row['tp2_export_s']} s | {row['tp2_sync_s']} s | "
+          f"{row['ratio_raw_over_sync']} |")
+
+
+if __name__ == "__main__":
+    main()
