@@ -16,8 +16,10 @@ before returning or raising. ``fn`` must be importable by name (a module-level f
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import tempfile
 import time
 import traceback
@@ -37,6 +39,7 @@ class WorkerError(RuntimeError):
 def _worker(rank, world_size, tmp, fn, args, layout, threads):
     import torch
 
+    os.setsid()  # its own process group: the parent can stop it with any children it started
     torch.set_num_threads(threads)
     try:
         from ragen_mega.backends.megatron.cpu_compat import quiet_cpu_warnings
@@ -82,8 +85,10 @@ def run_workers(fn, world_size: int, *args, tp: int = 1, pp: int = 1, vpp: int |
                     results.append(pickle.load(f))
             return results
         finally:
-            for p in procs:
-                if p.is_alive():
+            for p in procs:  # the worker and whatever it spawned (torch_dist's writers)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                if p.is_alive():  # killed before it could make its own group
                     p.kill()
             for p in procs:
                 p.join(timeout=10)
