@@ -117,11 +117,12 @@ class Run:
         t0 = time.perf_counter()
         episodes, rollout_s = self.rollout(step)
         metrics.update(summarize(episodes, "rollout"))
-        samples = [s for e in episodes for s in e.samples]
-        metrics["rollout/group_reward_std_before_filter"] = _group_std(samples)
-        samples, filter_metrics = filter_groups(samples, cfg.filter.ratio, cfg.filter.mode)
+        samples, filter_metrics = filter_groups([s for e in episodes for s in e.samples],
+                                                cfg.filter.ratio, cfg.filter.mode)
         metrics.update(filter_metrics)
-        metrics["rollout/group_reward_std_after_filter"] = _group_std(samples)
+        # the echo-trap signal: mean in-group reward std of all groups, and of the kept ones
+        metrics["rollout/group_reward_std_before_filter"] = filter_metrics["filter/in_group_std"]
+        metrics["rollout/group_reward_std_after_filter"] = filter_metrics["filter/chosen_in_group_std"]
         batch = build_batch(samples, pad_id=self.tokenizer.pad_token_id)
         t1 = time.perf_counter()
         if cfg.algo.use_rollout_logprobs:
@@ -209,16 +210,6 @@ class Run:
         if self.critic is not None:
             self.critic.load_checkpoint(str(critic_dir))
         return step
-
-
-def _group_std(samples) -> float:
-    from ragen_mega.algo.advantages import group_stats
-    from ragen_mega.rollout.batch import episode_scores
-
-    _, group_ids, scores = episode_scores(torch.tensor([s.episode_id for s in samples]),
-                                          torch.tensor([s.group_id for s in samples]),
-                                          torch.tensor([s.reward for s in samples]))
-    return float(group_stats(scores, group_ids).std.mean())
 
 
 def build_run(cfg: RunConfig) -> Run:
