@@ -15,13 +15,11 @@ from __future__ import annotations
 import numpy as np
 from minigrid.core.constants import IDX_TO_COLOR, IDX_TO_OBJECT, STATE_TO_IDX
 
+from ragen_mega.envs.wording import steps
+
 _IDX_TO_STATE = {index: name for name, index in STATE_TO_IDX.items()}
 _NOT_DESCRIBED = {"unseen", "empty", "floor", "agent"}
 
-
-def steps(count: int, direction: str) -> str:
-    """``steps(1, "left") == "1 step left"``, ``steps(3, "forward") == "3 steps forward"``."""
-    return f"{count} step{'' if count == 1 else 's'} {direction}"
 
 
 def relative_position(right: int, forward: int) -> str:

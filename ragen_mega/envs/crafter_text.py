@@ -11,15 +11,13 @@ from __future__ import annotations
 
 from crafter import constants
 
+from ragen_mega.envs.wording import steps
+
 #: BALROG skips these when listing what is around: they are everywhere and would swamp the text
 GROUND = frozenset({"grass", "sand", "path"})
 VITALS = ("health", "food", "drink", "energy")
 _FACING_NAMES = {(-1, 0): "left", (1, 0): "right", (0, -1): "up", (0, 1): "down"}
 
-
-def steps(count: int, direction: str) -> str:
-    """``steps(1, "up") == "1 step up"``, ``steps(2, "left") == "2 steps left"``."""
-    return f"{count} step{'' if count == 1 else 's'} {direction}"
 
 
 def relative_position(dx: int, dy: int) -> str:
