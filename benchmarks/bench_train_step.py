@@ -1,14 +1,20 @@
 """Actor train-step throughput: ragen_mega's Megatron trainer vs plain transformers + torch.optim.
 
 Both sides run the same StarPO step (forward, PPO clipped loss from ``ragen_mega.algo.losses``,
-backward, grad clipping, AdamW) on the same HF checkpoint and the same random batch, in fp32, and
-report loss-step tokens/s (all batch tokens, prompt included, per second of step time).
+backward, grad clipping, AdamW) on the same HF checkpoint and the same random batch and report
+loss-step tokens/s (all batch tokens, prompt included, per second of step time).
 
-    python benchmarks/bench_train_step.py [--model smollm2|tiny] [--batch 4] [--seq 128]
-                                          [--micro-batch 2] [--steps 3] [--tp 1]
+    python benchmarks/bench_train_step.py [--model smollm2|tiny|qwen2.5-0.5b|qwen2.5-1.5b]
+                                          [--layers N] [--batch 4] [--seq 128]
+                                          [--micro-batch 2] [--steps 3] [--tp 1] [--bf16]
 
 Megatron runs in ``tp`` worker processes (``launch.run_workers``), transformers in this process;
-each side gets all CPU cores (``--tp`` splits them). One warm-up step is not timed.
+on CPU each side gets all cores (``--tp`` splits them). One warm-up step is not timed. The Qwen2.5
+models are random weights in the published shapes (no hub here; the speed does not depend on
+the values); ``--layers`` shortens them for a quick look. With a GPU both sides run on it:
+``--bf16`` is Megatron's mixed precision (bf16 compute, fp32 main weights and grads in the
+optimizer) against transformers' fp32 weights under ``torch.autocast(bfloat16)`` (HF Trainer's
+bf16), and the model FLOP utilisation (MFU) is printed against ``--peak-tflops``.
 """
 from __future__ import annotations
 
@@ -32,22 +38,76 @@ def make_batch(vocab: int, batch: int, seq: int) -> dict:
             "old_logprobs": torch.full((batch, seq), -10.0)}
 
 
-def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps):
+# Published Qwen2.5 shapes (config.json of the hub models), random weights.
+QWEN25_SHAPES = {
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2),
+}
+
+
+def qwen25_random_dir(name: str, layers: int | None) -> str:
+    """An HF directory with random bf16 weights in a Qwen2.5 shape (written once, cached)."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from ragen_mega.models.prepare import atomic_dir, cache_dir
+
+    shape = dict(QWEN25_SHAPES[name], **({"num_hidden_layers": layers} if layers else {}))
+
+    def build(tmp):
+        cfg = Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1e6,
+                          rms_norm_eps=1e-6, tie_word_embeddings=True, **shape)
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp)
+
+    return str(atomic_dir(cache_dir() / "bench" / f"{name}-random-{shape['num_hidden_layers']}l",
+                          build))
+
+
+def matmul_flops_per_token(hf_dir: str, seq: int) -> float:
+    """Training FLOPs per token: 6 x the weights every token multiplies (the LM head included,
+    embedding lookups not) plus causal-agnostic attention 12 x layers x hidden x seq."""
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(hf_dir)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q = c.num_attention_heads * head_dim
+    kv = 2 * c.num_key_value_heads * head_dim
+    per_layer = c.hidden_size * (q + kv) + q * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    params = c.num_hidden_layers * per_layer + c.vocab_size * c.hidden_size
+    return 6 * params + 12 * c.num_hidden_layers * q * seq
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
+
+
+def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16):
     from ragen_mega.backends.megatron.train import MegatronTrainer, TrainerConfig
 
     trainer = MegatronTrainer(TrainerConfig(tp=world_size, micro_batch_size=micro_batch,
-                                            lr=1e-5), hf_dir)
+                                            lr=1e-5, bf16=bf16), hf_dir)
     trainer.train_actor(batch)  # warm-up
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         trainer.train_actor(batch)
-    return (time.perf_counter() - start) / steps
+    _sync()
+    return (time.perf_counter() - start) / steps, _peak_gib()
 
 
-def transformers_step_time(hf_dir, batch, micro_batch, steps) -> float:
+def transformers_step_time(hf_dir, batch, micro_batch, steps, bf16=False) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(device)
+    batch = {k: v.to(device) for k, v in batch.items()}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     mask = batch["loss_mask"][:, 1:]
     total = mask.sum()
@@ -57,7 +117,8 @@ def transformers_step_time(hf_dir, batch, micro_batch, steps) -> float:
         for lo in range(0, batch["input_ids"].shape[0], micro_batch):
             rows = slice(lo, lo + micro_batch)
             ids = batch["input_ids"][rows]
-            logits = model(input_ids=ids).logits[:, :-1].float()
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(input_ids=ids).logits[:, :-1].float()
             logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             loss, _ = policy_loss(logp, batch["old_logprobs"][rows, 1:],
                                   batch["advantages"][rows, 1:], mask[rows], normalizer=total)
@@ -66,42 +127,59 @@ def transformers_step_time(hf_dir, batch, micro_batch, steps) -> float:
         opt.step()
 
     step()  # warm-up
+    _sync()
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    return (time.perf_counter() - start) / steps
+    _sync()
+    return (time.perf_counter() - start) / steps, _peak_gib()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2")
+    parser.add_argument("--model", choices=("smollm2", "tiny", *QWEN25_SHAPES), default="smollm2")
+    parser.add_argument("--layers", type=int, default=None, help="shorten a Qwen2.5 shape")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU only)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the accelerator's dense bf16 peak for MFU (H100/H200 SXM: 989)")
     args = parser.parse_args()
 
     from transformers import AutoConfig
 
     from ragen_mega.models.prepare import cache_dir, make_tiny_model, prepare_smollm2
 
-    hf_dir = str(prepare_smollm2() if args.model == "smollm2"
-                 else make_tiny_model(cache_dir() / "tiny" / "tiny-qwen2-untied", "qwen2"))
+    if args.model == "smollm2":
+        hf_dir = str(prepare_smollm2())
+    elif args.model == "tiny":
+        hf_dir = str(make_tiny_model(cache_dir() / "tiny" / "tiny-qwen2-untied", "qwen2"))
+    else:
+        hf_dir = qwen25_random_dir(args.model, args.layers)
     batch = make_batch(AutoConfig.from_pretrained(hf_dir).vocab_size, args.batch, args.seq)
     cores = os.cpu_count() or 1
-    mcore = run_workers(_megatron_worker, args.tp, hf_dir, batch, args.micro_batch, args.steps,
-                        tp=args.tp, timeout=3600, threads_per_worker=max(1, cores // args.tp))[0]
+    mcore, mcore_gib = run_workers(_megatron_worker, args.tp, hf_dir, batch, args.micro_batch,
+                                   args.steps, args.bf16, tp=args.tp, timeout=3600,
+                                   threads_per_worker=max(1, cores // args.tp))[0]
     torch.set_num_threads(cores)
-    hf = transformers_step_time(hf_dir, batch, args.micro_batch, args.steps)
+    hf, hf_gib = transformers_step_time(hf_dir, batch, args.micro_batch, args.steps, args.bf16)
     tokens = args.batch * args.seq
-    print(f"model={args.model} batch={args.batch}x{args.seq} micro_batch={args.micro_batch} "
-          f"steps={args.steps} tp={args.tp} cpu={platform.processor() or platform.machine()} "
-          f"cores={cores} torch={torch.__version__}")
-    print("| trainer | step time (s) | tokens/s |")
-    print("|---|---|---|")
-    print(f"| megatron-core (tp={args.tp}) | {mcore:.2f} | {tokens / mcore:.0f} |")
-    print(f"| transformers + torch.optim | {hf:.2f} | {tokens / hf:.0f} |")
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"cpu={platform.processor() or platform.machine()} cores={cores}")
+    print(f"model={args.model} layers={args.layers or 'all'} batch={args.batch}x{args.seq} "
+          f"micro_batch={args.micro_batch} steps={args.steps} tp={args.tp} "
+          f"dtype={'bf16' if args.bf16 else 'fp32'} device={device} torch={torch.__version__}")
+    flops = matmul_flops_per_token(hf_dir, args.seq) * tokens
+    print("| trainer | step time (s) | tokens/s | MFU | peak GPU mem (GiB) |")
+    print("|---|---|---|---|---|")
+    for name, t, gib in ((f"megatron-core (tp={args.tp})", mcore, mcore_gib),
+                         ("transformers + torch.optim", hf, hf_gib)):
+        mfu = flops / t / (args.peak_tflops * 1e12 * args.tp) if torch.cuda.is_available() else None
+        print(f"| {name} | {t:.3f} | {tokens / t:.0f} | "
+              f"{'-' if mfu is None else f'{mfu:.1%}'} | {gib:.1f} |")
     print(f"megatron / transformers throughput ratio: {hf / mcore:.2f}")
 
 

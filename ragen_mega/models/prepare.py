@@ -37,7 +37,7 @@ def smollm2_gguf_path() -> Path:
     return found[0]
 
 
-def _atomic_dir(out_dir: Path, build) -> Path:
+def atomic_dir(out_dir: Path, build) -> Path:
     """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``out_dir`` only if it succeeded."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
@@ -77,7 +77,7 @@ def prepare_smollm2(out_dir: str | Path | None = None) -> Path:
         plain.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
 
-    return _atomic_dir(out_dir, build)
+    return atomic_dir(out_dir, build)
 
 
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embeddings: bool = False,
@@ -117,7 +117,7 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embedd
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
 
-    return _atomic_dir(Path(out_dir), build)
+    return atomic_dir(Path(out_dir), build)
 
 
 def main(argv: list[str] | None = None) -> int:

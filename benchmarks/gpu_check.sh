@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU-only checks in one short run (meant for a briefly lent single-GPU machine):
+#   1. tests/test_gpu.py: the Megatron trainer on CUDA/NCCL in fp32 and bf16 against the
+#      transformers + AdamW reference, and the colocated sync payload through CUDA IPC;
+#   2. bench_train_step.py on Qwen2.5-0.5B / 1.5B shapes (random weights), bf16 and fp32:
+#      tokens/s, MFU and peak memory of Megatron vs transformers.
+# Usage, from the repository root: benchmarks/gpu_check.sh OUT_DIR
+# Needs torch with CUDA, transformers, pytest(-timeout) and megatron-core importable, and the
+# SmolLM2 tokenizer under $RAGEN_MEGA_CACHE/models/SmolLM2-135M-Instruct (the tiny test models
+# use its vocabulary; no weights needed). Each part has its own time limit so one hang cannot
+# eat the others' time.
+set -u
+out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
+} 2>&1 | tee "$out/gpu.txt"
+
+timeout 120 python3 -m pytest -p no:cacheprovider -q -rA -s tests/test_gpu.py 2>&1 \
+  | grep -v "Warning\|warnings.warn" | tee "$out/test_gpu.log"
+
+n=0
+bench() {  # LIMIT_S ARGS...: one benchmark; the table and ratio lines are what matter
+  local limit=$1; shift
+  echo "## $*" | tee -a "$out/bench_train_step.md"
+  local log="$out/bench_$(( ++n )).log"
+  timeout "$limit" python3 benchmarks/bench_train_step.py "$@" > "$log" 2>&1
+  grep -E "^model=|^\||ratio" "$log" | tee -a "$out/bench_train_step.md" || tail -5 "$log"
+}
+bench 110 --model qwen2.5-0.5b --batch 16 --seq 1024 --micro-batch 4 --steps 5 --bf16
+bench 100 --model qwen2.5-0.5b --batch 16 --seq 1024 --micro-batch 4 --steps 3
+bench 130 --model qwen2.5-1.5b --batch 16 --seq 1024 --micro-batch 4 --steps 3 --bf16

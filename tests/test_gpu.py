@@ -1,0 +1,138 @@
+"""The CUDA paths the CPU suite cannot reach: the Megatron trainer on a GPU (NCCL process group,
+fp32 and bf16 with Megatron's mixed-precision optimizer) and the colocated weight-sync payload
+shared through CUDA IPC.
+
+Every test here is skipped on machines without a CUDA GPU (CI has none); on a GPU box run
+``pytest tests/test_gpu.py``. The references are the same as the CPU suite's: transformers +
+torch.optim.AdamW on the CPU (``test_megatron_train``'s full-batch step), and the tensors the
+sender shared, read back in a second process.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragen_mega.backends.megatron.launch import run_workers
+from test_megatron_train import ACTOR, _batch, _reference_step
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="needs a CUDA GPU (NCCL, bf16 and CUDA IPC paths)")
+
+
+def _read_shared(payload: bytes, queue) -> None:
+    """Child process: unpickle the payload as SGLang's server does, report float64 checksums."""
+    import pickle
+
+    obj = pickle.loads(payload)
+    if isinstance(obj, dict):  # flattened bucket: slice each tensor back out of the flat bytes
+        flat = obj["flattened_tensor"]
+        named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape))
+                 for m in obj["metadata"]]
+    else:
+        named = obj
+    queue.put({n: (t.device.type, float(t.double().sum()), float(t.double().abs().sum()))
+               for n, t in named})
+
+
+def _gpu_worker(rank, world_size, hf_dir, batch):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from ragen_mega.backends.megatron.train import MegatronTrainer, TrainerConfig
+    from ragen_mega.backends.sglang.weight_sender import serialize_for_engine
+
+    out = {"backend": dist.get_backend()}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        trainer = MegatronTrainer(TrainerConfig(**ACTOR, bf16=bf16), hf_dir)
+        logprobs = trainer.compute_logprobs(batch)
+        logprobs = logprobs.cpu()
+        metrics = trainer.train_actor({**batch, "old_logprobs": logprobs + batch["noise"]})
+        out[name] = {"logprobs": logprobs, "metrics": metrics,
+                     "weights": {n: t.float().cpu() for n, t in trainer.export_hf_state()}}
+
+    # colocated sync payload: the trainer's CUDA tensors travel as IPC handles, not bytes
+    bucket = [(n, t.clone()) for n, t in trainer.export_hf_state()]
+    ctx = mp.get_context("spawn")
+    for flattened in (False, True):
+        payload = serialize_for_engine(bucket, flattened=flattened)
+        queue = ctx.Queue()
+        child = ctx.Process(target=_read_shared, args=(payload, queue))
+        child.start()
+        out[f"ipc_flattened={flattened}"] = {"payload_bytes": len(payload),
+                                             "seen": queue.get(timeout=120)}
+        child.join(timeout=60)
+    out["ipc_expected"] = {n: ("cuda", float(t.double().sum()), float(t.double().abs().sum()))
+                           for n, t in bucket}
+    out["bucket_bytes"] = sum(t.numel() * t.element_size() for _, t in bucket)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model):
+    return tiny_model("qwen2", tied=True, num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def batch(model_dir):
+    from transformers import AutoConfig
+
+    return _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
+
+
+@pytest.fixture(scope="module")
+def result(model_dir, batch):
+    return run_workers(_gpu_worker, 1, model_dir, batch, timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, batch):
+    return _reference_step(model_dir, batch, "token-mean")
+
+
+def _valid(reference):
+    return torch.cat([torch.zeros(4, 1), reference["mask"]], dim=1) > 0
+
+
+def test_trainer_runs_on_nccl(result):
+    assert result["backend"] == "nccl"
+
+
+def test_fp32_step_on_gpu_matches_transformers_and_adamw(result, reference):
+    valid = _valid(reference)
+    expected = torch.cat([torch.zeros(4, 1), reference["ref_lp"]], dim=1)
+    torch.testing.assert_close(result["fp32"]["logprobs"][valid], expected[valid], atol=1e-4, rtol=0)
+    m = result["fp32"]["metrics"]
+    assert m["update_successful"] == 1.0
+    assert m["loss"] == pytest.approx(reference["loss"], rel=1e-4, abs=1e-5)
+    assert m["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+    for hf_name, tensor in result["fp32"]["weights"].items():
+        torch.testing.assert_close(tensor, reference["weights"][hf_name], atol=1e-4, rtol=0,
+                                   msg=lambda msg: f"{hf_name}: {msg}")
+
+
+def test_bf16_step_on_gpu_tracks_fp32_reference(result, reference):
+    """bf16 keeps ~3 significant digits: log-probs within bf16 rounding of the fp32 reference,
+    the same loss and gradient norm to a few percent, and the fp32 master weights move the
+    reference's way (Megatron's mixed-precision optimizer)."""
+    valid = _valid(reference)
+    expected = torch.cat([torch.zeros(4, 1), reference["ref_lp"]], dim=1)
+    diff = (result["bf16"]["logprobs"][valid] - expected[valid]).abs()
+    print(f"bf16 vs fp32 log-probs: max {diff.max():.4f}, mean {diff.mean():.5f}")
+    assert diff.mean() < 0.02 and diff.max() < 0.15
+    m = result["bf16"]["metrics"]
+    assert m["update_successful"] == 1.0
+    assert m["grad_norm"] == pytest.approx(reference["grad_norm"], rel=0.05)
+    assert m["loss"] == pytest.approx(reference["loss"], rel=0.05, abs=1e-3)
+
+
+def test_colocated_payload_shares_cuda_tensors(result):
+    expected = result["ipc_expected"]
+    for key in ("ipc_flattened=False", "ipc_flattened=True"):
+        seen = result[key]["seen"]
+        assert set(seen) == set(expected), key
+        for name, (device, total, abs_total) in seen.items():
+            assert device == "cuda", (key, name)
+            assert total == pytest.approx(expected[name][1], rel=1e-12, abs=1e-9), (key, name)
+            assert abs_total == pytest.approx(expected[name][2], rel=1e-12), (key, name)
+        # handles, not the bytes: the payload is far smaller than the bucket it describes
+        assert result[key]["payload_bytes"] < result["bucket_bytes"] / 100, key
