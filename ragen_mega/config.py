@@ -26,8 +26,63 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
 
 
+_TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
+
+
+def _check_env(name: str, kwargs: dict, name_key: str, kwargs_key: str) -> None:
+    """``name`` is a registered env that accepts ``kwargs``; else a ConfigError naming the key."""
+    from ragen_mega.envs import list_envs, make
+
+    if name not in list_envs():
+        raise ConfigError(f"{name_key}: unknown env {name!r}; registered envs: "
+                          f"{', '.join(list_envs())}")
+    try:  # building the env once checks its kwargs before any worker starts
+        make(name, **kwargs).close()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{kwargs_key}: {e}") from e
+
+
+@dataclasses.dataclass
+class EnvMixEntry:
+    """One env of a mixed run (an ``env.mix`` item; RAGEN's ``env_configs`` tag + ``n_groups``)."""
+    tag: str = ""                # metric names: rollout/<tag>/success, val/<tag>/pass@k, ...
+    name: Optional[str] = None   # registered env; None: the tag is the env's name
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    env_groups: int = 1          # training groups per step (0: evaluated only)
+    val_groups: Optional[int] = None   # held-out groups; None: env.val_groups (0: not evaluated)
+
+    @property
+    def env_name(self) -> str:
+        return self.name if self.name is not None else self.tag
+
+
 @dataclasses.dataclass
 class EnvConfig:
+    """The env(s) a run plays, RAGEN's grouping, and the held-out evaluation.
+
+    One env (the simple form): ``name``, ``kwargs``, ``env_groups`` groups of ``group_size``
+    episodes per step; evaluation on ``val_groups`` held-out groups of ``val_name`` (default: the
+    same env). Metrics are logged overall (``rollout/success``) and under the env's name as tag
+    (``rollout/sokoban/success``).
+
+    Several envs in one run (RAGEN's es_manager ``tags`` / ``n_groups``): list them in ``mix``;
+    each group plays one env, and every metric is also logged per tag::
+
+        env:
+          env_groups: 8            # the step's total: must equal the sum over mix (as in RAGEN)
+          group_size: 16           # shared, as are max_turns, seed, val_groups, val_seed
+          mix:
+            - {tag: sokoban, kwargs: {dim_room: [6, 6]}, env_groups: 4}
+            - {tag: lake, name: frozen_lake, kwargs: {is_slippery: true}, env_groups: 4}
+            - {tag: sokoban_8x8, name: sokoban, kwargs: {dim_room: [8, 8]}, env_groups: 0}
+
+    ``name`` defaults to the tag; ``env_groups: 0`` makes an eval-only env (generalisation to an
+    env never trained on), ``val_groups: 0`` a train-only one; ``val_groups`` counts per env (an
+    added env never thins another's evaluation). With ``mix``, ``name``/``kwargs``/``val_name``/
+    ``val_kwargs`` at the top are refused (each entry says its env). Seeds: each env of a step
+    gets its own consecutive range, the ranges end to end, so a step's seeds are a function of
+    the step (resume) and no two envs share one (``rollout.episode.mix_specs``).
+    """
     name: str = "bandit"
     kwargs: dict = dataclasses.field(default_factory=dict)
     env_groups: int = 8          # distinct seeds per step (RAGEN: env_groups)
@@ -39,24 +94,73 @@ class EnvConfig:
     val_kwargs: dict = dataclasses.field(default_factory=dict)
     val_groups: int = 16
     val_seed: int = 1_000_000
+    mix: list[EnvMixEntry] = dataclasses.field(default_factory=list)
+
+    def train_parts(self):
+        """The envs of one training step, in order: ``rollout.episode.EnvPart`` each."""
+        from ragen_mega.rollout.episode import EnvPart
+
+        if not self.mix:
+            return [EnvPart(self.name, self.name, self.kwargs, self.env_groups)]
+        return [EnvPart(m.tag, m.env_name, m.kwargs, m.env_groups) for m in self.mix
+                if m.env_groups > 0]
+
+    def val_parts(self):
+        """The envs of the held-out evaluation (groups of one episode each), in order."""
+        from ragen_mega.rollout.episode import EnvPart
+
+        if not self.mix:
+            name = self.val_name or self.name
+            # the training kwargs only fit the training env
+            kwargs = self.val_kwargs or (self.kwargs if name == self.name else {})
+            return [EnvPart(name, name, kwargs, self.val_groups)]
+        groups = [self.val_groups if m.val_groups is None else m.val_groups for m in self.mix]
+        return [EnvPart(m.tag, m.env_name, m.kwargs, g) for m, g in zip(self.mix, groups) if g]
 
     def validate(self):
-        from ragen_mega.envs import list_envs, make
-
-        for key, kwargs_key in (("name", "kwargs"), ("val_name", "val_kwargs")):
-            value = getattr(self, key)
-            if value is None:
-                continue
-            if value not in list_envs():
-                raise ConfigError(f"{key}: unknown env {value!r}; registered envs: "
-                                  f"{', '.join(list_envs())}")
-            try:  # building the env once checks its kwargs before any worker starts
-                make(value, **getattr(self, kwargs_key)).close()
-            except (TypeError, ValueError) as e:
-                raise ConfigError(f"{kwargs_key}: {e}") from e
         for key in ("env_groups", "group_size", "max_turns", "val_groups"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if not self.mix:
+            _check_env(self.name, self.kwargs, "name", "kwargs")
+            if self.val_name is not None or self.val_kwargs:
+                [val] = self.val_parts()
+                _check_env(val.name, val.kwargs, "val_name", "val_kwargs")
+            return
+        self._validate_mix()
+
+    def _validate_mix(self):
+        defaults = EnvConfig()
+        for key in ("name", "kwargs", "val_name", "val_kwargs"):
+            if getattr(self, key) != getattr(defaults, key):
+                raise ConfigError(f"{key}: {getattr(self, key)!r} is not used when env.mix is set; "
+                                  f"each env.mix entry names its env (eval-only env: an entry "
+                                  f"with env_groups: 0)")
+        tags: set[str] = set()
+        for i, m in enumerate(self.mix):
+            key = f"mix[{i}]"
+            if not m.tag or not set(m.tag) <= _TAG_CHARS:
+                raise ConfigError(f"{key}.tag: {m.tag!r} must be a non-empty name of letters, "
+                                  f"digits, '_', '-', '.' (it becomes part of metric names)")
+            if m.tag in tags:
+                raise ConfigError(f"{key}.tag: duplicate tag {m.tag!r}; each env of the mix "
+                                  f"needs its own tag")
+            tags.add(m.tag)
+            _check_env(m.env_name, m.kwargs, f"{key}.name" if m.name is not None else
+                       f"{key}.tag (no name given, so the tag names the env)", f"{key}.kwargs")
+            for count in ("env_groups", "val_groups"):
+                if (getattr(m, count) or 0) < 0:
+                    raise ConfigError(f"{key}.{count}: must be >= 0, got {getattr(m, count)}")
+            if m.env_groups == 0 and m.val_groups == 0:
+                raise ConfigError(f"{key}: env_groups and val_groups are both 0: the env "
+                                  f"{m.tag!r} would never be played")
+        total = sum(m.env_groups for m in self.mix)
+        if total != self.env_groups:
+            raise ConfigError(f"env_groups: {self.env_groups} but the env.mix entries' env_groups "
+                              f"sum to {total}; they must match (RAGEN: sum(n_groups) == "
+                              f"env_groups)")
+        if not self.val_parts():
+            raise ConfigError("mix: every entry has val_groups: 0, so evaluation plays nothing")
 
 
 @dataclasses.dataclass
@@ -68,6 +172,12 @@ class RolloutConfig:
     num_engines: int = 1
     engine_tp: int = 1
     env_steps_in_thread: bool = False   # True for slow envs (Crafter)
+    #: every request carries a sampling seed derived from (trainer.seed, step, episode, turn),
+    #: and the engines sample it as a pure function of seed and logits (SGLang's seeded
+    #: Gumbel-max sampler; on GPU that means --enable-deterministic-inference). A step's rollout
+    #: is then a function of the step and the weights, so a resumed run replays the
+    #: uninterrupted one. False: SGLang's unseeded sampler.
+    seeded: bool = True
 
     def validate(self):
         if self.max_new_tokens < 1:

@@ -63,12 +63,33 @@ _CONSOLE_KEYS = (
 )
 
 
+#: shown per env tag too when a run mixes envs: ``succ 0.4 (sokoban 0.3, lake 0.5)``
+_PER_TAG_KEYS = ("rollout/success", "val/success")
+
+
+def _per_tag(metrics: Mapping[str, float], name: str) -> dict[str, float]:
+    """``{tag: value}`` of the per-env-tag versions of metric ``name`` (``rollout/<tag>/success``
+    for ``rollout/success``), in the order they were logged."""
+    section, _, key = name.partition("/")
+    out = {}
+    for full, value in metrics.items():
+        parts = full.split("/")
+        if len(parts) == 3 and parts[0] == section and parts[2] == key:
+            out[parts[1]] = float(value)
+    return out
+
+
 def format_console_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
-    """``step 3/10 | succ 0.42 | rew 0.31 | ...`` with the metrics that exist this step."""
+    """``step 3/10 | succ 0.42 | rew 0.31 | ...`` with the metrics that exist this step; a
+    mixed-env run adds the per-tag values in brackets (one env: they equal the total)."""
     parts = [f"step {step}/{total}"]
     for name, short in _CONSOLE_KEYS:
         if name in metrics:
-            parts.append(f"{short} {float(metrics[name]):.4g}")
+            part = f"{short} {float(metrics[name]):.4g}"
+            tags = _per_tag(metrics, name) if name in _PER_TAG_KEYS else {}
+            if len(tags) > 1:
+                part += " (" + ", ".join(f"{t} {v:.3g}" for t, v in tags.items()) + ")"
+            parts.append(part)
     return " | ".join(parts)
 
 

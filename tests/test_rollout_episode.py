@@ -13,7 +13,8 @@ from transformers import AutoTokenizer
 
 from ragen_mega.agent import AgentConfig
 from ragen_mega.envs import make
-from ragen_mega.rollout.episode import EpisodeSpec, Generation, group_specs, run_episodes
+from ragen_mega.rollout.episode import (EnvPart, EpisodeSpec, Generation, group_specs, mix_specs,
+                                        run_episodes, train_step_specs)
 from ragen_mega.rollout.sample import collate
 
 
@@ -120,3 +121,57 @@ async def run_episodes_keyed(specs, tokenizer, agent, gen):
                                  generate=lambda ids, sp: gen(ids, {**sp,
                                                                     "episode_key": spec.episode_id}))
     return await asyncio.gather(*(one(s) for s in specs))
+
+
+def test_mix_seed_and_group_layout():
+    """A step over several envs: each env its own seed range (bandit: a seed per episode,
+    sokoban/frozen_lake: one per group), ranges end to end, group and episode ids numbered on."""
+    parts = [EnvPart("arm", "bandit", {}, 2), EnvPart("box", "sokoban", {"dim_room": [6, 6]}, 2),
+             EnvPart("lake", "frozen_lake", {}, 1)]
+    specs = mix_specs(parts, group_size=2, first_seed=100)
+    assert [(s.env_tag, s.env_name, s.seed, s.group_id, s.episode_id) for s in specs] == [
+        ("arm", "bandit", 100, 0, 0), ("arm", "bandit", 101, 0, 1),
+        ("arm", "bandit", 102, 1, 2), ("arm", "bandit", 103, 1, 3),
+        ("box", "sokoban", 104, 2, 4), ("box", "sokoban", 104, 2, 5),
+        ("box", "sokoban", 105, 3, 6), ("box", "sokoban", 105, 3, 7),
+        ("lake", "frozen_lake", 106, 4, 8), ("lake", "frozen_lake", 106, 4, 9)]
+    assert specs[4].env_kwargs == {"dim_room": [6, 6]} and specs[0].env_kwargs == {}
+    # one part is exactly the single-env layout
+    assert mix_specs(parts[:1], group_size=3, first_seed=10) == group_specs(
+        "bandit", {}, env_groups=2, group_size=3, first_seed=10, env_tag="arm")
+    # step k spans 7 seeds (4 + 2 + 1) right after step k-1's: a function of the step alone,
+    # never the same (env, seed) twice across steps, never one seed for two envs
+    steps = {k: train_step_specs(parts, group_size=2, seed=5, step=k) for k in (1, 2, 3)}
+    assert [min(s.seed for s in steps[k]) for k in (1, 2, 3)] == [5, 12, 19]
+    assert [max(s.seed for s in steps[k]) for k in (1, 2, 3)] == [11, 18, 25]
+    owner = {}
+    for k, step_specs in steps.items():
+        for s in step_specs:
+            assert owner.setdefault(s.seed, (k, s.env_tag)) == (k, s.env_tag)
+    assert train_step_specs(parts, group_size=2, seed=5, step=2) == steps[2]
+
+
+def test_mixed_episodes_play_their_own_env(tokenizer):
+    """Bandit and sokoban episodes in one batch: each plays its own env (reward replayed on
+    that env independently) and its samples carry its tag."""
+    agent = AgentConfig(think=False, max_actions_per_turn=1)
+    parts = [EnvPart("arm", "bandit", {}, 1), EnvPart("box", "sokoban", {"dim_room": [6, 6]}, 1)]
+    specs = mix_specs(parts, group_size=2, first_seed=0)
+    gen = scripted(tokenizer, [" Up </answer>"])  # a sokoban move, not an arm of the bandit
+    episodes = asyncio.run(run_episodes(
+        specs, tokenizer=tokenizer, agent=agent, sampling={}, max_turns=2,
+        generate=lambda ids, sp: gen(ids, {**sp, "episode_key": 0})))
+    for spec, ep in zip(specs, episodes):
+        assert {s.env_tag for s in ep.samples} == {spec.env_tag}
+        assert {s.group_id for s in ep.samples} == {spec.group_id}
+        env = make(spec.env_name, **spec.env_kwargs)
+        env.reset(spec.seed)
+        expected = []
+        for _ in ep.samples:
+            _, r, _, info = env.step("Up")
+            expected.append(r + (0.0 if info["action_is_valid"] else agent.format_penalty))
+        assert [s.reward for s in ep.samples] == pytest.approx(expected), spec
+    assert [len(ep.samples) for ep in episodes[:2]] == [2, 2]  # bandit: invalid, goes on
+    bandit_prompt = tokenizer.decode(episodes[0].samples[0].prompt_ids)
+    sokoban_prompt = tokenizer.decode(episodes[2].samples[0].prompt_ids)
+    assert "Phoenix" in bandit_prompt and "Phoenix" not in sokoban_prompt

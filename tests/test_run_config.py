@@ -69,3 +69,72 @@ def test_trainer_config_errors_name_the_field(kwargs, field):
     overrides = [f"critic.{k}={v}" for k, v in kwargs.items()]
     with pytest.raises(ConfigError, match=f"^critic.{field}: "):
         load_run_config(None, overrides)
+
+
+MIX = ("env.mix=[{tag: sokoban, kwargs: {dim_room: [6, 6]}, env_groups: 3},"
+       " {tag: lake, name: frozen_lake, kwargs: {is_slippery: false}, env_groups: 2, val_groups: 4},"
+       " {tag: big, name: sokoban, kwargs: {dim_room: [8, 8]}, env_groups: 0}]")
+
+
+def test_env_mix_parts():
+    """A mixed run: training parts in order (eval-only entry left out), eval parts with each
+    entry's val_groups (default: env.val_groups), the env name defaulting to the tag."""
+    from ragen_mega.rollout.episode import EnvPart
+
+    cfg = load_run_config(None, [MIX, "env.env_groups=5", "env.val_groups=7"])
+    assert cfg.env.train_parts() == [
+        EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 3),
+        EnvPart("lake", "frozen_lake", {"is_slippery": False}, 2)]
+    assert cfg.env.val_parts() == [
+        EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 7),
+        EnvPart("lake", "frozen_lake", {"is_slippery": False}, 4),
+        EnvPart("big", "sokoban", {"dim_room": [8, 8]}, 7)]
+
+
+def test_single_env_parts():
+    """The simple form is one part tagged with the env's name; a different eval env does not
+    inherit the training env's kwargs (sokoban's dim_room would break frozen_lake)."""
+    from ragen_mega.rollout.episode import EnvPart
+
+    cfg = load_run_config(None, ["env.name=sokoban", "env.kwargs={dim_room: [6, 6]}",
+                                 "env.env_groups=2", "env.val_groups=3"])
+    assert cfg.env.train_parts() == [EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 2)]
+    assert cfg.env.val_parts() == [EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 3)]
+    cfg = load_run_config(None, ["env.name=sokoban", "env.kwargs={dim_room: [6, 6]}",
+                                 "env.val_name=frozen_lake"])
+    assert cfg.env.val_parts() == [EnvPart("frozen_lake", "frozen_lake", {}, 16)]
+
+
+def _entry(**fields):
+    base = {"tag": "sokoban", "env_groups": 8}
+    return {**base, **fields}
+
+
+@pytest.mark.parametrize("mix, extra, needle", [
+    ([_entry(name="chess")], [], "env.mix[0].name: unknown env 'chess'; registered envs: babyai"),
+    ([_entry(tag="SimpleSokoban")], [],
+     "env.mix[0].tag (no name given, so the tag names the env): unknown env 'SimpleSokoban'"),
+    ([_entry(env_groups=4), _entry(env_groups=4)], [], "env.mix[1].tag: duplicate tag 'sokoban'"),
+    ([_entry(kwargs={"dim": 3})], [],
+     "env.mix[0].kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
+    ([_entry(tag="lake", name="frozen_lake", kwargs={"size": 1})], [], "env.mix[0].kwargs: "),
+    ([_entry(env_groups=4)], [], "env.env_groups: 8 but the env.mix entries' env_groups sum to 4"),
+    ([_entry(tag="a/b", name="sokoban")], [], "env.mix[0].tag: 'a/b' must be a non-empty name"),
+    ([_entry(tag="", name="sokoban")], [], "env.mix[0].tag: '' must be a non-empty name"),
+    ([_entry(env_groups=9), _entry(tag="lake", name="frozen_lake", env_groups=-1)], [],
+     "env.mix[1].env_groups: must be >= 0, got -1"),
+    ([_entry(), _entry(tag="lake", name="frozen_lake", env_groups=0, val_groups=0)], [],
+     "env.mix[1]: env_groups and val_groups are both 0"),
+    ([_entry(val_groups=0)], [], "env.mix: every entry has val_groups: 0"),
+    ([_entry()], ["env.name=sokoban"], "env.name: 'sokoban' is not used when env.mix is set"),
+    ([_entry()], ["env.val_name=frozen_lake"], "env.val_name: 'frozen_lake' is not used when"),
+    ([_entry(groups=8)], [], "unknown config key 'env.mix[0].groups'; allowed keys here: "
+                             "env_groups, kwargs, name, tag, val_groups"),
+    ([_entry(env_groups="four")], [], "env.mix[0].env_groups: expected int, got str 'four'"),
+])
+def test_env_mix_errors_name_the_key(mix, extra, needle):
+    import json
+
+    with pytest.raises(ConfigError) as err:
+        load_run_config(None, [f"env.mix={json.dumps(mix)}", *extra])
+    assert needle in str(err.value)

@@ -103,21 +103,60 @@ async def _ready(value):
 
 
 def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, group_size: int,
-                first_seed: int, env_tag: str = "") -> list[EpisodeSpec]:
+                first_seed: int, env_tag: str = "", first_group: int = 0) -> list[EpisodeSpec]:
     """RAGEN's grouping: ``env_groups`` groups of ``group_size`` episodes. Group ``g`` plays seed
     ``first_seed + g`` in every episode, unless the env's ``seed_shared_in_group`` is False; then
     episode ``i`` plays seed ``first_seed + i`` (the seed range used is the same size either way:
-    :func:`seeds_per_step`)."""
+    :func:`seeds_per_step`). Group ids start at ``first_group`` (episode ids follow them), so the
+    groups of several envs in one step stay distinct (:func:`mix_specs`)."""
     shared = env_class(env_name).seed_shared_in_group
     return [EpisodeSpec(env_name, dict(env_kwargs),
                         first_seed + (g if shared else g * group_size + k),
-                        g * group_size + k, g, env_tag)
+                        (first_group + g) * group_size + k, first_group + g, env_tag)
             for g in range(env_groups) for k in range(group_size)]
 
 
 def seeds_per_step(env_name: str, env_groups: int, group_size: int) -> int:
     """How many consecutive seeds one call of :func:`group_specs` uses."""
     return env_groups if env_class(env_name).seed_shared_in_group else env_groups * group_size
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvPart:
+    """One env of a step's mix (RAGEN's ``env_configs`` tag with its ``n_groups``): episodes of
+    env ``name`` built with ``kwargs``, ``groups`` groups of them, metrics logged under ``tag``."""
+    tag: str
+    name: str
+    kwargs: dict[str, Any]
+    groups: int
+
+
+def mix_seeds_per_step(parts: Sequence[EnvPart], group_size: int) -> int:
+    """How many consecutive seeds one call of :func:`mix_specs` uses: the parts' ranges end to end."""
+    return sum(seeds_per_step(p.name, p.groups, group_size) for p in parts)
+
+
+def mix_specs(parts: Sequence[EnvPart], *, group_size: int, first_seed: int) -> list[EpisodeSpec]:
+    """The episodes of one step over several envs: :func:`group_specs` for each part in order,
+    each part on its own seed range right after the previous part's (no two envs share a seed,
+    and the whole step spans :func:`mix_seeds_per_step` seeds, so step k's seeds stay a function
+    of k), group ids numbered on across parts. One part is exactly :func:`group_specs`."""
+    specs: list[EpisodeSpec] = []
+    first_group = 0
+    for p in parts:
+        specs += group_specs(p.name, p.kwargs, env_groups=p.groups, group_size=group_size,
+                             first_seed=first_seed, env_tag=p.tag, first_group=first_group)
+        first_seed += seeds_per_step(p.name, p.groups, group_size)
+        first_group += p.groups
+    return specs
+
+
+def train_step_specs(parts: Sequence[EnvPart], *, group_size: int, seed: int, step: int
+                     ) -> list[EpisodeSpec]:
+    """Training step ``step``'s (1-based) episodes: its seeds follow step ``step - 1``'s, so they
+    are a function of the step alone (a resumed run replays exactly the uninterrupted one)."""
+    first = seed + (step - 1) * mix_seeds_per_step(parts, group_size)
+    return mix_specs(parts, group_size=group_size, first_seed=first)
 
 
 async def run_episodes(specs: Sequence[EpisodeSpec], **kwargs) -> list[Episode]:
