@@ -8,24 +8,33 @@ One step, as DESIGN.md draws it::
 
 :class:`Run` holds the placed pieces (engines, actor, critic, logger); :func:`train` is the loop.
 Resuming (``trainer.resume=auto``) restarts from the newest step whose actor (and critic)
-checkpoints are complete; seeds are a function of the step, so the data cursor is the step.
+checkpoints are complete; env seeds and (``rollout.seeded``) sampling seeds are functions of the
+step, so the data cursor is the step, and a resumed step replays the uninterrupted run's
+(tests/test_resume_equivalence.py).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
+import itertools
 import json
 import os
+import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from ragen_mega.algo.advantages import group_stats
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import to_dict
 from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
-from ragen_mega.rollout.episode import Episode, group_specs, run_episodes, seeds_per_step
+from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episodes,
+                                        train_step_specs)
 
 LATEST = "latest_step"
 
@@ -42,9 +51,48 @@ def resolve_model(path: str) -> str:
     return path
 
 
+def rng_states() -> dict:
+    """The driver's Python, NumPy and torch RNG states. The loop itself draws from none of them
+    (env and sampling seeds are functions of the step, the filter breaks no ties at random, the
+    trainer has no dropout), but a user's env or hook may, so they are checkpointed too."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+
+
+def request_seed(*key) -> int:
+    """A 63-bit sampling seed that is a pure function of ``key`` (stable across processes and
+    Python versions, unlike ``hash``), spread so that neighbouring keys give unrelated seeds."""
+    digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    """Means of the per-episode metrics, reward std, response length, and pass@k over groups
-    of k episodes."""
+    """Means of the per-episode metrics, reward mean/std, response length and pass@k over groups
+    of k episodes: over all episodes under ``prefix/`` and for each env tag under
+    ``prefix/<tag>/`` (RAGEN logs per tag; a mixed run's total hides which env learns). Per tag
+    also the mean in-group reward std, the echo-trap signal of that env (the run-wide one is the
+    StarPO-S filter's own ``group_reward_std_before_filter``)."""
+    out = _episode_stats(episodes, prefix)
+    by_tag: dict[str, list[Episode]] = {}
+    for e in episodes:
+        by_tag.setdefault(e.samples[0].env_tag, []).append(e)
+    for tag, tagged in by_tag.items():
+        out.update(_episode_stats(tagged, f"{prefix}/{tag}"))
+        group_ids = torch.tensor([e.samples[0].group_id for e in tagged])
+        if len(tagged) > len(set(group_ids.tolist())):  # groups of more than one episode
+            rewards = torch.tensor([e.metrics["reward"] for e in tagged])
+            out[f"{prefix}/{tag}/group_reward_std_before_filter"] = float(
+                group_stats(rewards, group_ids).std.mean())
+    return out
+
+
+def _episode_stats(episodes: list[Episode], prefix: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for key in episodes[0].metrics:
         out[f"{prefix}/{key}"] = sum(e.metrics[key] for e in episodes) / len(episodes)
@@ -86,25 +134,24 @@ class Run:
         """Play one step's episodes (training seeds, or the held-out seeds at eval temperature)."""
         env, r = self.cfg.env, self.cfg.rollout
         if evaluate:
-            name, kwargs = env.val_name or env.name, env.val_kwargs or env.kwargs
-            specs = group_specs(name, kwargs, env_groups=env.val_groups, group_size=1,
-                                first_seed=env.val_seed, env_tag=f"val_{name}")
+            specs = mix_specs(env.val_parts(), group_size=1, first_seed=env.val_seed)
             temperature = r.val_temperature
         else:
-            first = env.seed + (step - 1) * seeds_per_step(env.name, env.env_groups, env.group_size)
-            specs = group_specs(env.name, env.kwargs, env_groups=env.env_groups,
-                                group_size=env.group_size, first_seed=first, env_tag=env.name)
+            specs = train_step_specs(env.train_parts(), group_size=env.group_size,
+                                     seed=env.seed, step=step)
             temperature = r.temperature
         sampling = {"temperature": temperature, "top_p": r.top_p,
                     "max_new_tokens": r.max_new_tokens, "stop": ["</answer>"],
                     "no_stop_trim": True}
 
         async def play():
-            try:
-                return await run_episodes(specs, tokenizer=self.tokenizer, agent=self.cfg.agent,
-                                          generate=self.engines.generate, sampling=sampling,
-                                          max_turns=env.max_turns,
-                                          env_steps_in_thread=r.env_steps_in_thread)
+            try:  # one run_episodes per episode: each gets its own (seeding) generate function
+                played = await asyncio.gather(*(run_episodes(
+                    [spec], tokenizer=self.tokenizer, agent=self.cfg.agent,
+                    generate=self.episode_generate(step, spec.episode_id, evaluate),
+                    sampling=sampling, max_turns=env.max_turns,
+                    env_steps_in_thread=r.env_steps_in_thread) for spec in specs))
+                return [episode for (episode,) in played]
             finally:
                 await self.engines.close_clients()  # the clients belong to this event loop
 
@@ -112,10 +159,27 @@ class Run:
         episodes = asyncio.run(play())
         return episodes, time.perf_counter() - start
 
+    def episode_generate(self, step: int, episode_id: int, evaluate: bool) -> GenerateFn:
+        """The engines' generate function for one episode. With ``rollout.seeded`` its k-th
+        request (turn k) carries ``sampling_seed = request_seed(trainer.seed, phase, step,
+        episode_id, k)``, so the episode's tokens depend only on the step and the weights, not on
+        what else the engines are running (the data cursor of a resumed run is the step)."""
+        if not self.cfg.rollout.seeded:
+            return self.engines.generate
+        turns = itertools.count(1)
+        key = (self.cfg.trainer.seed, "eval" if evaluate else "train", step, episode_id)
+
+        async def generate(prompt_ids, sampling):
+            seed = request_seed(*key, next(turns))
+            return await self.engines.generate(prompt_ids, {**sampling, "sampling_seed": seed})
+        return generate
+
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
         t0 = time.perf_counter()
         episodes, rollout_s = self.rollout(step)
+        if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
+            self.engines.release_memory()
         metrics.update(summarize(episodes, "rollout"))
         samples, filter_metrics = filter_groups([s for e in episodes for s in e.samples],
                                                 cfg.filter.ratio, cfg.filter.mode)
@@ -144,7 +208,11 @@ class Run:
             metrics.update(self.critic.train(batch))
         metrics.update(self.actor.train(batch))
         t2 = time.perf_counter()
+        if cfg.trainer.colocate:
+            self.engines.resume_memory(["weights"])
         metrics.update(self.actor.sync_weights(step))
+        if cfg.trainer.colocate:
+            self.engines.resume_memory(["kv_cache"])
         t3 = time.perf_counter()
         if cfg.trainer.check_weight_sync:
             metrics["sync/max_logprob_diff"] = self.check_weight_sync()
@@ -184,10 +252,17 @@ class Run:
         episodes, seconds = self.rollout(0, evaluate=True)
         return {**summarize(episodes, "val"), "time/eval_s": seconds}
 
+    def data_cursor(self) -> dict:
+        """What, besides the step, decides the episodes and samples of a step (env seeds and
+        sampling seeds are functions of these and the step)."""
+        return {"env.seed": self.cfg.env.seed, "trainer.seed": self.cfg.trainer.seed,
+                "rollout.seeded": self.cfg.rollout.seeded}
+
     def save(self, step: int) -> None:
-        """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete."""
+        """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete.
+        Their extra state: the step, the data cursor and the driver's RNG states."""
         root = Path(self.cfg.trainer.run_dir) / "checkpoints"
-        extra = {"step": step}
+        extra = {"step": step, "data_cursor": self.data_cursor(), "rng": rng_states()}
         self.actor.save_checkpoint(str(root / "actor"), extra)
         if self.critic is not None:
             self.critic.save_checkpoint(str(root / "critic"), extra)
@@ -206,9 +281,19 @@ class Run:
             actor_dir, critic_dir = root / "actor" / f"step_{step}", root / "critic" / f"step_{step}"
         else:
             actor_dir, critic_dir = Path(mode) / "actor", Path(mode) / "critic"
-        step = int(self.actor.load_checkpoint(str(actor_dir))["step"])
+        extra = self.actor.load_checkpoint(str(actor_dir))
         if self.critic is not None:
             self.critic.load_checkpoint(str(critic_dir))
+        step = int(extra["step"])
+        if "rng" in extra:  # checkpoints from before RNG states were saved have none
+            set_rng_states(extra["rng"])
+        saved = extra.get("data_cursor", {})
+        changed = [f"{k}={saved[k]!r} (now {v!r})" for k, v in self.data_cursor().items()
+                   if k in saved and saved[k] != v]
+        if changed:
+            warnings.warn(f"trainer.resume: step {step}'s checkpoint was written with "
+                          f"{', '.join(changed)}; the resumed steps will not replay the "
+                          f"uninterrupted run's")
         return step
 
 
@@ -241,7 +326,7 @@ def build_run(cfg: RunConfig) -> Run:
     engines = EngineGroup(model_dir, pg, plan.engine_bundles, tp=cfg.rollout.engine_tp,
                           dtype=cfg.model.dtype, log_dir=str((run_dir / "logs").resolve()),
                           num_cpus=cpus / 2 if cfg.trainer.colocate else cpus,
-                          num_gpus=0.0)
+                          num_gpus=0.0, seeded_sampling=cfg.rollout.seeded)
     trainer_cpus = cpus / 2 if cfg.trainer.colocate else cpus
     gpus = 0.5 if (use_gpu and cfg.trainer.colocate) else (1.0 if use_gpu else 0.0)
     total = cfg.trainer.total_steps

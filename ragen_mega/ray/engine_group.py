@@ -7,6 +7,7 @@ Ray's object store.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 from typing import Any
 
@@ -18,7 +19,7 @@ class EngineWorker:
     """Owns one SGLang server process on the node Ray put this actor on."""
 
     def __init__(self, rank: int, world: int, model_path: str, tp: int, dtype: str | None,
-                 log_dir: str, startup_timeout: float):
+                 log_dir: str, startup_timeout: float, seeded_sampling: bool):
         import ray
 
         from ragen_mega.backends.sglang.server import launch_server
@@ -26,7 +27,8 @@ class EngineWorker:
         host = ray.util.get_node_ip_address()
         self.server = launch_server(model_path, host=host, tp=tp, dtype=dtype,
                                     log_file=f"{log_dir}/engine_{rank}.log",
-                                    startup_timeout=startup_timeout)
+                                    startup_timeout=startup_timeout,
+                                    seeded_sampling=seeded_sampling)
 
     def url(self) -> str:
         return self.server.url
@@ -36,17 +38,19 @@ class EngineWorker:
 
 
 class EngineGroup:
-    """``num_engines`` SGLang servers; :meth:`generate` spreads requests over them."""
+    """``num_engines`` SGLang servers; :meth:`generate` spreads requests over them.
+    ``seeded_sampling``: the servers honour ``sampling_seed`` (see ``backends/sglang/server.py``)."""
 
     def __init__(self, model_path: str, pg, bundles: list[list[int]], *, tp: int,
                  dtype: str | None, log_dir: str, num_cpus: float, num_gpus: float = 0.0,
-                 startup_timeout: float = 600.0):
+                 startup_timeout: float = 600.0, seeded_sampling: bool = False):
         from ragen_mega.backends.sglang.client import AsyncEngineClient
 
         # An engine spanning several devices sits on its first bundle; the others stay reserved.
         self.group = ActorGroup(EngineWorker, pg, [b[0] for b in bundles], num_cpus=num_cpus,
                                 num_gpus=num_gpus * tp,
-                                init_args=(model_path, tp, dtype, log_dir, startup_timeout))
+                                init_args=(model_path, tp, dtype, log_dir, startup_timeout,
+                                           seeded_sampling))
         self.urls = self.group.call("url", timeout_s=startup_timeout)
         self.tp_sizes = [tp] * len(self.urls)
         self.clients = [AsyncEngineClient(u) for u in self.urls]
@@ -62,6 +66,26 @@ class EngineGroup:
     async def close_clients(self) -> None:
         for client in self.clients:
             await client.close()
+
+    def release_memory(self) -> None:
+        """Colocated mode: every engine frees its weights and KV cache for the trainer's phase
+        (GPU memory with ``--enable-memory-saver``; on CPU SGLang keeps the memory and only runs
+        the protocol: flush, stash its static buffers)."""
+        self._on_all("release_memory_occupation")
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """Colocated mode: take memory back, ``["weights"]`` before a weight sync and
+        ``["kv_cache"]`` after it (slime's order: the cache is not needed while weights load)."""
+        self._on_all("resume_memory_occupation", tags)
+
+    def _on_all(self, method: str, *args) -> None:
+        async def call_all():
+            try:
+                await asyncio.gather(*(getattr(c, method)(*args) for c in self.clients))
+            finally:
+                await self.close_clients()  # the clients belong to this event loop
+
+        asyncio.run(call_all())
 
     def shutdown(self) -> None:
         self.group.call("shutdown")

@@ -12,11 +12,27 @@ measured in /work/shared/CPU_STACK.md: ``SGLANG_USE_CPU_ENGINE=1``, ``--device c
 stand-ins for ``sgl_kernel``/``torchvision`` (see ``cpu_standins``), a bounded KV cache
 (SGLang sizes it from *host* RAM on CPU: ~15 GB for a tiny model by default) and
 ``--sleep-on-idle``.
+
+Seeded sampling (``launch_server(..., seeded_sampling=True)``): every request that carries
+``sampling_params["sampling_seed"]`` is sampled as a pure function of its logits, its seed and the
+token position (SGLang's Gumbel-max ``multinomial_with_seed``), so a request replays exactly
+whatever else is in the batch. SGLang honours ``sampling_seed`` only under
+``--enable-deterministic-inference``, which is what a GPU server gets. On CPU that flag cannot
+start (0.5.23: ``--attention-backend torch_native`` is refused by
+``arg_groups/overrides.py:_deterministic_attention_backend``, and
+``ModelRunner.maybe_enable_batch_invariant_mode`` raises "No supported accelerator" in
+``get_dispatch_device_backend``), and the seeded sampler's hash is a ``sgl_kernel`` CPU op that
+PyPI does not ship. So a CPU server instead loads :func:`seeded_sampling_plugin` through SGLang's
+own plugin mechanism (entry-point group ``sglang.srt.plugins``, loaded by every server process):
+it gives each batch the per-request seed tensor (a fresh random seed for requests without one,
+so they stay random) and a pure-torch MurmurHash3 in place of the missing op.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -160,6 +176,97 @@ class EngineServer:
         self.shutdown()
 
 
+SEEDED_SAMPLING_PLUGIN = "ragen_mega_seeded_sampling"
+_U32 = 0xFFFFFFFF
+
+
+def _mul32(x, c: int):
+    """``(x * c) mod 2**32`` for an int64 tensor ``x`` in [0, 2**32) and a 32-bit constant ``c``,
+    in two 16-bit halves so no product leaves int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _U32
+
+
+def _rotl32(x, r: int):
+    return ((x << r) | (x >> (32 - r))) & _U32
+
+
+def _murmur3_mix(h, k):
+    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
+    return (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _U32
+
+
+def murmur_hash32_torch(seed, positions, col_indices):
+    """SGLang's ``murmur_hash32`` (MurmurHash3_x86_32, seed 0, of the 16 bytes seed_lo, seed_hi,
+    position, column) in plain torch: [n] seeds and positions x [m] columns -> [n, m] values in
+    [0, 2**32) (int64). It stands in for ``sgl_kernel.murmur_hash32_cpu``, which PyPI does not
+    ship; the GPU Triton kernel computes the same function."""
+    import torch
+
+    seed = seed.to(torch.int64).view(-1, 1)
+    h = torch.zeros_like(seed)
+    for block in (seed & _U32, (seed >> 32) & _U32, positions.to(torch.int64).view(-1, 1) & _U32):
+        h = _murmur3_mix(h, block)
+    h = _murmur3_mix(h, col_indices.to(torch.int64).view(1, -1) & _U32) ^ 16
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def seeded_sampling_plugin() -> None:
+    """SGLang general plugin (runs in each server process before it serves): sample every
+    request with SGLang's seeded Gumbel-max path, using the request's ``sampling_seed``.
+
+    Without ``--enable-deterministic-inference`` SGLang builds no seed tensor
+    (``SamplingBatchInfo.from_schedule_batch``) and ignores ``sampling_seed``; this adds the
+    tensor to every batch (all rows: ``merge_batch`` concatenates it only when both sides have
+    one). Rows without a seed get a fresh random one, so unseeded requests stay random.
+    Gumbel-max over ``log p`` is an exact sample of ``p``, so the distribution is unchanged.
+    """
+    import random
+
+    import torch
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    entropy = random.SystemRandom()
+
+    def add_seeds(info, cls, batch, vocab_size):
+        if info.sampling_seed is None:
+            info.sampling_seed = torch.tensor(
+                [entropy.getrandbits(63) if r.sampling_params.sampling_seed is None
+                 else r.sampling_params.sampling_seed for r in batch.reqs],
+                dtype=torch.int64, device=info.device)
+        return info
+
+    def hash_on_cpu(original, seed, positions, col_indices):
+        if seed.device.type != "cpu":
+            return original(seed, positions, col_indices)
+        return murmur_hash32_torch(seed, positions, col_indices)
+
+    HookRegistry.register(
+        "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
+        add_seeds, HookType.AFTER)
+    HookRegistry.register("sglang.kernels.ops.sampling.murmur_hash.murmur_hash32", hash_on_cpu,
+                          HookType.AROUND)
+
+
+@functools.cache
+def seeded_sampling_pythonpath() -> str:
+    """A directory that makes :func:`seeded_sampling_plugin` an installed SGLang plugin for the
+    processes that have it on their ``PYTHONPATH`` (an entry point in a ``.dist-info``, which is
+    how SGLang discovers plugins), and for no other process."""
+    root = Path(tempfile.mkdtemp(prefix="ragen_mega_sglang_plugin_"))
+    atexit.register(shutil.rmtree, root, True)  # read by the servers' start-up only
+    info = root / f"{SEEDED_SAMPLING_PLUGIN}-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {SEEDED_SAMPLING_PLUGIN}\n"
+                                   "Version: 0\n")
+    (info / "entry_points.txt").write_text(
+        f"[sglang.srt.plugins]\n{SEEDED_SAMPLING_PLUGIN} = {__name__}:seeded_sampling_plugin\n")
+    return str(root)
+
+
 def build_command(model_path: str | Path, *, host: str, port: int, tp: int, device: str,
                   dtype: str | None, mem_fraction: float | None, max_total_tokens: int | None,
                   extra_args: Sequence[str] = ()) -> list[str]:
@@ -187,7 +294,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
                   extra_args: Sequence[str] = (), log_file: str | Path | None = None,
                   startup_timeout: float = 300.0, wait: bool = True,
                   env: dict[str, str] | None = None,
-                  cpu_threads: int | None = None) -> EngineServer:
+                  cpu_threads: int | None = None,
+                  seeded_sampling: bool = False) -> EngineServer:
     """Start an SGLang server for the HF checkpoint at ``model_path``; return its handle.
 
     ``port=None`` picks a free port; ``device="auto"`` is ``cuda`` when CUDA is available, else
@@ -199,6 +307,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     sets the server's ``OMP_NUM_THREADS``: on a machine shared with other busy processes, torch's
     default (one thread per core) collapses under oversubscription (SmolLM2, 2 busy cores:
     2-7 new tok/s with the default, 76 with ``cpu_threads=1``).
+    ``seeded_sampling=True`` makes the server honour ``sampling_params["sampling_seed"]`` (see the
+    module docstring): ``--enable-deterministic-inference`` on GPU, the plugin on CPU.
     With ``wait=True`` (default) this returns once the server is healthy, or raises
     :class:`EngineStartupError` (after stopping the process group) with the log tail.
     """
@@ -209,6 +319,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         raise ValueError(f"launch_server: tp must be >= 1, got {tp}")
     device = _default_device() if device == "auto" else device
     port = free_port(host) if port is None else port
+    if seeded_sampling and device != "cpu":
+        extra_args = [*extra_args, "--enable-deterministic-inference"]
     cmd = build_command(model_path, host=host, port=port, tp=tp, device=device, dtype=dtype,
                         mem_fraction=mem_fraction, max_total_tokens=max_total_tokens,
                         extra_args=extra_args)
@@ -218,10 +330,12 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         child_env["SGLANG_USE_CPU_ENGINE"] = "1"
         if cpu_threads is not None:
             child_env["OMP_NUM_THREADS"] = str(cpu_threads)
-        standins = server_pythonpath()
-        if standins:
-            child_env["PYTHONPATH"] = os.pathsep.join(
-                p for p in (standins, child_env.get("PYTHONPATH")) if p)
+        plugin = seeded_sampling_pythonpath() if seeded_sampling else None
+        if seeded_sampling and child_env.get("SGLANG_PLUGINS"):  # a whitelist: add ours to it
+            child_env["SGLANG_PLUGINS"] += f",{SEEDED_SAMPLING_PLUGIN}"
+        path = [p for p in (server_pythonpath(), plugin, child_env.get("PYTHONPATH")) if p]
+        if path:
+            child_env["PYTHONPATH"] = os.pathsep.join(path)
     if log_file is None:
         log_dir = Path(tempfile.gettempdir()) / "ragen_mega_sglang"
         log_dir.mkdir(parents=True, exist_ok=True)
