@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -21,28 +20,8 @@ def test_malformed_config_fails_before_anything_starts(capsys):
     assert not ray.is_initialized()
 
 
-@pytest.fixture
-def private_ray(monkeypatch, tmp_path_factory):
-    import tempfile
-
-    monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rm_ray_"))
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    yield
-    import ray
-
-    ray.shutdown()
-
-
-def test_two_steps_then_resume(tiny_model, tmp_path, private_ray):
-    model = tiny_model("qwen2")
-    overrides = [
-        f"model.path={model}", f"trainer.run_dir={tmp_path}", "trainer.total_steps=2",
-        "trainer.save_every=1", "trainer.check_weight_sync=true", "trainer.eval_every=0",
-        "env.name=bandit", "env.env_groups=2", "env.group_size=2", "env.max_turns=1",
-        "agent.think=false", "agent.max_actions_per_turn=1", "rollout.max_new_tokens=6",
-        "filter.ratio=1.0", "algo.adv_estimator=gae", "algo.use_rollout_logprobs=false",
-        "critic.enable=true", "actor.tp=2", "actor.lr=1e-3",
-        "actor.micro_batch_size=2", "critic.micro_batch_size=2", "critic.lr=1e-3"]
+def test_two_steps_then_resume(tiny_run_overrides, tmp_path, private_ray):
+    overrides = tiny_run_overrides(tmp_path, total_steps=2)
     cfg = load_run_config("examples/bandit_cpu_demo.yaml", overrides)
     history = driver.train(cfg)
     assert [h["step"] for h in history] == [1, 2]
@@ -64,10 +43,27 @@ def test_two_steps_then_resume(tiny_model, tmp_path, private_ray):
     assert (tmp_path / "checkpoints" / "latest_step").read_text() == "2"
 
     # resume: a third step continues from the saved step 2 (weights and optimizer restored)
-    cfg3 = load_run_config("examples/bandit_cpu_demo.yaml",
-                           overrides[:2] + ["trainer.total_steps=3"] + overrides[3:])
+    cfg3 = load_run_config("examples/bandit_cpu_demo.yaml", tiny_run_overrides(tmp_path, 3))
     history3 = driver.train(cfg3)
     assert [h["step"] for h in history3] == [3]
     assert history3[0]["sync/max_logprob_diff"] < 1e-3
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2, 3]
+
+
+def test_colocated_step_syncs_through_shared_memory(tiny_run_overrides, tmp_path, private_ray):
+    """Colocated mode: the engine shares the trainer's bundles, frees its memory for the train
+    phase (a no-op on CPU, the protocol still runs) and takes the new weights through the
+    tensor path (shared memory here, CUDA IPC on GPUs) instead of a broadcast."""
+    overrides = tiny_run_overrides(tmp_path, total_steps=1) + ["trainer.colocate=true",
+                                                               "trainer.save_every=0"]
+    history = driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
+    assert [h["step"] for h in history] == [1]
+    h = history[0]
+    assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
+    assert h["weight_version"] == 1 and h["actor/update_successful"] == 1.0
+    log = (tmp_path / "logs" / "engine_0.log").read_text()
+    for endpoint in ("/release_memory_occupation", "/resume_memory_occupation",
+                     "/update_weights_from_tensor"):
+        assert endpoint in log, f"engine log shows no {endpoint} call"
+    assert "/update_weights_from_distributed" not in log
