@@ -8,9 +8,9 @@ from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_gro
 from ragen_mega.rollout.sample import Sample
 
 
-def turn(ep, group, t, reward, last, prompt=(1, 2, 3), response=(7, 8)):
+def turn(ep, group, t, reward, last, prompt=(1, 2, 3), response=(7, 8), tag="x"):
     return Sample(list(prompt), list(response), [-1.0] * len(response), reward, ep, group, t,
-                  done=last, last=last, env_tag="x", seed=group)
+                  done=last, last=last, env_tag=tag, seed=group)
 
 
 def test_filter_keeps_the_most_varied_group():
@@ -24,6 +24,18 @@ def test_filter_keeps_the_most_varied_group():
     assert {s.episode_id for s in kept_rev} == {0, 1}
     assert metrics["filter/kept_groups"] == 1.0
     assert metrics["filter/in_group_std"] == pytest.approx((0 + 2 ** 0.5 + 0.5 / 2 ** 0.5) / 3)
+
+
+def test_filter_counts_kept_groups_per_env_tag():
+    # groups 0, 1 play env "a", group 2 plays "b"; stds: 0, 1.5, 0.5 -> top 2 keep groups 1, 2
+    samples = [turn(0, 0, 1, 1.0, True, tag="a"), turn(1, 0, 1, 1.0, True, tag="a"),
+               turn(2, 1, 1, 0.0, True, tag="a"), turn(3, 1, 1, 3.0 / 2 ** 0.5, True, tag="a"),
+               turn(4, 2, 1, 0.0, True, tag="b"), turn(5, 2, 1, 1.0 / 2 ** 0.5, True, tag="b")]
+    kept, metrics = filter_groups(samples, ratio=0.67, mode="std")
+    assert {s.group_id for s in kept} == {1, 2}
+    assert metrics["filter/a/kept_groups"] == 1.0 and metrics["filter/b/kept_groups"] == 1.0
+    _, one_env = filter_groups([s for s in samples if s.env_tag == "a"], ratio=1.0, mode="std")
+    assert not any(k.count("/") > 1 for k in one_env)  # one env: no per-tag duplicates
 
 
 def test_grpo_advantages_per_episode_score():

@@ -38,13 +38,20 @@ def _scores_of(batch: dict[str, torch.Tensor]):
 
 def filter_groups(samples: Sequence[Sample], ratio: float, mode: str
                   ) -> tuple[list[Sample], dict[str, float]]:
-    """StarPO-S: the samples of the kept groups, and the filter's metrics."""
+    """StarPO-S: the samples of the kept groups, and the filter's metrics. The filter ranks all
+    groups together (as RAGEN does); a mixed-env step also reports how many groups of each env
+    tag it kept (``filter/<tag>/kept_groups``), since one env can crowd out another."""
     _, group_ids, scores = episode_scores(torch.tensor([s.episode_id for s in samples]),
                                           torch.tensor([s.group_id for s in samples]),
                                           torch.tensor([s.reward for s in samples]))
     selection = select_groups(scores, group_ids, ratio=ratio, mode=mode)
     kept = set(selection.kept_group_ids.tolist())
     metrics = {f"filter/{k}": float(v) for k, v in selection.metrics.items()}
+    tags = {s.env_tag for s in samples}
+    if len(tags) > 1:
+        for tag in sorted(tags):
+            metrics[f"filter/{tag}/kept_groups"] = float(
+                len({s.group_id for s in samples if s.env_tag == tag and s.group_id in kept}))
     return [s for s in samples if s.group_id in kept], metrics
 
 
