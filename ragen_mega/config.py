@@ -178,8 +178,14 @@ class RolloutConfig:
     #: is then a function of the step and the weights, so a resumed run replays the
     #: uninterrupted one. False: SGLang's unseeded sampler.
     seeded: bool = True
+    #: GPU: SGLang's --mem-fraction-static, the share of each GPU an engine takes for weights and
+    #: KV cache (None: SGLang's default, ~0.9). Colocated runs keep the trainer's weights and
+    #: optimizer on the same GPUs during rollout, so give the engines less (e.g. 0.4).
+    mem_fraction: Optional[float] = None
 
     def validate(self):
+        if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
+            raise ConfigError(f"mem_fraction: must be in (0, 1) or null, got {self.mem_fraction}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
         if not 0.0 < self.top_p <= 1.0:

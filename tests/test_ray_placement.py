@@ -6,6 +6,8 @@ import tempfile
 
 import pytest
 
+from ragen_mega.backends.sglang.server import build_command, build_env, launch_server
+from ragen_mega.ray.devices import bundle_gpu_ids
 from ragen_mega.ray.placement import create_placement_group, plan_placement
 
 
@@ -43,6 +45,11 @@ class _Where:
         if self.rank == 1:
             raise ValueError("boom on purpose")
         return self.rank
+
+    def gpus(self):
+        import ray
+
+        return [str(i) for i in ray.get_gpu_ids()]
 
 
 def test_placement_on_a_multi_node_cluster(monkeypatch):
@@ -92,3 +99,104 @@ def test_placement_on_a_multi_node_cluster(monkeypatch):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+def test_engine_gpus_are_its_own_bundles_gpus(private_ray, monkeypatch):
+    """Ray with 4 fake GPUs assigns real GPU ids. Disaggregated: the engine's probed GPUs are the
+    two the trainer ranks do not hold. Colocated: each engine bundle's GPU is the GPU of the
+    trainer rank in that bundle (the probe fits next to its 0.5 GPU), in bundle order."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    from ragen_mega.ray.actor_group import ActorGroup
+
+    here = os.path.dirname(os.path.abspath(__file__))  # Ray workers import _Where from here
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [here,
+                                                                  os.environ.get("PYTHONPATH")])))
+    ray.init(num_cpus=2, num_gpus=4, object_store_memory=100 << 20, include_dashboard=False)
+
+    plan = plan_placement(num_trainer_ranks=2, num_engines=1, engine_tp=2, use_gpu=True,
+                          cpus_per_bundle=0.25)
+    pg = create_placement_group(plan)
+    trainer = ActorGroup(_Where, pg, plan.trainer_bundles, num_cpus=0.25, num_gpus=1.0)
+    trainer_ids = [i for ids in trainer.call("gpus", timeout_s=60) for i in ids]
+    engine_ids = bundle_gpu_ids(pg, plan.engine_bundles[0])
+    assert len(trainer_ids) == 2 and len(engine_ids) == 2
+    assert sorted(trainer_ids + engine_ids) == ["0", "1", "2", "3"]
+    # what the engine's server is started with: the node's environment, its own GPUs only
+    node_env = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert build_env(node_env, device="cuda", gpu_ids=engine_ids) == {
+        "PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": ",".join(engine_ids)}
+    assert node_env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
+    with pytest.raises(RuntimeError, match=r"engine: the GPU probe of bundles \[0\] did not run "
+                                           r"within 3s"):
+        bundle_gpu_ids(pg, [0], timeout_s=3)  # trainer rank 0 holds all of bundle 0's GPU
+    trainer.kill()
+    remove_placement_group(pg)
+
+    colo = plan_placement(num_trainer_ranks=2, num_engines=1, engine_tp=2, colocate=True,
+                          use_gpu=True, cpus_per_bundle=0.5)
+    pg = create_placement_group(colo)
+    trainer = ActorGroup(_Where, pg, colo.trainer_bundles, num_cpus=0.25, num_gpus=0.5)
+    rank_ids = trainer.call("gpus", timeout_s=60)
+    assert all(len(ids) == 1 for ids in rank_ids) and rank_ids[0] != rank_ids[1]
+    assert bundle_gpu_ids(pg, colo.engine_bundles[0]) == rank_ids[0] + rank_ids[1]
+    assert bundle_gpu_ids(pg, [1, 0]) == rank_ids[1] + rank_ids[0]
+    trainer.kill()
+    remove_placement_group(pg)
+
+    cpu_pg = create_placement_group(plan_placement(num_trainer_ranks=1, num_engines=1,
+                                                   cpus_per_bundle=0.25))
+    assert bundle_gpu_ids(cpu_pg, [1]) is None  # a CPU run: no GPUs, nothing to probe
+    remove_placement_group(cpu_pg)
+
+
+def test_engine_spanning_two_nodes_is_refused(monkeypatch):
+    """Two raylets with one fake GPU each: a colocated engine of tp 2 lands on both; one SGLang
+    TP group cannot, so probing its bundles names the problem."""
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray.cluster_utils import Cluster
+
+    monkeypatch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rm_ray_"))
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "num_gpus": 1, "object_store_memory": 100 << 20})
+    cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=100 << 20)
+    try:
+        ray.init(address=cluster.address)
+        plan = plan_placement(num_trainer_ranks=2, num_engines=1, engine_tp=2, colocate=True,
+                              use_gpu=True, cpus_per_bundle=0.5)
+        pg = create_placement_group(plan)
+        assert bundle_gpu_ids(pg, [0]) == ["0"] and bundle_gpu_ids(pg, [1]) == ["0"]
+        with pytest.raises(RuntimeError, match=r"engine 0: its bundles span several nodes "
+                                               r"\(bundle 0 on node .*, bundle 1 on node .*\); "
+                                               r"an SGLang tensor-parallel group must run on one"):
+            bundle_gpu_ids(pg, plan.engine_bundles[0], what="engine 0")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def test_server_flags_and_env_for_gpu_and_cpu(tmp_path):
+    """Colocated GPU engines get ``--enable-memory-saver`` (as SGLang 0.5.23's own parser reads
+    it), CPU engines never; ``gpu_ids`` must match the TP size."""
+    import argparse
+
+    from sglang.srt.server_args import ServerArgs
+
+    common = dict(host="127.0.0.1", port=30000, tp=2, dtype=None, mem_fraction=None,
+                  max_total_tokens=None)
+    gpu = build_command("/m", device="cuda", memory_saver=True, seeded_sampling=True, **common)
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(gpu[gpu.index("--model-path"):])
+    assert args.enable_memory_saver and args.enable_deterministic_inference and args.tp_size == 2
+    plain = build_command("/m", device="cuda", **common)
+    assert not parser.parse_args(plain[plain.index("--model-path"):]).enable_memory_saver
+    cpu = build_command("/m", device="cpu", memory_saver=True, seeded_sampling=True, **common)
+    assert "--enable-memory-saver" not in cpu and "--enable-deterministic-inference" not in cpu
+    assert "CUDA_VISIBLE_DEVICES" not in build_env({"PATH": "/usr/bin"}, device="cpu")
+
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"gpu_ids \['3'\] must name exactly tp=2 GPUs"):
+        launch_server(tmp_path, tp=2, device="cuda", gpu_ids=["3"], wait=False)

@@ -35,6 +35,7 @@ def test_defaults_are_ragen_starpo_s():
     (["critic.enable=false"], "algo.adv_estimator: 'gae' needs a critic"),
     (["algo.adv_estimator=grpo", "env.group_size=1"], "env.group_size: grpo compares episodes"),
     (["rollout.top_p=0"], "rollout.top_p: must be in (0, 1]"),
+    (["rollout.mem_fraction=1.5"], "rollout.mem_fraction: must be in (0, 1) or null"),
     (["env.name=sokoban", "env.kwargs={dim: 3}"], "env.kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
 ])
 def test_bad_values_name_the_key(overrides, needle):

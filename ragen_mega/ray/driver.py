@@ -208,11 +208,7 @@ class Run:
             metrics.update(self.critic.train(batch))
         metrics.update(self.actor.train(batch))
         t2 = time.perf_counter()
-        if cfg.trainer.colocate:
-            self.engines.resume_memory(["weights"])
-        metrics.update(self.actor.sync_weights(step))
-        if cfg.trainer.colocate:
-            self.engines.resume_memory(["kv_cache"])
+        metrics.update(self.sync_weights(step))
         t3 = time.perf_counter()
         if cfg.trainer.check_weight_sync:
             metrics["sync/max_logprob_diff"] = self.check_weight_sync()
@@ -222,6 +218,17 @@ class Run:
                         "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
                         "train/batch_samples": float(len(samples)),
                         "weight_version": float(step)})
+        return metrics
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the actor's weights into every engine as ``version``. Colocated engines are
+        released at this point (after start-up, and after each rollout): they take their weight
+        memory back first and their KV cache only once the weights are in (slime's order)."""
+        if self.cfg.trainer.colocate:
+            self.engines.resume_memory(["weights"])
+        metrics = self.actor.sync_weights(version)
+        if self.cfg.trainer.colocate:
+            self.engines.resume_memory(["kv_cache"])
         return metrics
 
     def check_weight_sync(self) -> float:
@@ -326,7 +333,10 @@ def build_run(cfg: RunConfig) -> Run:
     engines = EngineGroup(model_dir, pg, plan.engine_bundles, tp=cfg.rollout.engine_tp,
                           dtype=cfg.model.dtype, log_dir=str((run_dir / "logs").resolve()),
                           num_cpus=cpus / 2 if cfg.trainer.colocate else cpus,
-                          num_gpus=0.0, seeded_sampling=cfg.rollout.seeded)
+                          seeded_sampling=cfg.rollout.seeded,
+                          memory_saver=cfg.trainer.colocate, mem_fraction=cfg.rollout.mem_fraction)
+    if cfg.trainer.colocate:  # the trainer ranks about to be built need the shared devices
+        engines.release_memory()
     trainer_cpus = cpus / 2 if cfg.trainer.colocate else cpus
     gpus = 0.5 if (use_gpu and cfg.trainer.colocate) else (1.0 if use_gpu else 0.0)
     total = cfg.trainer.total_steps
@@ -362,7 +372,7 @@ def train(cfg: RunConfig) -> list[dict[str, float]]:
     history = []
     try:
         start = run.resume()
-        run.actor.sync_weights(start)  # engines serve exactly the trainer's weights from now on
+        run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
         if start == 0 and cfg.trainer.eval_every:
             logger.log(0, run.evaluate())
         for step in range(start + 1, cfg.trainer.total_steps + 1):

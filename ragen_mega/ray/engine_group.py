@@ -4,6 +4,11 @@ Each :class:`EngineWorker` is a small Ray actor that starts one SGLang server on
 server is the actor's child process group, so killing the actor's group stops it) and reports
 its URL. The driver then talks to the servers directly over HTTP: generation never goes through
 Ray's object store.
+
+An engine with ``tp`` devices spans ``tp`` bundles, but a Ray actor can only take resources from
+the one bundle it sits in, so the worker asks for no GPU and Ray gives it no
+``CUDA_VISIBLE_DEVICES``. The group therefore finds each engine's GPUs first
+(``ray/devices.py``) and the worker starts its server on exactly those.
 """
 from __future__ import annotations
 
@@ -18,17 +23,16 @@ from ragen_mega.rollout.episode import Generation
 class EngineWorker:
     """Owns one SGLang server process on the node Ray put this actor on."""
 
-    def __init__(self, rank: int, world: int, model_path: str, tp: int, dtype: str | None,
-                 log_dir: str, startup_timeout: float, seeded_sampling: bool):
+    def __init__(self, rank: int, world: int, model_path: str, log_dir: str,
+                 startup_timeout: float, gpu_ids: list[list[str] | None], server_kwargs: dict):
         import ray
 
         from ragen_mega.backends.sglang.server import launch_server
 
         host = ray.util.get_node_ip_address()
-        self.server = launch_server(model_path, host=host, tp=tp, dtype=dtype,
-                                    log_file=f"{log_dir}/engine_{rank}.log",
-                                    startup_timeout=startup_timeout,
-                                    seeded_sampling=seeded_sampling)
+        self.server = launch_server(model_path, host=host, log_file=f"{log_dir}/engine_{rank}.log",
+                                    startup_timeout=startup_timeout, gpu_ids=gpu_ids[rank],
+                                    **server_kwargs)
 
     def url(self) -> str:
         return self.server.url
@@ -38,19 +42,26 @@ class EngineWorker:
 
 
 class EngineGroup:
-    """``num_engines`` SGLang servers; :meth:`generate` spreads requests over them.
-    ``seeded_sampling``: the servers honour ``sampling_seed`` (see ``backends/sglang/server.py``)."""
+    """``num_engines`` SGLang servers, engine ``e`` on the GPUs of ``bundles[e]`` (when the
+    bundles hold GPUs); :meth:`generate` spreads requests over them.
+    ``seeded_sampling``: the servers honour ``sampling_seed``; ``memory_saver`` (colocated runs):
+    :meth:`release_memory` frees their GPU memory; ``mem_fraction``: SGLang's
+    ``--mem-fraction-static`` (see ``backends/sglang/server.py``)."""
 
     def __init__(self, model_path: str, pg, bundles: list[list[int]], *, tp: int,
-                 dtype: str | None, log_dir: str, num_cpus: float, num_gpus: float = 0.0,
-                 startup_timeout: float = 600.0, seeded_sampling: bool = False):
+                 dtype: str | None, log_dir: str, num_cpus: float,
+                 startup_timeout: float = 600.0, seeded_sampling: bool = False,
+                 memory_saver: bool = False, mem_fraction: float | None = None):
         from ragen_mega.backends.sglang.client import AsyncEngineClient
+        from ragen_mega.ray.devices import bundle_gpu_ids
 
+        gpu_ids = [bundle_gpu_ids(pg, b, what=f"engine {e}") for e, b in enumerate(bundles)]
         # An engine spanning several devices sits on its first bundle; the others stay reserved.
         self.group = ActorGroup(EngineWorker, pg, [b[0] for b in bundles], num_cpus=num_cpus,
-                                num_gpus=num_gpus * tp,
-                                init_args=(model_path, tp, dtype, log_dir, startup_timeout,
-                                           seeded_sampling))
+                                init_args=(model_path, log_dir, startup_timeout, gpu_ids,
+                                           dict(tp=tp, dtype=dtype, mem_fraction=mem_fraction,
+                                                seeded_sampling=seeded_sampling,
+                                                memory_saver=memory_saver)))
         self.urls = self.group.call("url", timeout_s=startup_timeout)
         self.tp_sizes = [tp] * len(self.urls)
         self.clients = [AsyncEngineClient(u) for u in self.urls]

@@ -6,8 +6,9 @@ detokenizer, and killing only the launcher would leave them holding memory and p
 period). The server's stdout/stderr go to a log file; when start-up fails or times out, the
 error carries the log's tail, because that is where SGLang says why.
 
-On GPU clusters the server gets SGLang's defaults. On a machine without CUDA it gets the CPU way
-measured in /work/shared/CPU_STACK.md: ``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu
+On GPU clusters the server gets SGLang's defaults, on the GPUs it is given (``gpu_ids``). On a
+machine without CUDA it gets the CPU way measured in /work/shared/CPU_STACK.md:
+``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu
 --attention-backend torch_native --sampling-backend pytorch --disable-cuda-graph``, import-only
 stand-ins for ``sgl_kernel``/``torchvision`` (see ``cpu_standins``), a bounded KV cache
 (SGLang sizes it from *host* RAM on CPU: ~15 GB for a tiny model by default) and
@@ -43,7 +44,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
 
@@ -269,16 +270,23 @@ def seeded_sampling_pythonpath() -> str:
 
 def build_command(model_path: str | Path, *, host: str, port: int, tp: int, device: str,
                   dtype: str | None, mem_fraction: float | None, max_total_tokens: int | None,
+                  seeded_sampling: bool = False, memory_saver: bool = False,
                   extra_args: Sequence[str] = ()) -> list[str]:
-    """The ``sglang.launch_server`` command line for these settings."""
+    """The ``sglang.launch_server`` command line for these settings (``seeded_sampling`` and
+    ``memory_saver``: see :func:`launch_server`)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", host, "--port", str(port), "--tp-size", str(tp)]
     if device == "cpu":
         cmd += CPU_ARGS
         if max_total_tokens is None:
             max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
-    elif device != "cuda":
-        cmd += ["--device", device]
+    else:
+        if device != "cuda":
+            cmd += ["--device", device]
+        if seeded_sampling:
+            cmd += ["--enable-deterministic-inference"]
+        if memory_saver:
+            cmd += ["--enable-memory-saver"]
     if dtype:
         cmd += ["--dtype", dtype]
     if mem_fraction is not None:
@@ -288,6 +296,28 @@ def build_command(model_path: str | Path, *, host: str, port: int, tp: int, devi
     return cmd + [str(a) for a in extra_args]
 
 
+def build_env(base: Mapping[str, str], *, device: str, cpu_threads: int | None = None,
+              seeded_sampling: bool = False,
+              gpu_ids: Sequence[str | int] | None = None) -> dict[str, str]:
+    """The server's environment: a copy of ``base`` plus ``CUDA_VISIBLE_DEVICES`` for
+    ``gpu_ids``, and on CPU the engine switch, thread count and stand-in/plugin paths (see
+    :func:`launch_server`)."""
+    child_env = dict(base)
+    if gpu_ids is not None:
+        child_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_ids)
+    if device == "cpu":
+        child_env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if cpu_threads is not None:
+            child_env["OMP_NUM_THREADS"] = str(cpu_threads)
+        plugin = seeded_sampling_pythonpath() if seeded_sampling else None
+        if seeded_sampling and child_env.get("SGLANG_PLUGINS"):  # a whitelist: add ours to it
+            child_env["SGLANG_PLUGINS"] += f",{SEEDED_SAMPLING_PLUGIN}"
+        path = [p for p in (server_pythonpath(), plugin, child_env.get("PYTHONPATH")) if p]
+        if path:
+            child_env["PYTHONPATH"] = os.pathsep.join(path)
+    return child_env
+
+
 def launch_server(model_path: str | Path, *, port: int | None = None, host: str = "127.0.0.1",
                   tp: int = 1, device: str = "auto", dtype: str | None = None,
                   mem_fraction: float | None = None, max_total_tokens: int | None = None,
@@ -295,7 +325,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
                   startup_timeout: float = 300.0, wait: bool = True,
                   env: dict[str, str] | None = None,
                   cpu_threads: int | None = None,
-                  seeded_sampling: bool = False) -> EngineServer:
+                  seeded_sampling: bool = False, memory_saver: bool = False,
+                  gpu_ids: Sequence[str | int] | None = None) -> EngineServer:
     """Start an SGLang server for the HF checkpoint at ``model_path``; return its handle.
 
     ``port=None`` picks a free port; ``device="auto"`` is ``cuda`` when CUDA is available, else
@@ -309,6 +340,11 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     2-7 new tok/s with the default, 76 with ``cpu_threads=1``).
     ``seeded_sampling=True`` makes the server honour ``sampling_params["sampling_seed"]`` (see the
     module docstring): ``--enable-deterministic-inference`` on GPU, the plugin on CPU.
+    ``memory_saver=True`` (colocated engines) makes ``release_memory_occupation`` really free the
+    GPU memory for the trainer (``--enable-memory-saver``, SGLang's ``torch_memory_saver``); on
+    CPU it adds nothing: SGLang runs the release/resume protocol without it, and the CPU install
+    leaves ``torch_memory_saver`` out. ``gpu_ids`` (exactly ``tp`` of them) become the server's
+    ``CUDA_VISIBLE_DEVICES``: the devices Ray reserved for this engine (``ray/devices.py``).
     With ``wait=True`` (default) this returns once the server is healthy, or raises
     :class:`EngineStartupError` (after stopping the process group) with the log tail.
     """
@@ -319,23 +355,16 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         raise ValueError(f"launch_server: tp must be >= 1, got {tp}")
     device = _default_device() if device == "auto" else device
     port = free_port(host) if port is None else port
-    if seeded_sampling and device != "cpu":
-        extra_args = [*extra_args, "--enable-deterministic-inference"]
+    if gpu_ids is not None and len(gpu_ids) != tp:
+        raise ValueError(f"launch_server: gpu_ids {list(gpu_ids)} must name exactly tp={tp} GPUs")
     cmd = build_command(model_path, host=host, port=port, tp=tp, device=device, dtype=dtype,
                         mem_fraction=mem_fraction, max_total_tokens=max_total_tokens,
+                        seeded_sampling=seeded_sampling, memory_saver=memory_saver,
                         extra_args=extra_args)
 
-    child_env = dict(os.environ if env is None else env)
-    if device == "cpu":
-        child_env["SGLANG_USE_CPU_ENGINE"] = "1"
-        if cpu_threads is not None:
-            child_env["OMP_NUM_THREADS"] = str(cpu_threads)
-        plugin = seeded_sampling_pythonpath() if seeded_sampling else None
-        if seeded_sampling and child_env.get("SGLANG_PLUGINS"):  # a whitelist: add ours to it
-            child_env["SGLANG_PLUGINS"] += f",{SEEDED_SAMPLING_PLUGIN}"
-        path = [p for p in (server_pythonpath(), plugin, child_env.get("PYTHONPATH")) if p]
-        if path:
-            child_env["PYTHONPATH"] = os.pathsep.join(path)
+    child_env = build_env(os.environ if env is None else env, device=device,
+                          cpu_threads=cpu_threads, seeded_sampling=seeded_sampling,
+                          gpu_ids=gpu_ids)
     if log_file is None:
         log_dir = Path(tempfile.gettempdir()) / "ragen_mega_sglang"
         log_dir.mkdir(parents=True, exist_ok=True)
