@@ -18,6 +18,10 @@ API (``spec`` is a ``ModelSpec``; ``role`` is "actor" (LM head) or "critic" (val
     is_tp_split(global_name, spec, role="actor") -> bool  # False: replicated over TP
     split_tp(global_name, full, spec, tp_rank, tp_size, role) / merge_tp(global_name, shards,
         spec, role)                                      # full Megatron tensor <-> TP shards
+    full_shape(global_name, shard_shape, spec, tp_size, role="actor") -> tuple[int, ...]
+    tp_pieces(global_name, full, spec, tp_rank, tp_size, role="actor") -> list[Tensor]
+        # views of the full tensor one TP rank holds; shard_pieces(global_name, shard, spec,
+        # tp_size, role) cuts a shard into the same pieces: gather straight into place
     expected_hf_shapes(spec, role="actor") -> dict[hf_name, tuple[(config_key, factor), ...]]
     hf_shape(hf_name, spec, role="actor") -> tuple[int, ...]
 
@@ -41,7 +45,9 @@ Layouts (the reasons the table exists):
   ``score.weight``, optional on load (an actor checkpoint has none: the head stays zero).
 
 Streaming: ``megatron_to_hf`` handles one parameter at a time, so a weight sync can gather one
-parameter's TP shards, convert, send, and drop it before the next.
+parameter's TP shards, convert, send, and drop it before the next. ``tp_pieces`` is the one
+description of how a TP split cuts the full tensor (``split_tp``/``merge_tp`` use it too): each
+piece is a view, contiguous for row splits, so shards can be received straight into place.
 """
 from __future__ import annotations
 
@@ -276,25 +282,41 @@ def _full_to_hf(rule: Rule, full: torch.Tensor, spec: ModelSpec) -> tuple[torch.
     return (full[: spec.vocab_size] if rule.vocab else full,)
 
 
-def _split(rule: Rule, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+def _tp_pieces(rule: Rule, full: torch.Tensor, tp_rank: int, tp_size: int) -> list[torch.Tensor]:
+    """Views of ``full`` (TP=1 layout) that TP rank ``tp_rank`` holds, in the order its shard
+    stacks them along ``rule.tp_dim``: the one description of a TP split, read both ways."""
     if rule.tp_dim is None or tp_size == 1:
-        return full
-    if rule.fuse == "gate_up":
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp_size, 0)[tp_rank], up.chunk(tp_size, 0)[tp_rank]], 0)
+        return [full]
+    if rule.fuse == "gate_up":  # rank r holds [gate_r; up_r]
+        return [half.chunk(tp_size, 0)[tp_rank] for half in full.chunk(2, dim=0)]
     if full.shape[rule.tp_dim] % tp_size:
         raise ValueError(f"{rule.megatron}: dim {rule.tp_dim} of shape {tuple(full.shape)} does "
                          f"not split over tp={tp_size}")
-    return full.chunk(tp_size, dim=rule.tp_dim)[tp_rank]
+    return [full.chunk(tp_size, dim=rule.tp_dim)[tp_rank]]
+
+
+def _split(rule: Rule, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    pieces = _tp_pieces(rule, full, tp_rank, tp_size)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=rule.tp_dim)
+
+
+def _full_shape(rule: Rule, shard_shape: Sequence[int], tp_size: int) -> tuple[int, ...]:
+    shape = list(shard_shape)
+    if rule.tp_dim is not None:
+        shape[rule.tp_dim] *= tp_size
+    return tuple(shape)
 
 
 def _merge(rule: Rule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
     if rule.tp_dim is None or len(shards) == 1:
         return shards[0]
-    if rule.fuse == "gate_up":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
-    return torch.cat(list(shards), dim=rule.tp_dim)
+    full = shards[0].new_empty(_full_shape(rule, shards[0].shape, len(shards)))
+    for tp_rank, shard in enumerate(shards):
+        views = _tp_pieces(rule, full, tp_rank, len(shards))
+        for view, part in zip(views, shard.split([v.shape[rule.tp_dim] for v in views],
+                                                 dim=rule.tp_dim)):
+            view.copy_(part)
+    return full
 
 
 def split_tp(global_name: str, full: torch.Tensor, spec: ModelSpec, tp_rank: int, tp_size: int,
@@ -307,6 +329,30 @@ def merge_tp(global_name: str, shards: Sequence[torch.Tensor], spec: ModelSpec,
              role: str = "actor") -> torch.Tensor:
     """The full (TP=1 layout) Megatron tensor from the TP shards in TP-rank order."""
     return _merge(_rule_for(global_name, spec, role)[0], shards)
+
+
+def full_shape(global_name: str, shard_shape: Sequence[int], spec: ModelSpec, tp_size: int,
+               role: str = "actor") -> tuple[int, ...]:
+    """Shape of the full (TP=1 layout) Megatron tensor whose TP shards have ``shard_shape``."""
+    return _full_shape(_rule_for(global_name, spec, role)[0], shard_shape, tp_size)
+
+
+def tp_pieces(global_name: str, full: torch.Tensor, spec: ModelSpec, tp_rank: int,
+              tp_size: int, role: str = "actor") -> list[torch.Tensor]:
+    """Views of ``full`` (TP=1 layout) that TP rank ``tp_rank`` holds, in shard order: a
+    receiver can fill ``full`` piece by piece without a merge copy (see ``shard_pieces``)."""
+    return _tp_pieces(_rule_for(global_name, spec, role)[0], full, tp_rank, tp_size)
+
+
+def shard_pieces(global_name: str, shard: torch.Tensor, spec: ModelSpec, tp_size: int,
+                 role: str = "actor") -> list[torch.Tensor]:
+    """A TP shard cut (as views) into the pieces ``tp_pieces`` places into the full tensor."""
+    rule = _rule_for(global_name, spec, role)[0]
+    if rule.tp_dim is None or tp_size == 1:
+        return [shard]
+    meta = torch.empty(_full_shape(rule, shard.shape, tp_size), device="meta")
+    sizes = [v.shape[rule.tp_dim] for v in _tp_pieces(rule, meta, 0, tp_size)]
+    return list(shard.split(sizes, dim=rule.tp_dim))
 
 
 def is_tp_split(global_name: str, spec: ModelSpec, role: str = "actor") -> bool:

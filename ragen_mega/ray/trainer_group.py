@@ -6,9 +6,10 @@ Each :class:`TrainerWorker` is one rank of the TP x PP x DP world: it joins torc
 on every rank at once (the methods are SPMD collectives). The driver hands over the GLOBAL batch;
 each rank cuts its data-parallel share.
 
-Weight sync is the actor group's: every rank walks ``export_hf_state`` in step (it gathers TP
-shards and PP stages collectively) and global rank 0 streams the HF-named tensors into the
-engines through :class:`~ragen_mega.backends.sglang.weight_sender.BucketedWeightSender`.
+Weight sync is the actor group's: every rank walks ``export_hf_state(dst=0)`` in step (the ranks
+of rank 0's model-parallel group send it their TP shards and PP stages) and global rank 0
+streams the HF-named tensors into the engines through
+:class:`~ragen_mega.backends.sglang.weight_sender.BucketedWeightSender`.
 """
 from __future__ import annotations
 
@@ -60,6 +61,7 @@ class TrainerWorker:
                       seed=config.seed)
         self.trainer = MegatronTrainer(config, hf_dir, role=role)
         self.sender = None
+        self.sync_bucket_bytes = None  # set by connect_engines, on every rank
 
     def _local(self, batch: dict) -> dict:
         from ragen_mega.backends.megatron.train import dp_shard
@@ -90,7 +92,9 @@ class TrainerWorker:
 
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], mode: str,
                         bucket_bytes: int) -> None:
-        """Rank 0 opens the weight-update channel to every engine (others have nothing to do)."""
+        """Rank 0 opens the weight-update channel to every engine (the others only remember the
+        bucket size: it bounds the bytes each rank keeps in flight during a sync)."""
+        self.sync_bucket_bytes = bucket_bytes
         if self.rank != 0:
             return
         from ragen_mega.backends.sglang.client import EngineClient
@@ -105,9 +109,16 @@ class TrainerWorker:
             self.sender.connect()
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the current weights into the engines (collective over every rank)."""
-        named = self.trainer.export_hf_state()
-        if self.sender is None:  # not the sending rank: take part in the gathers only
+        """Push the current weights into the engines (collective over every rank).
+
+        Only rank 0 (the sender) receives full tensors: the other ranks send their shards
+        straight to it, a bucket ahead, so the next bucket arrives while one is broadcast."""
+        from ragen_mega.backends.megatron.model import export_hf_state
+
+        if self.sync_bucket_bytes is None:
+            raise RuntimeError("sync_weights: call connect_engines first")
+        named = export_hf_state(self.trainer.model, dst=0, prefetch_bytes=self.sync_bucket_bytes)
+        if self.sender is None:  # not the sending rank: send its shards only
             for _ in named:
                 pass
             return {}

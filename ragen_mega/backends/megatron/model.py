@@ -9,7 +9,8 @@ API (call after ``parallel.init_parallel``):
     unwrap(chunk) -> GPTModel                      # through DDP / Float16Module wrappers
     chunk_spec(chunks) -> (ModelSpec, role)
     load_hf_checkpoint(chunks, hf_dir, spec=None) -> None
-    export_hf_state(chunks, spec=None) -> Iterator[(hf_name, full tensor)]
+    export_hf_state(chunks, spec=None, *, dst=None, prefetch_bytes=256 << 20)
+        -> Iterator[(hf_name, full tensor)]   # on every rank, or only on global rank ``dst``
     ValueHead                                      # the critic's replicated [1, hidden] head
 
 Critic: the same GPTModel backbone with ``output_layer`` replaced by ``ValueHead`` (a plain
@@ -85,6 +86,8 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
             model.output_layer = ValueHead(spec.hidden_size, dtype)
         model.ragen_spec, model.ragen_role, model.ragen_vp_stage = spec, role, stage
         model.ragen_layers = mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)
+        if torch.cuda.is_available():  # norms and the value head are built on the CPU
+            model.cuda(torch.cuda.current_device())
         if dtype in (torch.bfloat16, torch.float16):
             model = Float16Module(config, model)
         chunks.append(model)
@@ -199,19 +202,29 @@ def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
             raise KeyError(f"model parameters not filled from {hf_dir}: {unwritten[:5]}")
 
 
-def export_hf_state(chunks, spec: ModelSpec | None = None
-                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for the whole model, one parameter at a time, ON EVERY RANK.
+def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = None,
+                    prefetch_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) for the whole model, one parameter at a time.
 
-    For each parameter the owning pipeline stage all-gathers its TP shards and converts them to
-    HF tensors, which are then broadcast over the pipeline group. These are collectives: every
-    rank of a model-parallel group must consume the iterator to the end, in step. Data-parallel
-    replicas work independently (each yields the same tensors). Order: embedding, layers, head.
+    ``dst=None``: ON EVERY RANK. For each parameter the owning pipeline stage all-gathers its TP
+    shards and converts them to HF tensors, which are then broadcast over the pipeline group.
+    ``dst=<global rank>`` (weight sync: only the sending rank needs the tensors): the ranks of
+    ``dst``'s model-parallel group send their shards straight to ``dst`` (point to point, into
+    place, see ``_export_to``); ``dst`` yields the tensors, the other ranks yield nothing, and
+    the other data-parallel replicas return at once. An all-gather moves every shard to every
+    TP rank (and gloo's is ~5x slower than send/recv of the same bytes on loopback).
+
+    These are collectives: every rank of a model-parallel group must consume the iterator to
+    the end, in step. Order: embedding, layers, head. Replicated parameters may be yielded as
+    views of the live parameters: use them before the next optimizer step.
     """
-    from megatron.core import parallel_state as mpu
-
     own_spec, role = chunk_spec(chunks)
     spec = spec or own_spec
+    if dst is not None:
+        yield from _export_to(chunks, spec, role, dst, prefetch_bytes)
+        return
+    from megatron.core import parallel_state as mpu
+
     tp_group = mpu.get_tensor_model_parallel_group()
     pp_group = mpu.get_pipeline_model_parallel_group()
     tp = mpu.get_tensor_model_parallel_world_size()
@@ -242,3 +255,127 @@ def export_hf_state(chunks, spec: ModelSpec | None = None
                                   device=first.device))
             dist.broadcast(tensor, src=src, group=pp_group)
             yield hf_name, tensor
+
+
+def _owned_params(chunks) -> dict[str, torch.Tensor]:
+    """Global Megatron name -> this rank's (detached) parameter, over all its chunks."""
+    out = {}
+    for model in map(unwrap, chunks):
+        for local_name, p in _local_params(model).items():
+            out[mapping.to_global(local_name, model.ragen_layers.start)] = p.detach()
+    return out
+
+
+def _export_to(chunks, spec: ModelSpec, role: str, dst: int, prefetch_bytes: int
+               ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``export_hf_state(dst=...)``: every shard travels once, straight to ``dst``.
+
+    ``dst`` first learns who holds what (one small ``gather_object``: each rank's (pp, tp) rank
+    and, from TP rank 0 of each stage, its shard shapes and dtypes). Then, in the export order,
+    each TP rank of the owning stage sends its shard cut into ``mapping.shard_pieces``, and
+    ``dst`` receives each piece straight into its view (``mapping.tp_pieces``) of a preallocated
+    full tensor: row splits need no merge copy; column splits (row-parallel weights) land in a
+    staging buffer and are copied into place. A replicated parameter travels only when ``dst``
+    is in another stage (from that stage's TP rank 0). Receives are posted up to
+    ``prefetch_bytes`` ahead of what has been yielded, so while the consumer sends one bucket
+    on, the next bucket's shards are already arriving; senders keep as many bytes in flight.
+    """
+    from collections import deque
+
+    from megatron.core import parallel_state as mpu
+
+    mp_group = mpu.get_model_parallel_group()
+    if dst not in dist.get_process_group_ranks(mp_group):
+        return  # another data-parallel replica: its ranks hold the same weights
+    if prefetch_bytes <= 0:
+        raise ValueError(f"export_hf_state: prefetch_bytes must be > 0, got {prefetch_bytes}")
+    me = dist.get_rank()
+    tp = mpu.get_tensor_model_parallel_world_size()
+    tp_rank = mpu.get_tensor_model_parallel_rank()
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    pp_rank = mpu.get_pipeline_model_parallel_rank()
+    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    tp_group = mpu.get_tensor_model_parallel_group()
+    dst_in_my_stage = dst in dist.get_process_group_ranks(tp_group)
+    mine = _owned_params(chunks)
+    names = mapping.megatron_names(spec, role)
+    meta = {n: (tuple(mine[n].shape), mine[n].dtype) for n in names if n in mine} \
+        if tp_rank == 0 else {}
+    gathered = [None] * dist.get_world_size(mp_group) if me == dst else None
+    dist.gather_object((me, pp_rank, tp_rank, meta), gathered, dst=dst, group=mp_group)
+
+    def split(name):
+        return tp > 1 and mapping.is_tp_split(name, spec, role)
+
+    if me != dst:  # a sender: post its pieces in export order, a bounded number of bytes ahead
+        in_flight, pending = 0, deque()
+        for name in names:
+            if name not in mine:
+                continue
+            if split(name):
+                pieces = mapping.shard_pieces(name, mine[name], spec, tp, role)
+            elif not dst_in_my_stage and tp_rank == 0:
+                pieces = [mine[name]]
+            else:
+                continue
+            for piece in pieces:
+                while pending and in_flight > prefetch_bytes:
+                    work, sent = pending.popleft()
+                    work.wait()
+                    in_flight -= _nbytes(sent)
+                piece = piece.contiguous()  # kept referenced until its send completes
+                pending.append((dist.isend(piece, dst), piece))
+                in_flight += _nbytes(piece)
+        for work, _ in pending:
+            work.wait()
+        return
+
+    rank_of = {(p, t): g for g, p, t, _ in gathered}
+    device = next(iter(mine.values())).device
+    shapes = {n: sm for *_, m in gathered for n, sm in m.items()}
+
+    def post(name):
+        """Post one parameter's receives: (full, [(work, receive buffer, its view in full)])."""
+        if name in mine and not split(name):
+            return mine[name], []
+        owner_pp = mapping.owner(name, spec, pp, vpp)[0]
+        shard_shape, dtype = shapes[name]
+        if not split(name):
+            full = torch.empty(shard_shape, dtype=dtype, device=device)
+            return full, [(dist.irecv(full, rank_of[owner_pp, 0]), full, full)]
+        full = torch.empty(mapping.full_shape(name, shard_shape, spec, tp, role), dtype=dtype,
+                           device=device)
+        recvs = []
+        for r in range(tp):
+            views = mapping.tp_pieces(name, full, spec, r, tp, role)
+            if rank_of[owner_pp, r] == me:
+                own = mapping.shard_pieces(name, mine[name], spec, tp, role)
+                for view, piece in zip(views, own):
+                    view.copy_(piece)
+                continue
+            for view in views:
+                buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=
+                                                                          torch.contiguous_format)
+                recvs.append((dist.irecv(buf, rank_of[owner_pp, r]), buf, view))
+        return full, recvs
+
+    queue, ahead, upcoming = deque(), 0, iter(names)
+    for name in names:
+        while not queue or ahead < prefetch_bytes:  # keep prefetch_bytes of receives posted
+            nxt = next(upcoming, None)
+            if nxt is None:
+                break
+            full, recvs = post(nxt)
+            queue.append((full, recvs))
+            ahead += _nbytes(full)
+        full, recvs = queue.popleft()
+        ahead -= _nbytes(full)
+        for work, buf, view in recvs:
+            work.wait()
+            if buf is not view:
+                view.copy_(buf)
+        yield from mapping.megatron_to_hf([(name, full)], spec, role)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -16,8 +16,10 @@ larger than a bucket goes alone) so only one bucket is in flight at a time, then
 
 Each :meth:`BucketedWeightSender.send` is one ``begin_weight_update``/``end_weight_update``
 session per engine, flushes the prefix cache with the last bucket, then labels the engines with
-the new weight version. Pausing generation around a sync is the caller's choice
-(``EngineClient.pause_generation``/``continue_generation``).
+the new weight version. It is pipelined one bucket deep: while bucket k travels, the next one is
+drawn from the (lazy) input, e.g. a Megatron export gathering the next shards. Pausing
+generation around a sync is the caller's choice (``EngineClient.pause_generation`` /
+``continue_generation``).
 
 The design follows slime's ``UpdateWeightFromDistributed`` (buckets, a custom group with the
 trainer at rank 0, HTTP calls overlapped with the broadcast); the code is our own.
@@ -44,6 +46,11 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
                  bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group ``(name, tensor)`` pairs, in order, into lists of at most ``bucket_bytes`` bytes;
     a tensor larger than ``bucket_bytes`` forms a bucket of its own."""
+    return (bucket for bucket, _ in _buckets(named_tensors, bucket_bytes))
+
+
+def _buckets(named_tensors, bucket_bytes: int):
+    """``iter_buckets`` as ``(bucket, is_last)``: known without drawing the next bucket."""
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
     bucket: list[tuple[str, torch.Tensor]] = []
@@ -54,12 +61,12 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
         tensor = tensor.detach().contiguous()
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and size + nbytes > bucket_bytes:
-            yield bucket
+            yield bucket, False
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
     if bucket:
-        yield bucket
+        yield bucket, True
 
 
 def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]):
@@ -234,7 +241,12 @@ class BucketedWeightSender:
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
              version: str | int) -> SyncStats:
-        """Load all ``named_tensors`` into every engine, then set their weight version."""
+        """Load all ``named_tensors`` into every engine, then set their weight version.
+
+        Pipelined one bucket deep: bucket k is broadcast (or shared) in the background while
+        this thread draws bucket k+1 from ``named_tensors`` (for a Megatron export, that is
+        when the next shards are gathered); bucket k+1 starts once bucket k has landed.
+        """
         if self.mode == "distributed" and self.group is None:
             raise RuntimeError("BucketedWeightSender.send: call connect() first "
                                "(or use the sender as a context manager)")
@@ -242,33 +254,41 @@ class BucketedWeightSender:
         n_tensors = n_buckets = n_bytes = 0
         for e in self.engines:
             e.begin_weight_update()
+        in_flight = None  # finish() of the bucket being sent
         try:
-            pending = None
-            for bucket in iter_buckets(named_tensors, self.bucket_bytes):
-                if pending is not None:  # flush the prefix cache only with the last bucket
-                    self._send_bucket(pending, flush_cache=False)
-                pending = bucket
+            for bucket, last in _buckets(named_tensors, self.bucket_bytes):
+                if in_flight is not None:  # one bucket on the wire at a time
+                    in_flight, finish = None, in_flight
+                    finish()
+                # the prefix cache is flushed only with the last bucket
+                in_flight = self._start_bucket(bucket, flush_cache=last)
                 n_buckets += 1
                 n_tensors += len(bucket)
                 n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
-            if pending is None:
+            if in_flight is None:
                 raise ValueError("BucketedWeightSender.send: named_tensors was empty")
-            self._send_bucket(pending, flush_cache=True)
+            in_flight, finish = None, in_flight
+            finish()
         finally:
-            for e in self.engines:
-                e.end_weight_update()
+            try:
+                if in_flight is not None:  # drawing the next bucket failed: land this one first
+                    in_flight()
+            finally:
+                for e in self.engines:
+                    e.end_weight_update()
         for e in self.engines:
             e.update_weight_version(str(version))
         return SyncStats(version=str(version), num_tensors=n_tensors, num_buckets=n_buckets,
                          num_bytes=n_bytes, seconds=time.perf_counter() - start)
 
-    def _send_bucket(self, bucket, *, flush_cache: bool) -> None:
+    def _start_bucket(self, bucket, *, flush_cache: bool):
+        """Start sending one bucket; return ``finish()``, which waits until every engine has
+        it (and raises :class:`EngineError` if one refused or the time ran out)."""
         if self.mode == "distributed":
-            self._broadcast_bucket(bucket, flush_cache)
-        else:
-            self._share_bucket(bucket, flush_cache)
+            return self._start_broadcast(bucket, flush_cache)
+        return self._start_share(bucket, flush_cache)
 
-    def _broadcast_bucket(self, bucket, flush_cache: bool) -> None:
+    def _start_broadcast(self, bucket, flush_cache: bool):
         flattened = self.load_format == "flattened_bucket"
         if flattened:
             names, dtypes, shapes, flat = flatten_bucket(bucket)
@@ -285,27 +305,36 @@ class BucketedWeightSender:
         works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True)
                  for t in tensors]
         deadline = time.monotonic() + self.timeout
-        while not all(w.is_completed() for w in works):
-            failed = [f for f in futures if f.done() and f.exception() is not None]
-            if failed:  # an engine refused: it will never receive, so the broadcast would hang
-                raise EngineError(
-                    f"weight broadcast abandoned, the process group {self.group_name!r} is "
-                    f"now unusable (close() it, which waits until the pending broadcast fails or "
-                    f"times out, then connect() again): {failed[0].exception()}")
-            if time.monotonic() > deadline:
-                raise EngineError(f"weight broadcast did not finish within {self.timeout:g} s")
-            time.sleep(0.001)
-        for w in works:
-            w.wait()
-        for f in futures:
-            f.result()
 
-    def _share_bucket(self, bucket, flush_cache: bool) -> None:
+        def finish(_keep_alive=tensors) -> None:  # the tensors live until their broadcast ends
+            while not all(w.is_completed() for w in works):
+                failed = [f for f in futures if f.done() and f.exception() is not None]
+                if failed:  # an engine refused: it never receives, the broadcast would hang
+                    raise EngineError(
+                        f"weight broadcast abandoned, the process group {self.group_name!r} is "
+                        f"now unusable (close() it, which waits until the pending broadcast "
+                        f"fails or times out, then connect() again): {failed[0].exception()}")
+                if time.monotonic() > deadline:
+                    raise EngineError(f"weight broadcast did not finish within "
+                                      f"{self.timeout:g} s ({len(tensors)} tensors)")
+                time.sleep(0.001)
+            for w in works:
+                w.wait()
+            for f in futures:
+                f.result()
+
+        return finish
+
+    def _start_share(self, bucket, flush_cache: bool):
         flattened = self.load_format == "flattened_bucket"
         payload = serialize_for_engine(bucket, flattened=flattened)
         futures = [e.submit("update_weights_from_tensor", [payload] * tp,
                             load_format=self.load_format, flush_cache=flush_cache,
                             timeout=self.timeout)
                    for e, tp in zip(self.engines, self._tp_sizes())]
-        for f in futures:
-            f.result()  # the tensors (and their shared memory) stay alive until here
+
+        def finish(_keep_alive=bucket) -> None:  # the tensors' shared memory lives until here
+            for f in futures:
+                f.result()
+
+        return finish
