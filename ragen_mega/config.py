@@ -172,6 +172,10 @@ class RolloutConfig:
     num_engines: int = 1
     engine_tp: int = 1
     env_steps_in_thread: bool = False   # True for slow envs (Crafter)
+    #: Ray actors that host the envs (episode i on worker i % env_workers), each in its own
+    #: placement-group bundle, so long-horizon runs step 100+ envs on the cluster's CPUs instead
+    #: of in the driver; 0: every env lives in the driver (env_steps_in_thread applies only then)
+    env_workers: int = 0
     #: every request carries a sampling seed derived from (trainer.seed, step, episode, turn),
     #: and the engines sample it as a pure function of seed and logits (SGLang's seeded
     #: Gumbel-max sampler; on GPU that means --enable-deterministic-inference). A step's rollout
@@ -188,6 +192,9 @@ class RolloutConfig:
             raise ConfigError(f"mem_fraction: must be in (0, 1) or null, got {self.mem_fraction}")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if self.env_workers < 0:
+            raise ConfigError(f"env_workers: must be >= 0 (0: envs in the driver), "
+                              f"got {self.env_workers}")
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
         for key in ("temperature", "val_temperature"):

@@ -113,11 +113,14 @@ def test_episodes_do_not_wait_for_the_slowest(tokenizer):
     assert log[:3] == [1, 1, 1], f"episode 1 should finish its 3 turns first, order was {log}"
 
 
-async def run_episodes_keyed(specs, tokenizer, agent, gen):
+async def run_episodes_keyed(specs, tokenizer, agent, gen, max_turns=3, **kwargs):
+    """Every episode with its own turn count in ``gen``; ``kwargs`` go to ``run_episode``
+    (tests/test_env_workers.py plays the same episodes on remote envs with ``open_env``)."""
     from ragen_mega.rollout.episode import run_episode
 
     async def one(spec):
-        return await run_episode(spec, tokenizer=tokenizer, agent=agent, sampling={}, max_turns=3,
+        return await run_episode(spec, tokenizer=tokenizer, agent=agent, sampling={},
+                                 max_turns=max_turns, **kwargs,
                                  generate=lambda ids, sp: gen(ids, {**sp,
                                                                     "episode_key": spec.episode_id}))
     return await asyncio.gather(*(one(s) for s in specs))

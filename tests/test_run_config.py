@@ -36,6 +36,8 @@ def test_defaults_are_ragen_starpo_s():
     (["algo.adv_estimator=grpo", "env.group_size=1"], "env.group_size: grpo compares episodes"),
     (["rollout.top_p=0"], "rollout.top_p: must be in (0, 1]"),
     (["rollout.mem_fraction=1.5"], "rollout.mem_fraction: must be in (0, 1) or null"),
+    (["rollout.env_workers=-1"], "rollout.env_workers: must be >= 0 (0: envs in the driver)"),
+    (["rollout.env_workers=2.5"], "rollout.env_workers: expected int, got float 2.5"),
     (["env.name=sokoban", "env.kwargs={dim: 3}"], "env.kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
 ])
 def test_bad_values_name_the_key(overrides, needle):
@@ -50,6 +52,8 @@ def test_overrides_apply():
                                  "actor.lr=1e-5", "agent.think=false"])
     assert cfg.env.name == "sokoban" and cfg.env.kwargs == {"dim_room": [6, 6]}
     assert cfg.actor.lr == 1e-5 and not cfg.agent.think and not cfg.critic.enable
+    assert load_run_config().rollout.env_workers == 0  # envs in the driver unless asked
+    assert load_run_config(None, ["rollout.env_workers=8"]).rollout.env_workers == 8
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

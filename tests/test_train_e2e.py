@@ -51,12 +51,13 @@ def test_two_steps_then_resume(tiny_run_overrides, tmp_path, private_ray):
     assert [l["step"] for l in lines] == [1, 2, 3]
 
 
-def test_colocated_step_syncs_through_shared_memory(tiny_run_overrides, tmp_path, private_ray):
+def test_colocated_step_with_env_workers(tiny_run_overrides, tmp_path, private_ray):
     """Colocated mode: the engine shares the trainer's bundles, frees its memory for the train
     phase (a no-op on CPU, the protocol still runs) and takes the new weights through the
-    tensor path (shared memory here, CUDA IPC on GPUs) instead of a broadcast."""
-    overrides = tiny_run_overrides(tmp_path, total_steps=1) + ["trainer.colocate=true",
-                                                               "trainer.save_every=0"]
+    tensor path (shared memory here, CUDA IPC on GPUs) instead of a broadcast. The envs live in
+    two Ray env workers here (``rollout.env_workers``)."""
+    overrides = tiny_run_overrides(tmp_path, total_steps=1) + [
+        "trainer.colocate=true", "trainer.save_every=0", "rollout.env_workers=2"]
     history = driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
     assert [h["step"] for h in history] == [1]
     h = history[0]

@@ -4,6 +4,12 @@ On a slurm cluster the sbatch script starts a Ray head and workers and the drive
 ``address="auto"``; on a laptop the driver starts a private local Ray. Every process must agree
 on ``RAY_AUTH_MODE`` (a mismatch fails with InvalidAuthToken), so it is set here, once, before
 Ray starts, unless the user set it. Only the Ray this process started is ever stopped.
+
+Every process of the job (trainer ranks, engine workers and the SGLang servers they start) gets
+``THP_MEM_ALLOC_ENABLE=1`` on machines without CUDA: torch then backs large CPU tensors with
+transparent huge pages. A CPU weight sync is mostly first-touch page faults on fresh buffers
+(export, SGLang's receive buffers, its load copy), and huge pages halve it
+(benchmarks/README.md, weight sync). It must be set before a process allocates, hence here.
 """
 from __future__ import annotations
 
@@ -16,12 +22,15 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None,
     """Connect to ``address`` or start a local Ray with a bounded object store."""
     import ray
 
+    import torch
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         return
+    env = {} if torch.cuda.is_available() else {"THP_MEM_ALLOC_ENABLE": "1"}
+    job = dict(log_to_driver=True, runtime_env={"env_vars": env})
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, **job)
         return
     ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False,
-             _temp_dir=temp_dir or tempfile.mkdtemp(prefix="ragen_mega_ray_"),
-             log_to_driver=True)
+             _temp_dir=temp_dir or tempfile.mkdtemp(prefix="ragen_mega_ray_"), **job)

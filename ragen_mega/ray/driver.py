@@ -19,6 +19,7 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -119,15 +120,18 @@ class Run:
     actor: object
     critic: object | None
     placement_group: object
+    env_workers: object | None = None   # EnvWorkerGroup; None: the envs live in the driver
 
     def shutdown(self) -> None:
-        """Stop what this run started: engines, trainer actors, the placement group."""
+        """Stop what this run started: engines, trainer actors, env workers, the placement group."""
         from ray.util.placement_group import remove_placement_group
 
         self.actor.kill()  # first: it closes its weight-update group with the live engines
         if self.critic is not None:
             self.critic.kill()
         self.engines.shutdown()
+        if self.env_workers is not None:
+            self.env_workers.kill()
         remove_placement_group(self.placement_group)
 
     def rollout(self, step: int, *, evaluate: bool = False) -> tuple[list[Episode], float]:
@@ -150,7 +154,9 @@ class Run:
                     [spec], tokenizer=self.tokenizer, agent=self.cfg.agent,
                     generate=self.episode_generate(step, spec.episode_id, evaluate),
                     sampling=sampling, max_turns=env.max_turns,
-                    env_steps_in_thread=r.env_steps_in_thread) for spec in specs))
+                    env_steps_in_thread=r.env_steps_in_thread,
+                    open_env=None if self.env_workers is None else self.env_workers.open)
+                    for spec in specs))
                 return [episode for (episode,) in played]
             finally:
                 await self.engines.close_clients()  # the clients belong to this event loop
@@ -304,12 +310,25 @@ class Run:
         return step
 
 
+def bundle_cpus(cluster_cpus: float, n_bundles: int, n_env_workers: int,
+                use_gpu: bool) -> tuple[float, float]:
+    """CPUs reserved by each trainer-rank/engine bundle and by each env-worker bundle. On GPU: a
+    core each, so many env workers spread over the cluster's CPUs. On CPU the whole run shares the
+    machine: an env worker reserves a quarter of what a trainer rank or engine does (it is busy
+    only between generations), rounded down to Ray's resource unit (1e-4) so the sum fits."""
+    if use_gpu:
+        return 1.0, 1.0
+    cpus = min(1.0, math.floor(cluster_cpus / (n_bundles + n_env_workers / 4) * 1e4) / 1e4)
+    return cpus, math.floor(cpus / 4 * 1e4) / 1e4
+
+
 def build_run(cfg: RunConfig) -> Run:
     """Start Ray (or join it), place engines and trainers, connect the weight sync."""
     from transformers import AutoTokenizer
 
     from ragen_mega.ray.cluster import init_ray
     from ragen_mega.ray.engine_group import EngineGroup
+    from ragen_mega.ray.env_workers import EnvWorkerGroup
     from ragen_mega.ray.placement import create_placement_group, plan_placement
     from ragen_mega.ray.trainer_group import TrainerGroup
 
@@ -323,10 +342,12 @@ def build_run(cfg: RunConfig) -> Run:
     critic_world = cfg.critic.tp * cfg.critic.pp * cfg.trainer.data_parallel if cfg.critic.enable else 0
     n_bundles = actor_world + critic_world + (0 if cfg.trainer.colocate else
                                               cfg.rollout.num_engines * cfg.rollout.engine_tp)
-    cpus = 1.0 if use_gpu else min(1.0, ray.cluster_resources().get("CPU", 1) / n_bundles)
+    n_env = cfg.rollout.env_workers
+    cpus, env_cpus = bundle_cpus(ray.cluster_resources().get("CPU", 1), n_bundles, n_env, use_gpu)
     plan = plan_placement(num_trainer_ranks=actor_world + critic_world,
                           num_engines=cfg.rollout.num_engines, engine_tp=cfg.rollout.engine_tp,
-                          colocate=cfg.trainer.colocate, use_gpu=use_gpu, cpus_per_bundle=cpus)
+                          colocate=cfg.trainer.colocate, use_gpu=use_gpu, cpus_per_bundle=cpus,
+                          num_env_workers=n_env, cpus_per_env_worker=env_cpus)
     pg = create_placement_group(plan)
     run_dir = Path(cfg.trainer.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -358,7 +379,9 @@ def build_run(cfg: RunConfig) -> Run:
     actor.connect_engines(engines.urls, engines.tp_sizes,
                           mode="tensor" if cfg.trainer.colocate else "distributed",
                           bucket_bytes=cfg.trainer.sync_bucket_mb << 20)
-    return Run(cfg, model_dir, tokenizer, engines, actor, critic, pg)
+    env_workers = (EnvWorkerGroup(pg, plan.env_worker_bundles, num_cpus=env_cpus)
+                   if n_env else None)
+    return Run(cfg, model_dir, tokenizer, engines, actor, critic, pg, env_workers)
 
 
 def train(cfg: RunConfig) -> list[dict[str, float]]:

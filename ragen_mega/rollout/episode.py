@@ -2,14 +2,16 @@
 
 Every episode is its own coroutine: it builds its prompt, awaits its own generation, steps its
 own env and goes on, so an episode never waits for the slowest one of the batch (unlike a
-lock-step "generate the whole batch, then step all envs" loop). Slow env steps (Crafter) run in
-a worker thread so the event loop keeps feeding the engines.
+lock-step "generate the whole batch, then step all envs" loop). An episode drives its env through
+an async handle (:class:`EnvHandle`), so the same code plays an env in this process
+(:class:`LocalEnv`; slow steps such as Crafter's in a worker thread, so the event loop keeps
+feeding the engines) or in a Ray actor elsewhere in the cluster (``ray.env_workers``).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
 from ragen_mega.envs import env_class, make
@@ -39,6 +41,44 @@ class EpisodeSpec:
     env_tag: str = ""
 
 
+class EnvHandle(Protocol):
+    """What an episode needs of its env: the prompt's text (read before ``reset``, as
+    :meth:`PromptBuilder.for_env` reads a :class:`TextEnv`'s) and awaitable game calls."""
+    instruction: str
+    valid_actions: list[str]
+
+    async def reset(self, seed: int) -> str: ...
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]: ...
+
+    async def close(self) -> None: ...
+
+
+#: ``await open_env(spec)`` -> a fresh :class:`EnvHandle` of ``spec``'s env
+OpenEnvFn = Callable[[EpisodeSpec], Awaitable[EnvHandle]]
+
+
+class LocalEnv:
+    """A :class:`TextEnv` in this process as an :class:`EnvHandle`; ``in_thread`` runs its
+    ``reset``/``step`` in a worker thread so a slow env does not stall the event loop."""
+
+    def __init__(self, env, in_thread: bool = False):
+        self.env, self.in_thread = env, in_thread
+        self.instruction, self.valid_actions = env.instruction, env.valid_actions
+
+    async def reset(self, seed: int) -> str:
+        return await self._call(self.env.reset, seed)
+
+    async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        return await self._call(self.env.step, action)
+
+    async def close(self) -> None:
+        self.env.close()
+
+    async def _call(self, method, arg):
+        return await asyncio.to_thread(method, arg) if self.in_thread else method(arg)
+
+
 @dataclasses.dataclass
 class Episode:
     samples: list[Sample]
@@ -47,14 +87,16 @@ class Episode:
 
 async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, generate: GenerateFn,
                       sampling: dict[str, Any], max_turns: int,
-                      env_steps_in_thread: bool = False) -> Episode:
-    """Play one episode to its end or ``max_turns``; one :class:`Sample` per turn."""
-    env = make(spec.env_name, **spec.env_kwargs)
-    step = (lambda a: asyncio.to_thread(env.step, a)) if env_steps_in_thread else \
-        (lambda a: _ready(env.step(a)))
+                      env_steps_in_thread: bool = False,
+                      open_env: OpenEnvFn | None = None) -> Episode:
+    """Play one episode to its end or ``max_turns``; one :class:`Sample` per turn. The env comes
+    from ``open_env`` (e.g. ``EnvWorkerGroup.open``: a remote env), or by default is made here
+    (stepped in a thread with ``env_steps_in_thread``)."""
+    env = await open_env(spec) if open_env is not None else \
+        LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
     builder = PromptBuilder.for_env(tokenizer, agent, env)
     history = History()
-    obs = await asyncio.to_thread(env.reset, spec.seed) if env_steps_in_thread else env.reset(spec.seed)
+    obs = await env.reset(spec.seed)
     samples: list[Sample] = []
     done, success = False, False
     n_actions = n_valid = n_effective = 0
@@ -67,7 +109,7 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
                                 finished=gen.finish_reason == "stop")
         reward, all_valid = 0.0, True
         for action in parsed.actions:
-            obs, r, done, info = await step(action)
+            obs, r, done, info = await env.step(action)
             reward += float(r)
             n_actions += 1
             all_valid &= bool(info.get("action_is_valid"))
@@ -89,17 +131,13 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
         if done:
             break
     samples[-1].last = True
-    env.close()
+    await env.close()
     metrics = {"success": float(success), "reward": total_reward, "num_turns": float(len(samples)),
                "num_actions": float(n_actions),
                "valid_action_rate": n_valid / n_actions if n_actions else 0.0,
                "effective_action_rate": n_effective / n_actions if n_actions else 0.0,
                "format_ok_rate": sum(s.info["format_ok"] for s in samples) / len(samples)}
     return Episode(samples, metrics)
-
-
-async def _ready(value):
-    return value
 
 
 def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, group_size: int,
