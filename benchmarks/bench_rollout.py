@@ -2,23 +2,86 @@
 
   python benchmarks/bench_rollout.py [--env sokoban] [--groups 8] [--group-size 4] [--turns 5]
 
-One SGLang server (CPU way) on a small random Qwen2 checkpoint. First the real rollout
-(:func:`ragen_mega.rollout.episode.run_episodes`: every episode its own coroutine, prompts built
-through the chat template, env steps, parsing) plays ``groups x group_size`` episodes of up to
-``--turns`` turns. Then the same prompts (the recorded prompt ids of every turn) are sent to the
-engine as one flat batch of concurrent requests with the same number of new tokens each
-(``ignore_eos``): the engine's raw throughput on the identical token load. Ratio = rollout
-tokens/s over raw tokens/s; what it loses is the turn-to-turn dependency plus the Python work
-between turns (goal: >= 0.9).
+One SGLang server (CPU way, ``--cpu-threads`` for its torch) on a small random Qwen2 checkpoint,
+with seeded sampling as the driver uses it (``rollout.seeded``): every request carries the seed
+of its (episode, turn), so every phase samples the very same responses. Phases:
+
+- **rollout**: the driver's path (``Run.rollout``: one ``run_episodes([spec])`` per episode,
+  gathered; each episode its own coroutine; chat-template prompts as token ids, parsing, env
+  steps). Its prompts (every turn's ``prompt_ids``) are the token load of the other phases.
+- **raw_cached**: right after the rollout, all its prompts at once, with the KV the rollout
+  computed still in the radix cache: decode only (how the first version of this benchmark
+  measured "raw", which made 0.82).
+- **chained**: each episode's turn k+1 sent the moment its turn k returns, no Python work
+  between: the turn dependency alone, without our overhead.
+- **waves**: turn by turn with a barrier (all turn-k prompts at once, then turn k+1).
+- **raw**: all prompts at once, one flat batch of concurrent requests, cache empty: the
+  engine's raw throughput. Ratio = rollout tokens/s over raw tokens/s (goal >= 0.9).
+
+An untimed rollout first warms up both sides and records the prompts. The radix (prefix) cache
+is flushed before every phase but raw_cached. Every request asks the
+same ``--new-tokens`` (``ignore_eos``), so the tokens are equal and the ratios are ratios of wall
+times. Per phase: the time-weighted mean number of requests in flight, the prompt tokens the
+engine had to prefill (``prompt_tokens - cached_tokens``), the client process's CPU seconds and
+the 1-minute load average at its start; for the rollout also the gap between a turn's answer and
+the episode's next request (prompt building, parsing, env step, event-loop latency). ``rollout /
+chained`` is our overhead, ``chained / raw`` the turn dependency. ``--rounds`` repeats all
+phases in a rotated order (the machine's load drifts; the ratios are taken within a round).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
+
+
+def in_flight_mean(spans: list[tuple[float, float]]) -> float:
+    """Time-weighted mean number of requests open over the phase (first send to last answer)."""
+    start, end = min(s for s, _ in spans), max(e for _, e in spans)
+    return sum(e - s for s, e in spans) / (end - start)
+
+
+def wave_spread(spans: dict[int, list[tuple[float, float]]]) -> float:
+    """Mean over turns k of how far apart the episodes' turn-k requests were sent (seconds): how
+    tightly the engine gets each wave of a turn-dependent load."""
+    spreads = []
+    for wave in itertools.zip_longest(*spans.values()):
+        sent = [span[0] for span in wave if span is not None]
+        spreads.append(max(sent) - min(sent))
+    return statistics.mean(spreads)
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return f.read().split()[0]
+
+
+class Timed:
+    """Generation of turn ``turn`` (1-based) of episode ``episode`` with the seed the driver's
+    seeded rollout gives it (``request_seed``), so every phase samples the same responses; logs
+    (send, answer) times per episode and the prompt tokens the engine had to prefill (its
+    ``prompt_tokens - cached_tokens``)."""
+
+    def __init__(self, client, sampling, request_seed):
+        self.client, self.sampling, self.request_seed = client, sampling, request_seed
+        self.reset()
+
+    def reset(self) -> None:
+        self.spans: dict[int, list[tuple[float, float]]] = {}
+        self.prefilled = 0
+
+    async def __call__(self, episode: int, turn: int, prompt_ids: list[int]):
+        params = {**self.sampling, "sampling_seed": self.request_seed("bench", episode, turn)}
+        sent = time.perf_counter()
+        out = await self.client.generate(prompt_ids, params)
+        self.spans.setdefault(episode, []).append((sent, time.perf_counter()))
+        self.prefilled += out.prompt_tokens - int(out.meta_info.get("cached_tokens", 0))
+        return out
 
 
 def main() -> None:
@@ -28,6 +91,9 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--cpu-threads", type=int, default=1,
+                        help="the server's OMP_NUM_THREADS; 0: torch's default (one per core)")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -36,51 +102,126 @@ def main() -> None:
     from ragen_mega.backends.sglang.client import AsyncEngineClient
     from ragen_mega.backends.sglang.server import launch_server
     from ragen_mega.models.prepare import make_tiny_model
+    from ragen_mega.ray.driver import request_seed
     from ragen_mega.rollout.episode import Generation, group_specs, run_episodes
 
-    hf_dir = make_tiny_model(Path(tempfile.mkdtemp(prefix="bench_rollout_")) / "model", "qwen2",
-                             hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                             intermediate_size=384)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    specs = group_specs(args.env, {}, env_groups=args.groups, group_size=args.group_size,
-                        first_seed=0)
-    sampling = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
-    with launch_server(hf_dir, dtype="float32") as server:
+    with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
+        hf_dir = make_tiny_model(Path(tmp) / "model", "qwen2",
+                                 hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=384)
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        specs = group_specs(args.env, {}, env_groups=args.groups, group_size=args.group_size,
+                            first_seed=0)
+        sampling = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        agent = AgentConfig(think=True)
+        with launch_server(hf_dir, dtype="float32", cpu_threads=args.cpu_threads or None,
+                           seeded_sampling=True) as server:
 
-        async def run():
-            client = AsyncEngineClient(server.url)
+            async def run():
+                client = AsyncEngineClient(server.url)
+                timed = Timed(client, sampling, request_seed)
 
-            async def generate(ids, params):
-                out = await client.generate(ids, params)
-                return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
+                async def phase(name, play, flush=True):
+                    if flush:
+                        await client.flush_cache()
+                    timed.reset()
+                    load, cpu, start = loadavg(), time.process_time(), time.perf_counter()
+                    await play()
+                    rounds[-1][name] = {"s": time.perf_counter() - start,
+                                        "cpu_s": time.process_time() - cpu, "load": load,
+                                        "spans": timed.spans, "prefilled": timed.prefilled}
 
-            await generate([1, 2, 3], sampling)  # warm-up
-            start = time.perf_counter()
-            episodes = await run_episodes(specs, tokenizer=tokenizer,
-                                          agent=AgentConfig(think=True), generate=generate,
-                                          sampling=sampling, max_turns=args.turns)
-            rollout_s = time.perf_counter() - start
-            prompts = [s.prompt_ids for e in episodes for s in e.samples]
-            start = time.perf_counter()
-            raw = await asyncio.gather(*(client.generate(p, sampling) for p in prompts))
-            raw_s = time.perf_counter() - start
-            await client.close()
-            return episodes, rollout_s, raw, raw_s
+                def episode_generate(episode):  # Run.episode_generate + EngineGroup.generate
+                    turns = itertools.count(1)
 
-        episodes, rollout_s, raw, raw_s = asyncio.run(run())
-    turns = sum(len(e.samples) for e in episodes)
-    rollout_tokens = sum(len(s.response_ids) for e in episodes for s in e.samples)
-    raw_tokens = sum(len(c.output_ids) for c in raw)
-    row = {"env": args.env, "episodes": len(episodes), "turns": turns,
-           "new_tokens_per_turn": args.new_tokens,
-           "rollout_s": round(rollout_s, 2), "rollout_tok_per_s": round(rollout_tokens / rollout_s, 1),
-           "env_turns_per_s": round(turns / rollout_s, 2),
-           "raw_s": round(raw_s, 2), "raw_tok_per_s": round(raw_tokens / raw_s, 1),
-           "ratio": round((rollout_tokens / rollout_s) / (raw_tokens / raw_s), 2)}
-    print(json.dumps(row))
-    print(f"| {args.env}, {len(episodes)} episodes x <= {args.turns} turns ({turns} turns), "
-          f"{args.new_tokens} new tok/turn | {row['rollout_tok_per_s']} | {row['raw_tok_per_s']} | "
-          f"{row['ratio']} |")
+                    async def generate(ids, params):
+                        out = await timed(episode, next(turns), ids)
+                        return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
+                    return generate
+
+                async def rollout():  # Run.rollout's shape: one run_episodes per episode
+                    played = await asyncio.gather(*(run_episodes(
+                        [spec], tokenizer=tokenizer, agent=agent,
+                        generate=episode_generate(spec.episode_id), sampling=sampling,
+                        max_turns=args.turns) for spec in specs))
+                    episodes.append([episode for (episode,) in played])
+                    prompts.update({e.samples[0].episode_id: [s.prompt_ids for s in e.samples]
+                                    for e in episodes[-1]})
+
+                async def chain(i):
+                    for k, p in enumerate(prompts[i], 1):
+                        await timed(i, k, p)
+
+                async def chained():
+                    await asyncio.gather(*(chain(i) for i in prompts))
+
+                async def waves():
+                    for k in range(1, max(len(p) for p in prompts.values()) + 1):
+                        await asyncio.gather(*(timed(i, k, p[k - 1]) for i, p in prompts.items()
+                                               if k <= len(p)))
+
+                async def raw():
+                    await asyncio.gather(*(timed(i, k, p) for i, ps in prompts.items()
+                                           for k, p in enumerate(ps, 1)))
+
+                # One untimed rollout records the prompts and warms up both sides (the engine's
+                # first long prompts, the chat template's compilation), so no phase pays that.
+                # Rounds rotate the order, so a load that drifts during the run does not always
+                # favour the same phase. raw_cached follows the rollout without a flush: its KV
+                # is still cached.
+                order = [[("rollout", rollout, True), ("raw_cached", raw, False)],
+                         [("chained", chained, True)], [("waves", waves, True)],
+                         [("raw", raw, True)]]
+                episodes, prompts, rounds = [], {}, []
+                await rollout()
+                for r in range(args.rounds):
+                    rounds.append({})
+                    for unit in order[r % len(order):] + order[:r % len(order)]:
+                        for name, play, flush in unit:
+                            await phase(name, play, flush)
+                await client.close()
+                return episodes, rounds
+
+            episodes, rounds = asyncio.run(run())
+    report(args, episodes, rounds)
+
+
+def report(args, episodes, rounds) -> None:
+    """One JSON line per round, then the summary: per-round ratios, their median and range."""
+    first = episodes[0]
+    same = all([s.response_ids for e in eps for s in e.samples] ==
+               [s.response_ids for e in first for s in e.samples] for eps in episodes)
+    turns = sum(len(e.samples) for e in first)
+    tokens = sum(len(s.response_ids) for e in first for s in e.samples)
+    ratios = {"ratio": ("raw", "rollout"), "ratio_vs_raw_cached": ("raw_cached", "rollout"),
+              "rollout_vs_chained": ("chained", "rollout"), "chained_vs_raw": ("raw", "chained"),
+              "waves_vs_raw": ("raw", "waves")}
+    for r, phases in enumerate(rounds):
+        gaps = [b[0] - a[1] for spans in phases["rollout"]["spans"].values()
+                for a, b in zip(spans, spans[1:])]
+        row = {"round": r, "rollout_gap_ms_mean": round(1000 * statistics.mean(gaps), 2),
+               "rollout_gap_ms_max": round(1000 * max(gaps), 2)}
+        for name, p in phases.items():
+            row[name] = {"s": round(p["s"], 2), "tok_per_s": round(tokens / p["s"], 1),
+                         "in_flight": round(in_flight_mean(
+                             [s for spans in p["spans"].values() for s in spans]), 1),
+                         "client_cpu_s": round(p["cpu_s"], 2), "prefill_tok": p["prefilled"],
+                         "wave_spread_ms": round(1000 * wave_spread(p["spans"]), 1),
+                         "load": p["load"]}
+        row.update({k: round(phases[a]["s"] / phases[b]["s"], 3) for k, (a, b) in ratios.items()})
+        print(json.dumps(row))
+    summary = {"env": args.env, "episodes": len(first), "turns": turns,
+               "new_tokens_per_turn": args.new_tokens, "cpu_threads": args.cpu_threads,
+               "prompt_tokens_mean": round(statistics.mean(len(s.prompt_ids) for e in first
+                                                           for s in e.samples)),
+               "rollouts_identical": same, "rounds": len(rounds)}
+    for name in rounds[0]:
+        summary[f"{name}_tok_per_s_median"] = round(statistics.median(
+            tokens / ph[name]["s"] for ph in rounds), 1)
+    for k, (a, b) in ratios.items():
+        values = sorted(ph[a]["s"] / ph[b]["s"] for ph in rounds)
+        summary[k] = f"{statistics.median(values):.3f} ({values[0]:.3f}-{values[-1]:.3f})"
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

@@ -154,6 +154,25 @@ def test_sampled_ids_are_spliced_not_retokenized(tok):
     assert prompt.messages[2]["content"] == "<think>" + text
 
 
+@pytest.mark.parametrize("memory_turns", [None, 2])
+def test_one_builder_over_a_whole_episode_equals_the_tokenizer_every_turn(tok, memory_turns):
+    """The rollout keeps one builder per episode, which reuses the tokenized pieces of the last
+    prompt; every turn's ids must still equal the tokenizer's whole-chat rendering (canonical
+    responses) and a fresh builder's."""
+    cfg = AgentConfig(think=True, memory_turns=memory_turns)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    builder = PromptBuilder.for_env(tok, cfg, Corridor())
+    h = History()
+    for turn in range(1, 7):
+        h.observe(f"obs{turn}", 12 - turn)
+        prompt = builder.build(h)
+        assert prompt.ids == chat_ids(tok, prompt.messages) + enc(tok, "<think>")
+        assert prompt.ids == PromptBuilder.for_env(tok, cfg, Corridor()).build(h).ids
+        assert [int(n) for n in re.findall(r"Turn (\d+):", prompt.text)][0] == prompt.first_turn
+        response = enc(tok, f" step {turn}.</think><answer>Right</answer>") + ([eos] if turn % 2 else [])
+        h.record(response, parse_response(tok.decode(response, skip_special_tokens=True), cfg), 0.5 * turn)
+
+
 def test_prompt_limit_drops_oldest_turns_of_a_bounded_window(tok):
     sampled = [enc(tok, "Right</answer>")] * 4
     h = play(tok, AgentConfig(think=False), sampled, ["P__G", "_P_G", "__PG", "P__G", "_P_G"], [0.0] * 4, [9] * 5)
