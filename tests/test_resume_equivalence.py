@@ -18,7 +18,8 @@ import struct
 import torch
 
 from ragen_mega.backends.sglang.client import AsyncEngineClient
-from ragen_mega.backends.sglang.server import launch_server, murmur_hash32_torch
+from ragen_mega.backends.sglang.seeded_sampling import murmur_hash32_torch
+from ragen_mega.backends.sglang.server import launch_server
 from ragen_mega.config import load_run_config
 from ragen_mega.ray import driver
 

@@ -1,11 +1,10 @@
 """The whole loop on a tiny model: real Ray, real megatron-core (actor TP=2, critic TP=1), real
-SGLang; two StarPO-S steps, then a resumed third step."""
+SGLang; two StarPO-S steps, then a resumed third step; a colocated step with Ray env workers."""
 from __future__ import annotations
 
 import json
 import math
 
-import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ragen_mega.config import load_run_config

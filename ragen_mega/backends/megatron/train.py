@@ -29,7 +29,6 @@ then exactly that of the full global batch, whatever the micro-batching and DP s
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -148,7 +147,6 @@ class MegatronTrainer:
     def _build_optimizer(self):
         from megatron.core.optimizer import AdamOptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-        from megatron.core.utils import get_model_config
 
         c = self.config
         opt_config = AdamOptimizerConfig(

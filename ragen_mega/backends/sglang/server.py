@@ -14,26 +14,14 @@ stand-ins for ``sgl_kernel``/``torchvision`` (see ``cpu_standins``), a bounded K
 (SGLang sizes it from *host* RAM on CPU: ~15 GB for a tiny model by default) and
 ``--sleep-on-idle``.
 
-Seeded sampling (``launch_server(..., seeded_sampling=True)``): every request that carries
-``sampling_params["sampling_seed"]`` is sampled as a pure function of its logits, its seed and the
-token position (SGLang's Gumbel-max ``multinomial_with_seed``), so a request replays exactly
-whatever else is in the batch. SGLang honours ``sampling_seed`` only under
-``--enable-deterministic-inference``, which is what a GPU server gets. On CPU that flag cannot
-start (0.5.23: ``--attention-backend torch_native`` is refused by
-``arg_groups/overrides.py:_deterministic_attention_backend``, and
-``ModelRunner.maybe_enable_batch_invariant_mode`` raises "No supported accelerator" in
-``get_dispatch_device_backend``), and the seeded sampler's hash is a ``sgl_kernel`` CPU op that
-PyPI does not ship. So a CPU server instead loads :func:`seeded_sampling_plugin` through SGLang's
-own plugin mechanism (entry-point group ``sglang.srt.plugins``, loaded by every server process):
-it gives each batch the per-request seed tensor (a fresh random seed for requests without one,
-so they stay random) and a pure-torch MurmurHash3 in place of the missing op.
+Seeded sampling (``seeded_sampling=True``: requests carrying ``sampling_seed`` replay exactly,
+whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU and a plugin on
+CPU, where that flag cannot start: see ``seeded_sampling.py``.
 """
 from __future__ import annotations
 
 import atexit
-import functools
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -47,6 +35,8 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
+from ragen_mega.backends.sglang.seeded_sampling import (SEEDED_SAMPLING_PLUGIN,
+                                                       seeded_sampling_pythonpath)
 
 # --sleep-on-idle: without it an idle CPU server's scheduler busy-polls one full core (measured
 # 0.98 CPU-s/s idle vs 0.016 with it), which on a small machine starves the trainer next to it.
@@ -175,97 +165,6 @@ class EngineServer:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-
-SEEDED_SAMPLING_PLUGIN = "ragen_mega_seeded_sampling"
-_U32 = 0xFFFFFFFF
-
-
-def _mul32(x, c: int):
-    """``(x * c) mod 2**32`` for an int64 tensor ``x`` in [0, 2**32) and a 32-bit constant ``c``,
-    in two 16-bit halves so no product leaves int64."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _U32
-
-
-def _rotl32(x, r: int):
-    return ((x << r) | (x >> (32 - r))) & _U32
-
-
-def _murmur3_mix(h, k):
-    k = _mul32(_rotl32(_mul32(k, 0xCC9E2D51), 15), 0x1B873593)
-    return (_rotl32(h ^ k, 13) * 5 + 0xE6546B64) & _U32
-
-
-def murmur_hash32_torch(seed, positions, col_indices):
-    """SGLang's ``murmur_hash32`` (MurmurHash3_x86_32, seed 0, of the 16 bytes seed_lo, seed_hi,
-    position, column) in plain torch: [n] seeds and positions x [m] columns -> [n, m] values in
-    [0, 2**32) (int64). It stands in for ``sgl_kernel.murmur_hash32_cpu``, which PyPI does not
-    ship; the GPU Triton kernel computes the same function."""
-    import torch
-
-    seed = seed.to(torch.int64).view(-1, 1)
-    h = torch.zeros_like(seed)
-    for block in (seed & _U32, (seed >> 32) & _U32, positions.to(torch.int64).view(-1, 1) & _U32):
-        h = _murmur3_mix(h, block)
-    h = _murmur3_mix(h, col_indices.to(torch.int64).view(1, -1) & _U32) ^ 16
-    h = h ^ (h >> 16)
-    h = _mul32(h, 0x85EBCA6B)
-    h = h ^ (h >> 13)
-    h = _mul32(h, 0xC2B2AE35)
-    return h ^ (h >> 16)
-
-
-def seeded_sampling_plugin() -> None:
-    """SGLang general plugin (runs in each server process before it serves): sample every
-    request with SGLang's seeded Gumbel-max path, using the request's ``sampling_seed``.
-
-    Without ``--enable-deterministic-inference`` SGLang builds no seed tensor
-    (``SamplingBatchInfo.from_schedule_batch``) and ignores ``sampling_seed``; this adds the
-    tensor to every batch (all rows: ``merge_batch`` concatenates it only when both sides have
-    one). Rows without a seed get a fresh random one, so unseeded requests stay random.
-    Gumbel-max over ``log p`` is an exact sample of ``p``, so the distribution is unchanged.
-    """
-    import random
-
-    import torch
-    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
-
-    entropy = random.SystemRandom()
-
-    def add_seeds(info, cls, batch, vocab_size):
-        if info.sampling_seed is None:
-            info.sampling_seed = torch.tensor(
-                [entropy.getrandbits(63) if r.sampling_params.sampling_seed is None
-                 else r.sampling_params.sampling_seed for r in batch.reqs],
-                dtype=torch.int64, device=info.device)
-        return info
-
-    def hash_on_cpu(original, seed, positions, col_indices):
-        if seed.device.type != "cpu":
-            return original(seed, positions, col_indices)
-        return murmur_hash32_torch(seed, positions, col_indices)
-
-    HookRegistry.register(
-        "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo.from_schedule_batch",
-        add_seeds, HookType.AFTER)
-    HookRegistry.register("sglang.kernels.ops.sampling.murmur_hash.murmur_hash32", hash_on_cpu,
-                          HookType.AROUND)
-
-
-@functools.cache
-def seeded_sampling_pythonpath() -> str:
-    """A directory that makes :func:`seeded_sampling_plugin` an installed SGLang plugin for the
-    processes that have it on their ``PYTHONPATH`` (an entry point in a ``.dist-info``, which is
-    how SGLang discovers plugins), and for no other process."""
-    root = Path(tempfile.mkdtemp(prefix="ragen_mega_sglang_plugin_"))
-    atexit.register(shutil.rmtree, root, True)  # read by the servers' start-up only
-    info = root / f"{SEEDED_SAMPLING_PLUGIN}-0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {SEEDED_SAMPLING_PLUGIN}\n"
-                                   "Version: 0\n")
-    (info / "entry_points.txt").write_text(
-        f"[sglang.srt.plugins]\n{SEEDED_SAMPLING_PLUGIN} = {__name__}:seeded_sampling_plugin\n")
-    return str(root)
 
 
 def build_command(model_path: str | Path, *, host: str, port: int, tp: int, device: str,
