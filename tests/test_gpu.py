@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from ragen_mega.backends.megatron.launch import run_workers
-from test_megatron_train import ACTOR, _batch, _reference_step
+from test_megatron_train import ACTOR, _reference_step
+from test_megatron_train import batch, model_dir  # noqa: F401 (the same model and batch fixtures)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (NCCL, bf16 and CUDA IPC paths)")
@@ -65,18 +66,6 @@ def _gpu_worker(rank, world_size, hf_dir, batch):
                            for n, t in bucket}
     out["bucket_bytes"] = sum(t.numel() * t.element_size() for _, t in bucket)
     return out
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    return tiny_model("qwen2", tied=True, num_layers=4)
-
-
-@pytest.fixture(scope="module")
-def batch(model_dir):
-    from transformers import AutoConfig
-
-    return _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
 
 
 @pytest.fixture(scope="module")
