@@ -7,8 +7,9 @@
 # Usage, from the repository root: benchmarks/gpu_check.sh OUT_DIR
 # Needs torch with CUDA, transformers, pytest(-timeout) and megatron-core importable, and the
 # SmolLM2 tokenizer under $RAGEN_MEGA_CACHE/models/SmolLM2-135M-Instruct (the tiny test models
-# use its vocabulary; no weights needed). Each part has its own time limit so one hang cannot
-# eat the others' time.
+# use its vocabulary; no weights needed): scripts/prepare_gpu_carry.sh packs both for a machine
+# without a package index, and its header has the commands to run there. Each part has its own
+# time limit so one hang cannot eat the others' time.
 set -u
 out=${1:?usage: benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
