@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ragen_mega.backends.megatron.parallel import parallel_info
 from ragen_mega.models import mapping
 from ragen_mega.models.hf_config import (ConfigMismatchError, ModelSpec, check_checkpoint,
                                          layer_spec, megatron_config, model_spec)
@@ -227,10 +228,8 @@ def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = 
 
     tp_group = mpu.get_tensor_model_parallel_group()
     pp_group = mpu.get_pipeline_model_parallel_group()
-    tp = mpu.get_tensor_model_parallel_world_size()
-    pp = mpu.get_pipeline_model_parallel_world_size()
-    pp_rank = mpu.get_pipeline_model_parallel_rank()
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    where = parallel_info()
+    tp, pp, pp_rank, vpp = where.tp, where.pp, where.pp_rank, where.vpp
     params = {model.ragen_vp_stage or 0: (model.ragen_layers.start, _local_params(model))
               for model in map(unwrap, chunks)}
     first = next(unwrap(chunks[0]).parameters())
@@ -289,12 +288,9 @@ def _export_to(chunks, spec: ModelSpec, role: str, dst: int, prefetch_bytes: int
         return  # another data-parallel replica: its ranks hold the same weights
     if prefetch_bytes <= 0:
         raise ValueError(f"export_hf_state: prefetch_bytes must be > 0, got {prefetch_bytes}")
-    me = dist.get_rank()
-    tp = mpu.get_tensor_model_parallel_world_size()
-    tp_rank = mpu.get_tensor_model_parallel_rank()
-    pp = mpu.get_pipeline_model_parallel_world_size()
-    pp_rank = mpu.get_pipeline_model_parallel_rank()
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    where = parallel_info()
+    me, tp, tp_rank, pp, pp_rank, vpp = (where.rank, where.tp, where.tp_rank, where.pp,
+                                         where.pp_rank, where.vpp)
     tp_group = mpu.get_tensor_model_parallel_group()
     dst_in_my_stage = dst in dist.get_process_group_ranks(tp_group)
     mine = _owned_params(chunks)
