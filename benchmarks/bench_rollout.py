@@ -6,9 +6,10 @@ One SGLang server (CPU way, ``--cpu-threads`` for its torch) on a small random Q
 with seeded sampling as the driver uses it (``rollout.seeded``): every request carries the seed
 of its (episode, turn), so every phase samples the very same responses. Phases:
 
-- **rollout**: the driver's path (``Run.rollout``: one ``run_episodes([spec])`` per episode,
-  gathered; each episode its own coroutine; chat-template prompts as token ids, parsing, env
-  steps). Its prompts (every turn's ``prompt_ids``) are the token load of the other phases.
+- **rollout**: the driver's path (``Run.rollout``: every episode its own ``run_episode``
+  coroutine with its own seeded generate function, all gathered; chat-template prompts as token
+  ids, parsing, env steps). Its prompts (every turn's ``prompt_ids``) are the token load of the
+  other phases.
 - **raw_cached**: right after the rollout, all its prompts at once, with the KV the rollout
   computed still in the radix cache: decode only (how the first version of this benchmark
   measured "raw", which made 0.82).
@@ -103,7 +104,7 @@ def main() -> None:
     from ragen_mega.backends.sglang.server import launch_server
     from ragen_mega.models.prepare import make_tiny_model
     from ragen_mega.ray.driver import request_seed
-    from ragen_mega.rollout.episode import Generation, group_specs, run_episodes
+    from ragen_mega.rollout.episode import Generation, group_specs, run_episode
 
     with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
         hf_dir = make_tiny_model(Path(tmp) / "model", "qwen2",
@@ -139,12 +140,11 @@ def main() -> None:
                         return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
                     return generate
 
-                async def rollout():  # Run.rollout's shape: one run_episodes per episode
-                    played = await asyncio.gather(*(run_episodes(
-                        [spec], tokenizer=tokenizer, agent=agent,
+                async def rollout():  # Run.rollout's shape: one generate function per episode
+                    episodes.append(list(await asyncio.gather(*(run_episode(
+                        spec, tokenizer=tokenizer, agent=agent,
                         generate=episode_generate(spec.episode_id), sampling=sampling,
-                        max_turns=args.turns) for spec in specs))
-                    episodes.append([episode for (episode,) in played])
+                        max_turns=args.turns) for spec in specs))))
                     prompts.update({e.samples[0].episode_id: [s.prompt_ids for s in e.samples]
                                     for e in episodes[-1]})
 

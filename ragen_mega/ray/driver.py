@@ -34,7 +34,7 @@ from ragen_mega.algo.advantages import group_stats
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import to_dict
 from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
-from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episodes,
+from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episode,
                                         train_step_specs)
 
 LATEST = "latest_step"
@@ -149,15 +149,14 @@ class Run:
                     "no_stop_trim": True}
 
         async def play():
-            try:  # one run_episodes per episode: each gets its own (seeding) generate function
-                played = await asyncio.gather(*(run_episodes(
-                    [spec], tokenizer=self.tokenizer, agent=self.cfg.agent,
+            try:  # all episodes at once, each with its own (seeding) generate function
+                return list(await asyncio.gather(*(run_episode(
+                    spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
                     generate=self.episode_generate(step, spec.episode_id, evaluate),
                     sampling=sampling, max_turns=env.max_turns,
                     env_steps_in_thread=r.env_steps_in_thread,
                     open_env=None if self.env_workers is None else self.env_workers.open)
-                    for spec in specs))
-                return [episode for (episode,) in played]
+                    for spec in specs)))
             finally:
                 await self.engines.close_clients()  # the clients belong to this event loop
 
