@@ -32,7 +32,7 @@ from bench_sglang import raw_gloo_broadcast  # noqa: E402
 
 
 def _tp2_worker(rank, world_size, hf_dir, url, rounds, bucket_bytes):
-    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import DirectExport, build_model, load_hf_checkpoint
     from ragen_mega.backends.sglang.client import EngineClient
     from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
 
@@ -40,7 +40,7 @@ def _tp2_worker(rank, world_size, hf_dir, url, rounds, bucket_bytes):
     load_hf_checkpoint(chunks, hf_dir)
 
     def export():  # what TrainerWorker.sync_weights walks
-        return export_hf_state(chunks, dst=0, prefetch_bytes=bucket_bytes)
+        return DirectExport(chunks, dst=0, prefetch_bytes=bucket_bytes)
 
     export_s = []
     for _ in range(rounds):
@@ -60,7 +60,8 @@ def _tp2_worker(rank, world_size, hf_dir, url, rounds, bucket_bytes):
     sync_s = []
     for i in range(rounds):
         start = time.perf_counter()
-        sender.send(export(), version=f"bench-{i}")
+        export_i = export()
+        sender.send(export_i, version=f"bench-{i}", layout=export_i.layout)
         sync_s.append(time.perf_counter() - start)
     sender.close()
     return {"export_s": min(export_s), "plain_s": min(plain_s), "sync_s": min(sync_s),

@@ -5,6 +5,7 @@ answering garbage); a real process that is killed plays the dead one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -195,21 +196,19 @@ def test_bad_arguments_name_the_problem():
             client.pause_generation("stop")
 
 
-def test_sender_stops_when_an_engine_refuses_the_broadcast(fake):
-    """An engine that joined the group but refuses the update never receives the broadcast: the
-    sender must raise (naming the engine) instead of waiting for it forever."""
-    import torch
-
+@contextlib.contextmanager
+def _sender_to_a_silent_peer(fake, update_answer):
+    """A sender whose one engine is ``fake`` (answering every control call with success and the
+    update with ``update_answer``) plus a process that joins the group as the engine's rank 1
+    and then never receives. Yields the sender, connected; kills the peer, then closes."""
     from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
 
     ok = {"success": True, "message": ""}
     for path in ("/begin_weight_update", "/end_weight_update", "/update_weight_version",
                  "/init_weights_update_group", "/destroy_weights_update_group"):
         fake.routes[path] = [(200, ok)]
-    fake.routes["/update_weights_from_distributed"] = [
-        (400, {"success": False, "message": "Group g not in []"})]
+    fake.routes["/update_weights_from_distributed"] = [update_answer]
     port = free_port()
-    # the fake engine's rank 1: a process that joins the group and then never receives
     peer = subprocess.Popen([sys.executable, "-c", (
         "import time; from ragen_mega.backends.sglang.weight_sender import join_update_group; "
         f"join_update_group('127.0.0.1', {port}, 2, 'g', 'gloo', rank=1); time.sleep(300)")])
@@ -218,15 +217,45 @@ def test_sender_stops_when_an_engine_refuses_the_broadcast(fake):
             sender = BucketedWeightSender([client], backend="gloo", master_port=port,
                                           group_name="g", engine_tp_sizes=[1], timeout=60)
             sender.connect()
-            with pytest.raises(EngineError, match="Group g not in") as err:
-                sender.send([("w", torch.ones(1 << 22))], version=1)
-            assert fake.url in str(err.value)
-            assert fake.calls["/end_weight_update"] == 1  # the session was still closed
-            assert "/update_weight_version" not in fake.calls  # a failed sync is not labelled
-            peer.kill()  # the refused broadcast ends when its receiver goes away ...
+            yield sender
+            peer.kill()  # a broadcast nobody receives ends when its receiver goes away ...
             peer.wait()
             sender.close()  # ... and then the broken group can be torn down
             assert fake.calls["/destroy_weights_update_group"] == 1 and sender.group is None
     finally:
         peer.kill()
         peer.wait()
+
+
+def test_sender_stops_when_an_engine_refuses_the_broadcast(fake):
+    """An engine that joined the group but refuses the update never receives the broadcast: the
+    sender must raise (naming the engine) instead of waiting for it forever."""
+    import torch
+
+    refusal = (400, {"success": False, "message": "Group g not in []"})
+    with _sender_to_a_silent_peer(fake, refusal) as sender:
+        with pytest.raises(EngineError, match="Group g not in") as err:
+            sender.send([("w", torch.ones(1 << 22))], version=1)
+        assert fake.url in str(err.value)
+        assert fake.calls["/end_weight_update"] == 1  # the session was still closed
+        assert "/update_weight_version" not in fake.calls  # a failed sync is not labelled
+
+
+@pytest.mark.parametrize("stream, problem", [
+    ([("v", (4,))], r"depart from their layout: expected 'w' \(4,\) torch.float32, got 'v'"),
+    ([("w", (5,))], r"expected 'w' \(4,\) torch.float32, got 'w' \(5,\)"),
+    ([("w", (4,))], r"'u' was announced but never came"),
+    ([("w", (4,)), ("u", (2,)), ("x", (1,))], r"go on past their layout.*'x' was not announced"),
+])
+def test_streamed_sync_stops_where_the_tensors_leave_their_layout(fake, stream, problem):
+    """With a layout the engines are told a bucket's tensors before they exist; a stream that
+    then differs (name, shape, too few, too many) raises at once, naming the tensor, and the
+    sync is not labelled with the new version."""
+    import torch
+
+    layout = [("w", (4,), torch.float32), ("u", (2,), torch.float32)]
+    with _sender_to_a_silent_peer(fake, (200, {"success": True, "message": ""})) as sender:
+        with pytest.raises(ValueError, match=problem):
+            sender.send(((name, torch.ones(shape)) for name, shape in stream), version=1,
+                        layout=layout)
+        assert "/update_weight_version" not in fake.calls

@@ -1,17 +1,19 @@
-"""Weight sync from a TP=1 Megatron trainer (real megatron-core on gloo) into a real SGLang engine.
+"""Weight sync from a Megatron trainer (real megatron-core on gloo) into real SGLang engines.
 
 The reference is the trainer itself: its own greedy decoding (Megatron forward passes, argmax
 over the real vocabulary) and its log-probs of the engine's tokens (``compute_logprobs``, the
-path the training loop uses). One launch walks: train a step (the engine is now stale, and the
-check must see it), sync in several small per-tensor buckets, compare; train again, sync with
-flattened buckets, compare. The model is a tiny Llama with tied embeddings (SmolLM2's shape, the
-CPU demo's TP=1 case), so the export's tied-head rule is exercised. TP=2 is covered end to end
-in test_train_e2e.py.
+path the training loop uses). One launch walks, twice: train a step (the engines are now stale,
+and the check must see it), sync in several small buckets, compare every engine. Covered:
+* TP=1 trainer -> one engine; a tiny Llama with tied embeddings (SmolLM2's shape, the CPU demo's
+  case, so the export's tied-head rule is exercised); the streamed sync (the sender follows the
+  export's layout), then flattened buckets.
+* TP=2 trainer -> a TP=2 engine and a TP=1 engine in one broadcast group (rank offsets 1 and 3);
+  a tiny Qwen2; the streamed sync, then whole per-tensor buckets.
 
-The sync's export sends every shard straight to the sending rank (``export_hf_state(dst=...)``);
-a 4-process launch checks it against the checkpoint files themselves, bit for bit, under TP2,
-PP2, TP2xPP2 and PP2 with virtual chunks, with the receiving rank in the first stage, in the
-last stage, and in another data-parallel replica.
+The sync's export sends every shard straight to the sending rank (``DirectExport``); a 4-process
+launch checks it against the checkpoint files themselves, bit for bit, and its layout against
+what it yields, under TP2, PP2, TP2xPP2 and PP2 with virtual chunks, with the receiving rank in
+the first stage, in the last stage, and in another data-parallel replica.
 """
 from __future__ import annotations
 
@@ -31,32 +33,48 @@ BUCKET_BYTES = 1 << 20  # the tiny model is ~13 MB: several buckets, the embeddi
 
 @torch.no_grad()
 def megatron_greedy(chunks, prompt: list[int], n_new: int) -> list[int]:
-    """Greedy continuation by plain Megatron forward passes (TP=1, PP=1: full-vocab logits)."""
+    """Greedy continuation by plain Megatron forward passes (PP=1; at TP>1 each step gathers the
+    vocab-parallel logits of the last position: a collective over the TP group)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
     from ragen_mega.backends.megatron.model import unwrap
 
     model = unwrap(chunks[0])
     vocab = model.ragen_spec.vocab_size
+    tp = mpu.get_tensor_model_parallel_world_size()
     ids = list(prompt)
     for _ in range(n_new):
         tokens = torch.tensor([ids])
-        logits = model(tokens, torch.arange(len(ids)).unsqueeze(0), None)
-        ids.append(int(torch.argmax(logits[0, -1, :vocab])))  # padded vocab rows never win
+        last = model(tokens, torch.arange(len(ids)).unsqueeze(0), None)[0, -1].contiguous()
+        if tp > 1:
+            parts = [torch.empty_like(last) for _ in range(tp)]
+            dist.all_gather(parts, last, group=mpu.get_tensor_model_parallel_group())
+            last = torch.cat(parts)
+        ids.append(int(torch.argmax(last[:vocab])))  # padded vocab rows never win
     return ids[len(prompt):]
 
 
-def _observe(trainer, client) -> dict:
-    """Engine greedy tokens + log-probs, the trainer's greedy tokens, and the trainer's log-probs
-    of the engine's tokens, for every prompt."""
-    outs = client.generate(PROMPTS, GREEDY)
-    seqs = [p + o.output_ids for p, o in zip(PROMPTS, outs)]
+def _observe(trainer, clients) -> dict:
+    """Every engine's greedy tokens + log-probs (rank 0 asks them), the trainer's greedy tokens,
+    and the trainer's log-probs of the first engine's tokens, for every prompt."""
+    import torch.distributed as dist
+
+    engines = [[(o.output_ids, o.output_logprobs, o.weight_version)
+                for o in c.generate(PROMPTS, GREEDY)] for c in clients]
+    shared = [engines]
+    if dist.get_world_size() > 1:  # the other ranks compute on the same tokens
+        dist.broadcast_object_list(shared, src=0)
+    [engines] = shared
+    seqs = [p + ids for p, (ids, _, _) in zip(PROMPTS, engines[0])]
     width = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
     logprobs = trainer.compute_logprobs({"input_ids": ids, "attention_mask": mask,
                                          "loss_mask": torch.zeros(ids.shape)})
-    return {"engine_ids": [o.output_ids for o in outs],
-            "engine_logprobs": [o.output_logprobs for o in outs],
-            "engine_version": {o.weight_version for o in outs},
+    return {"engines": [{"ids": [ids for ids, _, _ in outs],
+                         "logprobs": [lps for _, lps, _ in outs],
+                         "version": {v for _, _, v in outs}} for outs in engines],
             "trainer_ids": [megatron_greedy(trainer.model, p, NEW_TOKENS) for p in PROMPTS],
             "trainer_logprobs": [logprobs[i, len(p):len(p) + NEW_TOKENS].tolist()
                                  for i, p in enumerate(PROMPTS)],
@@ -78,38 +96,74 @@ def _train_step(trainer, observed: dict, sign: float) -> dict:
                                 "old_logprobs": old, "advantages": adv * loss_mask})
 
 
-def _tp1_sync_worker(rank, world_size, hf_dir, url):
-    from ragen_mega.backends.megatron.model import export_hf_state
+def _sync_worker(rank, world_size, hf_dir, urls, rounds):
+    """A TP=``world_size`` trainer that, per round ``(load_format, streamed, sign)``, trains a
+    step, observes the stale engines, syncs them as the training loop does (``DirectExport`` to
+    rank 0; ``streamed``: the sender follows its layout) and observes them again."""
+    from ragen_mega.backends.megatron.model import DirectExport
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.backends.sglang.client import EngineClient
     from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
     from ragen_mega.config import TrainerConfig
 
-    trainer = MegatronTrainer(TrainerConfig(lr=1e-2, micro_batch_size=3), hf_dir)
-    report = {}
-    with EngineClient(url, timeout=120, retries=1) as client, \
-            BucketedWeightSender([client], mode="distributed", backend="gloo",
-                                 bucket_bytes=BUCKET_BYTES) as sender:
-        report["start"] = last = _observe(trainer, client)
-        for version, load_format, sign in ((1, None, 1.0), (2, "flattened_bucket", -1.0)):
-            report[f"train_{version}"] = _train_step(trainer, last, sign)
-            report[f"stale_{version}"] = _observe(trainer, client)  # the engine has old weights
+    trainer = MegatronTrainer(TrainerConfig(lr=1e-2, micro_batch_size=3, tp=world_size), hf_dir)
+    clients = [EngineClient(u, timeout=120, retries=1) for u in urls] if rank == 0 else []
+    sender = None
+    if rank == 0:
+        sender = BucketedWeightSender(clients, mode="distributed", backend="gloo",
+                                      bucket_bytes=BUCKET_BYTES)
+        sender.connect()
+    report = {"start": _observe(trainer, clients)}
+    last = report["start"]
+    for version, (load_format, streamed, sign) in enumerate(rounds, start=1):
+        report[f"train_{version}"] = _train_step(trainer, last, sign)
+        report[f"stale_{version}"] = _observe(trainer, clients)  # the engines have old weights
+        export = DirectExport(trainer.model, dst=0, prefetch_bytes=BUCKET_BYTES)
+        if sender is None:  # rank 1: its shards go straight to rank 0
+            for _ in export:
+                pass
+        else:
             sender.load_format = load_format
-            # the training loop's export: shards straight to the sending rank (here itself)
-            named = export_hf_state(trainer.model, dst=0, prefetch_bytes=BUCKET_BYTES)
-            report[f"stats_{version}"] = sender.send(named, version=version)
-            report[f"v{version}"] = last = _observe(trainer, client)
+            report[f"stats_{version}"] = sender.send(
+                export, version=version, layout=export.layout if streamed else None)
+        report[f"v{version}"] = last = _observe(trainer, clients)
+    if sender is not None:
+        sender.close()
+    for client in clients:
+        client.close()
     for value in report.values():
         if isinstance(value, dict):
             value.pop("batch", None)
     return report
 
 
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+def _check_engines_follow(report: dict, rounds) -> None:
+    """Before any sync and after every sync, every engine serves exactly the trainer's weights;
+    after a train step and before its sync they measurably do not (so the check can fail)."""
+    for engine in report["start"]["engines"]:  # the checkpoint both loaded
+        assert engine["ids"] == report["start"]["trainer_ids"]
+        assert _max_diff(engine["logprobs"], report["start"]["trainer_logprobs"]) < 1e-4
+    for version in range(1, len(rounds) + 1):
+        assert report[f"train_{version}"]["update_successful"] == 1.0
+        stale, synced = report[f"stale_{version}"], report[f"v{version}"]
+        assert _max_diff(stale["engines"][0]["logprobs"], stale["trainer_logprobs"]) > 1e-2
+        for engine in synced["engines"]:
+            assert engine["version"] == {str(version)}
+            assert engine["ids"] == synced["trainer_ids"]
+            assert _max_diff(engine["logprobs"], synced["trainer_logprobs"]) < 1e-4
+        stats = report[f"stats_{version}"]
+        assert stats.num_buckets > 1 and stats.version == str(version)
+
+
 LAYOUTS = [(2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 
 
 def _export_to_worker(rank, world_size, cases):
-    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import DirectExport, build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.parallel import init_parallel
 
     out = {}
@@ -120,9 +174,11 @@ def _export_to_worker(rank, world_size, cases):
             load_hf_checkpoint(chunks, hf_dir)
             for dst in (0, world_size - 1):
                 # a small prefetch window: receives stay posted across many parameters
-                got = list(export_hf_state(chunks, dst=dst, prefetch_bytes=1 << 20))
+                export = DirectExport(chunks, dst=dst, prefetch_bytes=1 << 20)
+                got = list(export)
                 out[(hf_dir, tp, pp, vpp, dst)] = (
-                    [n for n, _ in got], {n: t.clone() for n, t in got} if rank == dst else None)
+                    [n for n, _ in got], {n: t.clone() for n, t in got} if rank == dst else None,
+                    export.layout)
     return out
 
 
@@ -143,38 +199,45 @@ def test_export_to_one_rank_is_the_checkpoint_bit_for_bit(tiny_model):
             for dst in (0, 3):
                 key = (hf_dir, tp, pp, vpp, dst)
                 for rank, out in enumerate(results):
-                    names, tensors = out[key]
-                    if rank != dst:
-                        assert names == [], (key, rank)  # only the receiving rank yields
+                    names, tensors, layout = out[key]
+                    if rank != dst:  # only the receiving rank yields, and knows a layout
+                        assert names == [] and layout is None, (key, rank)
                         continue
                     assert sorted(names) == sorted(files) and len(names) == len(set(names)), key
+                    # the layout announced before any shard moved is what came, in order
+                    assert layout == [(n, tuple(tensors[n].shape), tensors[n].dtype)
+                                      for n in names], key
                     for name, tensor in tensors.items():
                         assert tensor.dtype == files[name].dtype, (key, name)
                         assert torch.equal(tensor, files[name]), (key, name)
 
 
-def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
-
-
 @pytest.mark.slow
 def test_tp1_megatron_sync_engine_follows_trainer(tiny_model):
     hf_dir = tiny_model("llama", tied=True)
+    rounds = [(None, True, 1.0), ("flattened_bucket", False, -1.0)]
     with launch_server(hf_dir, dtype="float32", startup_timeout=600, cpu_threads=1) as server:
-        [report] = run_workers(_tp1_sync_worker, 1, str(hf_dir), server.url, timeout=600)
+        [report] = run_workers(_sync_worker, 1, str(hf_dir), [server.url], rounds, timeout=600)
+    _check_engines_follow(report, rounds)
 
-    # before any sync the engine serves the checkpoint the trainer loaded: they agree already
-    start = report["start"]
-    assert start["engine_ids"] == start["trainer_ids"]
-    assert _max_diff(start["engine_logprobs"], start["trainer_logprobs"]) < 1e-4
-    for version in (1, 2):
-        assert report[f"train_{version}"]["update_successful"] == 1.0
-        stale, synced = report[f"stale_{version}"], report[f"v{version}"]
-        # the step moved the trainer away from what the engine serves: the check can fail ...
-        assert _max_diff(stale["engine_logprobs"], stale["trainer_logprobs"]) > 1e-2
-        # ... and after the sync the engine serves exactly the trainer's weights
-        assert synced["engine_version"] == {str(version)}
-        assert synced["engine_ids"] == synced["trainer_ids"]
-        assert _max_diff(synced["engine_logprobs"], synced["trainer_logprobs"]) < 1e-4
-        stats = report[f"stats_{version}"]
-        assert stats.num_buckets > 1 and stats.version == str(version)
+
+@pytest.mark.slow
+def test_tp2_megatron_sync_into_a_tp2_and_a_tp1_engine(tiny_model):
+    """TP=2 trainer -> two engines in one broadcast group: a TP=2 engine (group ranks 1-2, each
+    SGLang rank loads its own shard of the broadcast) and a TP=1 engine (rank 3)."""
+    hf_dir = tiny_model("qwen2", tied=False)
+    rounds = [(None, True, 1.0), (None, False, -1.0)]
+    with launch_server(hf_dir, tp=2, dtype="float32", startup_timeout=600,
+                       cpu_threads=1) as tp2_engine, \
+            launch_server(hf_dir, dtype="float32", startup_timeout=600,
+                          cpu_threads=1) as tp1_engine:
+        report, _ = run_workers(_sync_worker, 2, str(hf_dir), [tp2_engine.url, tp1_engine.url],
+                                rounds, tp=2, timeout=600)
+    _check_engines_follow(report, rounds)
+    # every engine rank received through the CPU plugin (warm_receive.py), which says so
+    arena_lines = {name: [line for line in server.log_file.read_text().splitlines()
+                          if "warm_receive: weight-sync receive arena" in line]
+                   for name, server in (("tp2", tp2_engine), ("tp1", tp1_engine))}
+    assert arena_lines["tp1"]
+    assert {rank for rank in ("TP0", "TP1") for line in arena_lines["tp2"] if rank in line} \
+        == {"TP0", "TP1"}

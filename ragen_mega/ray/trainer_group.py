@@ -112,17 +112,18 @@ class TrainerWorker:
         """Push the current weights into the engines (collective over every rank).
 
         Only rank 0 (the sender) receives full tensors: the other ranks send their shards
-        straight to it, a bucket ahead, so the next bucket arrives while one is broadcast."""
-        from ragen_mega.backends.megatron.model import export_hf_state
+        straight to it, up to a bucket ahead, and rank 0 puts each tensor on the wire to the
+        engines as soon as it is whole (the sender streams along ``DirectExport.layout``)."""
+        from ragen_mega.backends.megatron.model import DirectExport
 
         if self.sync_bucket_bytes is None:
             raise RuntimeError("sync_weights: call connect_engines first")
-        named = export_hf_state(self.trainer.model, dst=0, prefetch_bytes=self.sync_bucket_bytes)
+        export = DirectExport(self.trainer.model, dst=0, prefetch_bytes=self.sync_bucket_bytes)
         if self.sender is None:  # not the sending rank: send its shards only
-            for _ in named:
+            for _ in export:
                 pass
             return {}
-        stats = self.sender.send(named, version)
+        stats = self.sender.send(export, version, layout=export.layout)
         return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes),
                 "sync/buckets": float(stats.num_buckets)}
 

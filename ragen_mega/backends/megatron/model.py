@@ -11,6 +11,8 @@ API (call after ``parallel.init_parallel``):
     load_hf_checkpoint(chunks, hf_dir, spec=None) -> None
     export_hf_state(chunks, spec=None, *, dst=None, prefetch_bytes=256 << 20)
         -> Iterator[(hf_name, full tensor)]   # on every rank, or only on global rank ``dst``
+    DirectExport(chunks, dst, spec=None, prefetch_bytes=256 << 20)   # the ``dst`` export, with
+        .layout -> [(hf_name, shape, dtype)] on ``dst``: what it will yield, known up front
     ValueHead                                      # the critic's replicated [1, hidden] head
 
 Critic: the same GPTModel backbone with ``output_layer`` replaced by ``ValueHead`` (a plain
@@ -211,7 +213,7 @@ def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = 
     shards and converts them to HF tensors, which are then broadcast over the pipeline group.
     ``dst=<global rank>`` (weight sync: only the sending rank needs the tensors): the ranks of
     ``dst``'s model-parallel group send their shards straight to ``dst`` (point to point, into
-    place, see ``_export_to``); ``dst`` yields the tensors, the other ranks yield nothing, and
+    place, see ``DirectExport``); ``dst`` yields the tensors, the other ranks yield nothing, and
     the other data-parallel replicas return at once. An all-gather moves every shard to every
     TP rank (and gloo's is ~5x slower than send/recv of the same bytes on loopback).
 
@@ -219,11 +221,11 @@ def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = 
     the end, in step. Order: embedding, layers, head. Replicated parameters may be yielded as
     views of the live parameters: use them before the next optimizer step.
     """
+    if dst is not None:
+        yield from DirectExport(chunks, dst, spec, prefetch_bytes)
+        return
     own_spec, role = chunk_spec(chunks)
     spec = spec or own_spec
-    if dst is not None:
-        yield from _export_to(chunks, spec, role, dst, prefetch_bytes)
-        return
     from megatron.core import parallel_state as mpu
 
     tp_group = mpu.get_tensor_model_parallel_group()
@@ -265,112 +267,143 @@ def _owned_params(chunks) -> dict[str, torch.Tensor]:
     return out
 
 
-def _export_to(chunks, spec: ModelSpec, role: str, dst: int, prefetch_bytes: int
-               ) -> Iterator[tuple[str, torch.Tensor]]:
+class DirectExport:
     """``export_hf_state(dst=...)``: every shard travels once, straight to ``dst``.
 
-    ``dst`` first learns who holds what (one small ``gather_object``: each rank's (pp, tp) rank
-    and, from TP rank 0 of each stage, its shard shapes and dtypes). Then, in the export order,
-    each TP rank of the owning stage sends its shard cut into ``mapping.shard_pieces``, and
-    ``dst`` receives each piece straight into its view (``mapping.tp_pieces``) of a preallocated
-    full tensor: row splits need no merge copy; column splits (row-parallel weights) land in a
-    staging buffer and are copied into place. A replicated parameter travels only when ``dst``
-    is in another stage (from that stage's TP rank 0). Receives are posted up to
-    ``prefetch_bytes`` ahead of what has been yielded, so while the consumer sends one bucket
-    on, the next bucket's shards are already arriving; senders keep as many bytes in flight.
+    Constructing it is the handshake, a collective over ``dst``'s model-parallel group (other
+    data-parallel replicas skip it and yield nothing): ``dst`` learns who holds what (one small
+    ``gather_object``: each rank's (pp, tp) rank and, from TP rank 0 of each stage, its shard
+    shapes and dtypes). On ``dst``, :attr:`layout` then lists ``(hf_name, shape, dtype)`` of
+    everything the iteration will yield, in order, before any shard has moved: a consumer can
+    announce a bucket before its tensors exist (the weight sender streams them as they land).
+
+    Iterating it (every rank, in step) moves the shards: in the export order, each TP rank of the
+    owning stage sends its shard cut into ``mapping.shard_pieces``, and ``dst`` receives each
+    piece straight into its view (``mapping.tp_pieces``) of a preallocated full tensor: row
+    splits need no merge copy; column splits (row-parallel weights) land in a staging buffer and
+    are copied into place. A replicated parameter travels only when ``dst`` is in another stage
+    (from that stage's TP rank 0). Receives are posted up to ``prefetch_bytes`` ahead of what
+    has been yielded, so while the consumer sends one bucket on, the next one's shards are
+    already arriving; senders keep as many bytes in flight.
     """
-    from collections import deque
 
-    from megatron.core import parallel_state as mpu
+    def __init__(self, chunks, dst: int, spec: ModelSpec | None = None,
+                 prefetch_bytes: int = 256 << 20):
+        from megatron.core import parallel_state as mpu
 
-    mp_group = mpu.get_model_parallel_group()
-    if dst not in dist.get_process_group_ranks(mp_group):
-        return  # another data-parallel replica: its ranks hold the same weights
-    if prefetch_bytes <= 0:
-        raise ValueError(f"export_hf_state: prefetch_bytes must be > 0, got {prefetch_bytes}")
-    where = parallel_info()
-    me, tp, tp_rank, pp, pp_rank, vpp = (where.rank, where.tp, where.tp_rank, where.pp,
-                                         where.pp_rank, where.vpp)
-    tp_group = mpu.get_tensor_model_parallel_group()
-    dst_in_my_stage = dst in dist.get_process_group_ranks(tp_group)
-    mine = _owned_params(chunks)
-    names = mapping.megatron_names(spec, role)
-    meta = {n: (tuple(mine[n].shape), mine[n].dtype) for n in names if n in mine} \
-        if tp_rank == 0 else {}
-    gathered = [None] * dist.get_world_size(mp_group) if me == dst else None
-    dist.gather_object((me, pp_rank, tp_rank, meta), gathered, dst=dst, group=mp_group)
+        if prefetch_bytes <= 0:
+            raise ValueError(f"export_hf_state: prefetch_bytes must be > 0, got {prefetch_bytes}")
+        own_spec, self.role = chunk_spec(chunks)
+        self.spec, self.dst, self.prefetch_bytes = spec or own_spec, dst, prefetch_bytes
+        self.layout: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
+        mp_group = mpu.get_model_parallel_group()
+        self.member = dst in dist.get_process_group_ranks(mp_group)
+        if not self.member:
+            return  # another data-parallel replica: its ranks hold the same weights
+        self.where = parallel_info()
+        self.tp_group = mpu.get_tensor_model_parallel_group()
+        self.mine = _owned_params(chunks)
+        self.names = mapping.megatron_names(self.spec, self.role)
+        meta = {n: (tuple(self.mine[n].shape), self.mine[n].dtype) for n in self.names
+                if n in self.mine} if self.where.tp_rank == 0 else {}
+        gathered = [None] * dist.get_world_size(mp_group) if self.where.rank == dst else None
+        dist.gather_object((self.where.rank, self.where.pp_rank, self.where.tp_rank, meta),
+                           gathered, dst=dst, group=mp_group)
+        if self.where.rank != dst:
+            return
+        self.rank_of = {(p, t): g for g, p, t, _ in gathered}
+        self.shapes = {n: sm for *_, m in gathered for n, sm in m.items()}
+        # the conversion itself, run on meta tensors: exactly the names/shapes/dtypes it yields
+        self.layout = [(hf_name, tuple(t.shape), t.dtype) for name in self.names
+                       for hf_name, t in mapping.megatron_to_hf(
+                           [(name, self._full(name, device="meta"))], self.spec, self.role)]
 
-    def split(name):
-        return tp > 1 and mapping.is_tp_split(name, spec, role)
+    def _split(self, name: str) -> bool:
+        return self.where.tp > 1 and mapping.is_tp_split(name, self.spec, self.role)
 
-    if me != dst:  # a sender: post its pieces in export order, a bounded number of bytes ahead
+    def _full(self, name: str, device) -> torch.Tensor:
+        """An empty full (TP-merged) tensor for ``name``, as ``dst`` assembles it."""
+        shard_shape, dtype = self.shapes[name]
+        shape = (mapping.full_shape(name, shard_shape, self.spec, self.where.tp, self.role)
+                 if self._split(name) else shard_shape)
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if not self.member:
+            return iter(())
+        return self._receive() if self.where.rank == self.dst else self._send()
+
+    def _send(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """A shard holder: post its pieces in export order, a bounded number of bytes ahead."""
+        from collections import deque
+
+        dst_in_my_stage = self.dst in dist.get_process_group_ranks(self.tp_group)
         in_flight, pending = 0, deque()
-        for name in names:
-            if name not in mine:
+        for name in self.names:
+            if name not in self.mine:
                 continue
-            if split(name):
-                pieces = mapping.shard_pieces(name, mine[name], spec, tp, role)
-            elif not dst_in_my_stage and tp_rank == 0:
-                pieces = [mine[name]]
+            if self._split(name):
+                pieces = mapping.shard_pieces(name, self.mine[name], self.spec, self.where.tp,
+                                              self.role)
+            elif not dst_in_my_stage and self.where.tp_rank == 0:
+                pieces = [self.mine[name]]
             else:
                 continue
             for piece in pieces:
-                while pending and in_flight > prefetch_bytes:
+                while pending and in_flight > self.prefetch_bytes:
                     work, sent = pending.popleft()
                     work.wait()
                     in_flight -= _nbytes(sent)
                 piece = piece.contiguous()  # kept referenced until its send completes
-                pending.append((dist.isend(piece, dst), piece))
+                pending.append((dist.isend(piece, self.dst), piece))
                 in_flight += _nbytes(piece)
         for work, _ in pending:
             work.wait()
-        return
+        yield from ()
 
-    rank_of = {(p, t): g for g, p, t, _ in gathered}
-    device = next(iter(mine.values())).device
-    shapes = {n: sm for *_, m in gathered for n, sm in m.items()}
-
-    def post(name):
+    def _post(self, name: str, device):
         """Post one parameter's receives: (full, [(work, receive buffer, its view in full)])."""
-        if name in mine and not split(name):
-            return mine[name], []
-        owner_pp = mapping.owner(name, spec, pp, vpp)[0]
-        shard_shape, dtype = shapes[name]
-        if not split(name):
-            full = torch.empty(shard_shape, dtype=dtype, device=device)
-            return full, [(dist.irecv(full, rank_of[owner_pp, 0]), full, full)]
-        full = torch.empty(mapping.full_shape(name, shard_shape, spec, tp, role), dtype=dtype,
-                           device=device)
+        if name in self.mine and not self._split(name):
+            return self.mine[name], []
+        owner_pp = mapping.owner(name, self.spec, self.where.pp, self.where.vpp)[0]
+        full = self._full(name, device)
+        if not self._split(name):
+            return full, [(dist.irecv(full, self.rank_of[owner_pp, 0]), full, full)]
         recvs = []
-        for r in range(tp):
-            views = mapping.tp_pieces(name, full, spec, r, tp, role)
-            if rank_of[owner_pp, r] == me:
-                own = mapping.shard_pieces(name, mine[name], spec, tp, role)
+        for r in range(self.where.tp):
+            views = mapping.tp_pieces(name, full, self.spec, r, self.where.tp, self.role)
+            if self.rank_of[owner_pp, r] == self.dst:
+                own = mapping.shard_pieces(name, self.mine[name], self.spec, self.where.tp,
+                                           self.role)
                 for view, piece in zip(views, own):
                     view.copy_(piece)
                 continue
             for view in views:
                 buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=
                                                                           torch.contiguous_format)
-                recvs.append((dist.irecv(buf, rank_of[owner_pp, r]), buf, view))
+                recvs.append((dist.irecv(buf, self.rank_of[owner_pp, r]), buf, view))
         return full, recvs
 
-    queue, ahead, upcoming = deque(), 0, iter(names)
-    for name in names:
-        while not queue or ahead < prefetch_bytes:  # keep prefetch_bytes of receives posted
-            nxt = next(upcoming, None)
-            if nxt is None:
-                break
-            full, recvs = post(nxt)
-            queue.append((full, recvs))
-            ahead += _nbytes(full)
-        full, recvs = queue.popleft()
-        ahead -= _nbytes(full)
-        for work, buf, view in recvs:
-            work.wait()
-            if buf is not view:
-                view.copy_(buf)
-        yield from mapping.megatron_to_hf([(name, full)], spec, role)
+    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from collections import deque
+
+        device = next(iter(self.mine.values())).device
+        queue, ahead, upcoming = deque(), 0, iter(self.names)
+        for name in self.names:
+            while not queue or ahead < self.prefetch_bytes:  # keep prefetch_bytes posted
+                nxt = next(upcoming, None)
+                if nxt is None:
+                    break
+                full, recvs = self._post(nxt, device)
+                queue.append((full, recvs))
+                ahead += _nbytes(full)
+            full, recvs = queue.popleft()
+            ahead -= _nbytes(full)
+            for work, buf, view in recvs:
+                work.wait()
+                if buf is not view:
+                    view.copy_(buf)
+            yield from mapping.megatron_to_hf([(name, full)], self.spec, self.role)
 
 
 def _nbytes(t: torch.Tensor) -> int:

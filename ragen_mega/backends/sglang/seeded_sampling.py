@@ -10,19 +10,11 @@ start (0.5.23: ``--attention-backend torch_native`` is refused by
 ``ModelRunner.maybe_enable_batch_invariant_mode`` raises "No supported accelerator" in
 ``get_dispatch_device_backend``), and the seeded sampler's hash is a ``sgl_kernel`` CPU op that
 PyPI does not ship. So a CPU server instead loads :func:`seeded_sampling_plugin` through SGLang's
-own plugin mechanism (entry-point group ``sglang.srt.plugins``, loaded by every server process):
-it gives each batch the per-request seed tensor (a fresh random seed for requests without one,
+own plugin mechanism (``plugins.py``): it gives each batch the per-request seed tensor (a fresh random seed for requests without one,
 so they stay random) and a pure-torch MurmurHash3 in place of the missing op.
 """
 from __future__ import annotations
 
-import atexit
-import functools
-import shutil
-import tempfile
-from pathlib import Path
-
-SEEDED_SAMPLING_PLUGIN = "ragen_mega_seeded_sampling"
 _U32 = 0xFFFFFFFF
 
 
@@ -95,19 +87,3 @@ def seeded_sampling_plugin() -> None:
         add_seeds, HookType.AFTER)
     HookRegistry.register("sglang.kernels.ops.sampling.murmur_hash.murmur_hash32", hash_on_cpu,
                           HookType.AROUND)
-
-
-@functools.cache
-def seeded_sampling_pythonpath() -> str:
-    """A directory that makes :func:`seeded_sampling_plugin` an installed SGLang plugin for the
-    processes that have it on their ``PYTHONPATH`` (an entry point in a ``.dist-info``, which is
-    how SGLang discovers plugins), and for no other process."""
-    root = Path(tempfile.mkdtemp(prefix="ragen_mega_sglang_plugin_"))
-    atexit.register(shutil.rmtree, root, True)  # read by the servers' start-up only
-    info = root / f"{SEEDED_SAMPLING_PLUGIN}-0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {SEEDED_SAMPLING_PLUGIN}\n"
-                                   "Version: 0\n")
-    (info / "entry_points.txt").write_text(
-        f"[sglang.srt.plugins]\n{SEEDED_SAMPLING_PLUGIN} = {__name__}:seeded_sampling_plugin\n")
-    return str(root)

@@ -16,7 +16,8 @@ stand-ins for ``sgl_kernel``/``torchvision`` (see ``cpu_standins``), a bounded K
 
 Seeded sampling (``seeded_sampling=True``: requests carrying ``sampling_seed`` replay exactly,
 whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU and a plugin on
-CPU, where that flag cannot start: see ``seeded_sampling.py``.
+CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also get the
+``warm_receive.py`` plugin (weight-sync receives into reused memory, loaded as they land).
 """
 from __future__ import annotations
 
@@ -35,8 +36,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
-from ragen_mega.backends.sglang.seeded_sampling import (SEEDED_SAMPLING_PLUGIN,
-                                                       seeded_sampling_pythonpath)
+from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
 # --sleep-on-idle: without it an idle CPU server's scheduler busy-polls one full core (measured
 # 0.98 CPU-s/s idle vs 0.016 with it), which on a small machine starves the trainer next to it.
@@ -195,23 +195,45 @@ def build_command(model_path: str | Path, *, host: str, port: int, tp: int, devi
     return cmd + [str(a) for a in extra_args]
 
 
-def build_env(base: Mapping[str, str], *, device: str, cpu_threads: int | None = None,
-              seeded_sampling: bool = False,
+def cpu_threads_bind(tp: int, cores: Sequence[int]) -> str:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` for ``tp`` CPU ranks: ``cores`` cut into ``tp``
+    consecutive groups (``"0-3|4-7"``), or one core each, shared round robin, when there are
+    fewer cores than ranks (``"0|1|0"``)."""
+    cores = sorted(cores)
+    if len(cores) < tp:
+        groups = [[cores[r % len(cores)]] for r in range(tp)]
+    else:
+        per, extra = divmod(len(cores), tp)
+        bounds = [r * per + min(r, extra) for r in range(tp + 1)]
+        groups = [cores[bounds[r]:bounds[r + 1]] for r in range(tp)]
+    return "|".join(f"{g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1)) else
+                    ",".join(map(str, g)) for g in groups)
+
+
+def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
+              cpu_threads: int | None = None, seeded_sampling: bool = False,
               gpu_ids: Sequence[str | int] | None = None) -> dict[str, str]:
     """The server's environment: a copy of ``base`` plus ``CUDA_VISIBLE_DEVICES`` for
-    ``gpu_ids``, and on CPU the engine switch, thread count and stand-in/plugin paths (see
-    :func:`launch_server`)."""
+    ``gpu_ids``, and on CPU the engine switch, thread count, stand-in/plugin paths and, for
+    ``tp > 1``, each rank's cores (see :func:`launch_server`)."""
     child_env = dict(base)
     if gpu_ids is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_ids)
     if device == "cpu":
         child_env["SGLANG_USE_CPU_ENGINE"] = "1"
+        if tp > 1 and not child_env.get("SGLANG_CPU_OMP_THREADS_BIND"):
+            # without it SGLang allows one CPU rank per NUMA node only
+            child_env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_threads_bind(
+                tp, sorted(os.sched_getaffinity(0)))
         if cpu_threads is not None:
             child_env["OMP_NUM_THREADS"] = str(cpu_threads)
-        plugin = seeded_sampling_pythonpath() if seeded_sampling else None
-        if seeded_sampling and child_env.get("SGLANG_PLUGINS"):  # a whitelist: add ours to it
-            child_env["SGLANG_PLUGINS"] += f",{SEEDED_SAMPLING_PLUGIN}"
-        path = [p for p in (server_pythonpath(), plugin, child_env.get("PYTHONPATH")) if p]
+        plugins = ("ragen_mega_warm_receive",) + (
+            ("ragen_mega_seeded_sampling",) if seeded_sampling else ())
+        allowed = allow_plugins(child_env.get("SGLANG_PLUGINS"), plugins)
+        if allowed:
+            child_env["SGLANG_PLUGINS"] = allowed
+        path = [p for p in (server_pythonpath(), plugin_pythonpath(plugins),
+                            child_env.get("PYTHONPATH")) if p]
         if path:
             child_env["PYTHONPATH"] = os.pathsep.join(path)
     return child_env
@@ -261,7 +283,7 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
                         seeded_sampling=seeded_sampling, memory_saver=memory_saver,
                         extra_args=extra_args)
 
-    child_env = build_env(os.environ if env is None else env, device=device,
+    child_env = build_env(os.environ if env is None else env, device=device, tp=tp,
                           cpu_threads=cpu_threads, seeded_sampling=seeded_sampling,
                           gpu_ids=gpu_ids)
     if log_file is None:

@@ -239,21 +239,42 @@ class BucketedWeightSender:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-             version: str | int) -> SyncStats:
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str | int, *,
+             layout: Sequence[tuple[str, Sequence[int], torch.dtype]] | None = None
+             ) -> SyncStats:
         """Load all ``named_tensors`` into every engine, then set their weight version.
 
         Pipelined one bucket deep: bucket k is broadcast (or shared) in the background while
         this thread draws bucket k+1 from ``named_tensors`` (for a Megatron export, that is
         when the next shards are gathered); bucket k+1 starts once bucket k has landed.
+
+        ``layout`` (distributed mode with per-tensor loading): the ``(name, shape, dtype)`` of
+        every tensor ``named_tensors`` will yield, in order, known before they exist (e.g.
+        ``DirectExport.layout``). Then the pipeline goes down to single tensors: each bucket is
+        announced to the engines before its tensors are drawn, and every tensor goes on the
+        wire as soon as it is drawn, so a bucket's export overlaps its own broadcast; at most
+        ``bucket_bytes`` of drawn tensors wait for the wire. A stream that departs from its
+        layout raises ``ValueError`` at once; the engines are then stuck in the announced
+        receive, and the group is unusable (as after a refused update).
         """
         if self.mode == "distributed" and self.group is None:
             raise RuntimeError("BucketedWeightSender.send: call connect() first "
                                "(or use the sender as a context manager)")
         start = time.perf_counter()
-        n_tensors = n_buckets = n_bytes = 0
         for e in self.engines:
             e.begin_weight_update()
+        if layout is not None and self.mode == "distributed" and self.load_format is None:
+            n_tensors, n_buckets, n_bytes = self._stream(named_tensors, layout)
+        else:
+            n_tensors, n_buckets, n_bytes = self._send_buckets(named_tensors)
+        for e in self.engines:
+            e.update_weight_version(str(version))
+        return SyncStats(version=str(version), num_tensors=n_tensors, num_buckets=n_buckets,
+                         num_bytes=n_bytes, seconds=time.perf_counter() - start)
+
+    def _send_buckets(self, named_tensors) -> tuple[int, int, int]:
+        """:meth:`send` without a layout: bucket k travels while bucket k+1 is drawn."""
+        n_tensors = n_buckets = n_bytes = 0
         in_flight = None  # finish() of the bucket being sent
         try:
             for bucket, last in _buckets(named_tensors, self.bucket_bytes):
@@ -264,7 +285,7 @@ class BucketedWeightSender:
                 in_flight = self._start_bucket(bucket, flush_cache=last)
                 n_buckets += 1
                 n_tensors += len(bucket)
-                n_bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+                n_bytes += sum(_nbytes(t) for _, t in bucket)
             if in_flight is None:
                 raise ValueError("BucketedWeightSender.send: named_tensors was empty")
             in_flight, finish = None, in_flight
@@ -276,11 +297,49 @@ class BucketedWeightSender:
             finally:
                 for e in self.engines:
                     e.end_weight_update()
-        for e in self.engines:
-            e.update_weight_version(str(version))
-        return SyncStats(version=str(version), num_tensors=n_tensors, num_buckets=n_buckets,
-                         num_bytes=n_bytes, seconds=time.perf_counter() - start)
+        return n_tensors, n_buckets, n_bytes
 
+    def _stream(self, named_tensors, layout) -> tuple[int, int, int]:
+        """:meth:`send` with a layout: announce each bucket, then broadcast tensor by tensor."""
+        from collections import deque
+
+        if not layout:
+            raise ValueError("BucketedWeightSender.send: layout was empty")
+        metas = ((name, torch.empty(tuple(shape), dtype=dtype, device="meta"))
+                 for name, shape, dtype in layout)
+        buckets = list(iter_buckets(metas, self.bucket_bytes))
+        stream = iter(named_tensors)
+        on_wire: deque = deque()  # (work, tensor): broadcasts not known to be complete
+        wire_bytes = n_bytes = 0
+        announced: list = []  # the HTTP calls of the bucket being received
+        for i, bucket in enumerate(buckets):
+            for f in announced:  # an engine takes bucket k+1's request only after bucket k
+                f.result()
+            announced = [e.submit("update_weights_from_distributed", [n for n, _ in bucket],
+                                  [t.dtype for _, t in bucket], [list(t.shape) for _, t in bucket],
+                                  self.group_name, flush_cache=i == len(buckets) - 1,
+                                  load_format=None, timeout=self.timeout)
+                         for e in self.engines]
+            for name, meta in bucket:
+                tensor = _expect(next(stream, None), name, meta)
+                while on_wire and wire_bytes > self.bucket_bytes:
+                    work, sent = on_wire.popleft()
+                    self._await_broadcast([work], announced)
+                    wire_bytes -= _nbytes(sent)
+                on_wire.append((dist.broadcast(tensor, group=self.group, group_src=0,
+                                               async_op=True), tensor))
+                wire_bytes += _nbytes(tensor)
+                n_bytes += _nbytes(tensor)
+        extra = next(stream, None)
+        if extra is not None:
+            raise ValueError(f"BucketedWeightSender.send: the tensors go on past their layout "
+                             f"({len(layout)} entries): {extra[0]!r} was not announced")
+        self._await_broadcast([w for w, _ in on_wire], announced)
+        for f in announced:
+            f.result()
+        for e in self.engines:
+            e.end_weight_update()
+        return len(layout), len(buckets), n_bytes
     def _start_bucket(self, bucket, *, flush_cache: bool):
         """Start sending one bucket; return ``finish()``, which waits until every engine has
         it (and raises :class:`EngineError` if one refused or the time ran out)."""
@@ -304,26 +363,32 @@ class BucketedWeightSender:
                    for e in self.engines]
         works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True)
                  for t in tensors]
-        deadline = time.monotonic() + self.timeout
 
         def finish(_keep_alive=tensors) -> None:  # the tensors live until their broadcast ends
-            while not all(w.is_completed() for w in works):
-                failed = [f for f in futures if f.done() and f.exception() is not None]
-                if failed:  # an engine refused: it never receives, the broadcast would hang
-                    raise EngineError(
-                        f"weight broadcast abandoned, the process group {self.group_name!r} is "
-                        f"now unusable (close() it, which waits until the pending broadcast "
-                        f"fails or times out, then connect() again): {failed[0].exception()}")
-                if time.monotonic() > deadline:
-                    raise EngineError(f"weight broadcast did not finish within "
-                                      f"{self.timeout:g} s ({len(tensors)} tensors)")
-                time.sleep(0.001)
-            for w in works:
-                w.wait()
+            self._await_broadcast(works, futures)
             for f in futures:
                 f.result()
 
         return finish
+
+    def _await_broadcast(self, works, futures) -> None:
+        """Wait until the broadcasts ``works`` are done; fail at once if an engine refused its
+        update (``futures``: it never receives, so the broadcast would hang) or after
+        ``timeout``."""
+        deadline = time.monotonic() + self.timeout
+        while not all(w.is_completed() for w in works):
+            failed = [f for f in futures if f.done() and f.exception() is not None]
+            if failed:
+                raise EngineError(
+                    f"weight broadcast abandoned, the process group {self.group_name!r} is "
+                    f"now unusable (close() it, which waits until the pending broadcast "
+                    f"fails or times out, then connect() again): {failed[0].exception()}")
+            if time.monotonic() > deadline:
+                raise EngineError(f"weight broadcast did not finish within "
+                                  f"{self.timeout:g} s ({len(works)} tensors)")
+            time.sleep(0.001)
+        for w in works:
+            w.wait()
 
     def _start_share(self, bucket, flush_cache: bool):
         flattened = self.load_format == "flattened_bucket"
@@ -338,3 +403,22 @@ class BucketedWeightSender:
                 f.result()
 
         return finish
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _expect(item, name: str, meta: torch.Tensor) -> torch.Tensor:
+    """The tensor of a streamed ``(name, tensor)`` item, checked against its layout entry."""
+    if item is None:
+        raise ValueError(f"BucketedWeightSender.send: the tensors ended before their layout: "
+                         f"{name!r} was announced but never came")
+    got, tensor = item
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"weight {got!r} is a {type(tensor).__name__}, not a torch.Tensor")
+    if (got, tuple(tensor.shape), tensor.dtype) != (name, tuple(meta.shape), meta.dtype):
+        raise ValueError(f"BucketedWeightSender.send: the tensors depart from their layout: "
+                         f"expected {name!r} {tuple(meta.shape)} {meta.dtype}, got {got!r} "
+                         f"{tuple(tensor.shape)} {tensor.dtype}")
+    return tensor.detach().contiguous()

@@ -1,0 +1,50 @@
+"""Make our SGLang plugins visible to the server processes we launch, and to no other process.
+
+SGLang discovers general plugins through the entry-point group ``sglang.srt.plugins`` and runs
+each one in every server process before it serves (``sglang.srt.plugins.load_plugins``). Rather
+than registering them in ragen_mega's own package metadata (which would hook every SGLang
+process on the machine, including a user's), :func:`plugin_pythonpath` writes a throw-away
+``.dist-info`` that declares just the requested ones; the launcher puts it on the server's
+``PYTHONPATH``. ``SGLANG_PLUGINS``, when a user sets it, is a whitelist of entry-point names;
+:func:`allow_plugins` adds ours to it.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+DIST_NAME = "ragen_mega_sglang_plugins"
+
+# entry-point name -> "module:function"
+PLUGINS = {
+    "ragen_mega_seeded_sampling":
+        "ragen_mega.backends.sglang.seeded_sampling:seeded_sampling_plugin",
+    "ragen_mega_warm_receive": "ragen_mega.backends.sglang.warm_receive:warm_receive_plugin",
+}
+
+
+@functools.cache
+def plugin_pythonpath(names: tuple[str, ...]) -> str:
+    """A directory holding a ``.dist-info`` whose entry points are the plugins ``names`` (keys
+    of :data:`PLUGINS`); removed when this process exits (servers read it at start-up only)."""
+    unknown = sorted(set(names) - set(PLUGINS))
+    if unknown:
+        raise KeyError(f"unknown SGLang plugin(s) {unknown}; known: {sorted(PLUGINS)}")
+    root = Path(tempfile.mkdtemp(prefix="ragen_mega_sglang_plugins_"))
+    atexit.register(shutil.rmtree, root, True)
+    info = root / f"{DIST_NAME}-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST_NAME}\nVersion: 0\n")
+    lines = "".join(f"{name} = {PLUGINS[name]}\n" for name in names)
+    (info / "entry_points.txt").write_text(f"[sglang.srt.plugins]\n{lines}")
+    return str(root)
+
+
+def allow_plugins(whitelist: str | None, names: tuple[str, ...]) -> str | None:
+    """``SGLANG_PLUGINS`` with ``names`` added when the user set a whitelist, else None."""
+    if not whitelist:
+        return None
+    return ",".join([whitelist, *names])
