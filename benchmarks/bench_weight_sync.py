@@ -5,9 +5,11 @@
 
 Builds a random Qwen2-shaped checkpoint of a few hundred MB (fp32), starts one SGLang server on
 it, and launches two Megatron ranks (TP=2, gloo) that load it. Per round every rank walks
-``export_hf_state(dst=0)`` (rank 1 sends its TP shards straight to rank 0, HF names through the
-one mapping) and rank 0 streams it into the engine with ``BucketedWeightSender`` (per-tensor
-broadcast), exactly as the training loop's sync does. Reported next to it, best of ``--rounds``:
+``DirectExport(dst=0)`` (rank 1 sends its TP shards straight to rank 0, HF names through the
+one mapping) and rank 0 streams it into the engine with ``BucketedWeightSender`` along the
+export's layout (each tensor broadcast as soon as it is whole), exactly as the training loop's
+sync does; alternating with it, the same sync without the layout (whole buckets, bucket k+1
+drawn while bucket k travels). Reported next to them, best of ``--rounds``:
 the export alone (no sending); the sender alone, pushing the same tensors already in rank 0's
 memory (what a perfect export would cost: session, broadcast, the engine's receive and load);
 and a raw gloo broadcast of the same bytes, in the same bucket sizes, from a process to one plain
@@ -48,7 +50,7 @@ def _tp2_worker(rank, world_size, hf_dir, url, rounds, bucket_bytes):
         sizes = [t.numel() * t.element_size() for _, t in export()]
         export_s.append(time.perf_counter() - start)
     if rank != 0:  # rank 0's copy for the plain sender, then its sync rounds: rank 1 only sends
-        for _ in range(1 + rounds):
+        for _ in range(1 + 2 * rounds):
             for _ in export():
                 pass
         return None
@@ -57,14 +59,17 @@ def _tp2_worker(rank, world_size, hf_dir, url, rounds, bucket_bytes):
     sender.connect()
     ready = [(name, tensor.clone()) for name, tensor in export()]
     plain_s = [sender.send(ready, version=f"plain-{i}").seconds for i in range(rounds)]
-    sync_s = []
-    for i in range(rounds):
-        start = time.perf_counter()
-        export_i = export()
-        sender.send(export_i, version=f"bench-{i}", layout=export_i.layout)
-        sync_s.append(time.perf_counter() - start)
+    sync_s = {"bucketed": [], "streamed": []}
+    for i in range(rounds):  # alternating, so both see the same machine
+        for how in sync_s:
+            start = time.perf_counter()
+            walk = export()
+            sender.send(walk, version=f"{how}-{i}",
+                        layout=walk.layout if how == "streamed" else None)
+            sync_s[how].append(time.perf_counter() - start)
     sender.close()
-    return {"export_s": min(export_s), "plain_s": min(plain_s), "sync_s": min(sync_s),
+    return {"export_s": min(export_s), "plain_s": min(plain_s),
+            "bucketed_s": min(sync_s["bucketed"]), "sync_s": min(sync_s["streamed"]),
             "tensor_bytes": sizes}
 
 
@@ -100,14 +105,15 @@ def main() -> None:
     total = sum(sizes)
     row = {"model_mb": round(total / 2**20), "tensors": len(sizes), "buckets": len(buckets),
            "raw_broadcast_s": round(raw, 3), "plain_sender_s": round(r0["plain_s"], 3),
-           "tp2_export_s": round(r0["export_s"], 3), "tp2_sync_s": round(r0["sync_s"], 3),
+           "tp2_export_s": round(r0["export_s"], 3),
+           "tp2_sync_bucketed_s": round(r0["bucketed_s"], 3), "tp2_sync_s": round(r0["sync_s"], 3),
            "ratio_raw_over_sync": round(raw / r0["sync_s"], 2),
            "ratio_plain_over_sync": round(r0["plain_s"] / r0["sync_s"], 2),
            "thp": args.thp, "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
     print(json.dumps(row))
     print(f"| {row['model_mb']} MiB fp32, {row['tensors']} tensors, {row['buckets']} bucket(s) | "
           f"{row['raw_broadcast_s']} s | {row['plain_sender_s']} s | {row['tp2_export_s']} s | "
-          f"{row['tp2_sync_s']} s | {row['ratio_raw_over_sync']} | "
+          f"{row['tp2_sync_bucketed_s']} s | {row['tp2_sync_s']} s | {row['ratio_raw_over_sync']} | "
           f"{row['ratio_plain_over_sync']} |")
 
 
