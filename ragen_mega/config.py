@@ -50,6 +50,7 @@ class EnvMixEntry:
     kwargs: dict = dataclasses.field(default_factory=dict)
     env_groups: int = 1          # training groups per step (0: evaluated only)
     val_groups: Optional[int] = None   # held-out groups; None: env.val_groups (0: not evaluated)
+    max_turns: Optional[int] = None    # this env's turn limit; None: env.max_turns
 
     @property
     def env_name(self) -> str:
@@ -70,14 +71,18 @@ class EnvConfig:
 
         env:
           env_groups: 8            # the step's total: must equal the sum over mix (as in RAGEN)
-          group_size: 16           # shared, as are max_turns, seed, val_groups, val_seed
+          group_size: 16           # shared, as are seed, val_groups, val_seed
+          max_turns: 10            # the default of entries without their own
           mix:
             - {tag: sokoban, kwargs: {dim_room: [6, 6]}, env_groups: 4}
-            - {tag: lake, name: frozen_lake, kwargs: {is_slippery: true}, env_groups: 4}
+            - {tag: lake, name: frozen_lake, kwargs: {is_slippery: true}, env_groups: 2}
+            - {tag: babyai, kwargs: {level: goto}, env_groups: 2, max_turns: 64}
             - {tag: sokoban_8x8, name: sokoban, kwargs: {dim_room: [8, 8]}, env_groups: 0}
 
     ``name`` defaults to the tag; ``env_groups: 0`` makes an eval-only env (generalisation to an
-    env never trained on), ``val_groups: 0`` a train-only one; ``val_groups`` counts per env (an
+    env never trained on), ``val_groups: 0`` a train-only one; ``max_turns`` lets a long-horizon
+    env (BabyAI, Crafter) play longer episodes than a puzzle next to it (RAGEN's per-env
+    ``max_actions_per_traj``); ``val_groups`` counts per env (an
     added env never thins another's evaluation). With ``mix``, ``name``/``kwargs``/``val_name``/
     ``val_kwargs`` at the top are refused (each entry says its env). Seeds: each env of a step
     gets its own consecutive range, the ranges end to end, so a step's seeds are a function of
@@ -102,7 +107,7 @@ class EnvConfig:
 
         if not self.mix:
             return [EnvPart(self.name, self.name, self.kwargs, self.env_groups)]
-        return [EnvPart(m.tag, m.env_name, m.kwargs, m.env_groups) for m in self.mix
+        return [EnvPart(m.tag, m.env_name, m.kwargs, m.env_groups, m.max_turns) for m in self.mix
                 if m.env_groups > 0]
 
     def val_parts(self):
@@ -115,7 +120,8 @@ class EnvConfig:
             kwargs = self.val_kwargs or (self.kwargs if name == self.name else {})
             return [EnvPart(name, name, kwargs, self.val_groups)]
         groups = [self.val_groups if m.val_groups is None else m.val_groups for m in self.mix]
-        return [EnvPart(m.tag, m.env_name, m.kwargs, g) for m, g in zip(self.mix, groups) if g]
+        return [EnvPart(m.tag, m.env_name, m.kwargs, g, m.max_turns)
+                for m, g in zip(self.mix, groups) if g]
 
     def validate(self):
         for key in ("env_groups", "group_size", "max_turns", "val_groups"):
@@ -151,6 +157,9 @@ class EnvConfig:
             for count in ("env_groups", "val_groups"):
                 if (getattr(m, count) or 0) < 0:
                     raise ConfigError(f"{key}.{count}: must be >= 0, got {getattr(m, count)}")
+            if m.max_turns is not None and m.max_turns < 1:
+                raise ConfigError(f"{key}.max_turns: must be >= 1, got {m.max_turns} (leave it "
+                                  f"out to use env.max_turns)")
             if m.env_groups == 0 and m.val_groups == 0:
                 raise ConfigError(f"{key}: env_groups and val_groups are both 0: the env "
                                   f"{m.tag!r} would never be played")

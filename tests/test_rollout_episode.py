@@ -156,9 +156,11 @@ def test_mix_seed_and_group_layout():
 
 def test_mixed_episodes_play_their_own_env(tokenizer):
     """Bandit and sokoban episodes in one batch: each plays its own env (reward replayed on
-    that env independently) and its samples carry its tag."""
+    that env independently), its samples carry its tag, and it stops at its own turn limit
+    (sokoban's 4; the bandit has none of its own, so the run's 2)."""
     agent = AgentConfig(think=False, max_actions_per_turn=1)
-    parts = [EnvPart("arm", "bandit", {}, 1), EnvPart("box", "sokoban", {"dim_room": [6, 6]}, 1)]
+    parts = [EnvPart("arm", "bandit", {}, 1),
+             EnvPart("box", "sokoban", {"dim_room": [6, 6]}, 1, max_turns=4)]
     specs = mix_specs(parts, group_size=2, first_seed=0)
     gen = scripted(tokenizer, [" Up </answer>"])  # a sokoban move, not an arm of the bandit
     episodes = asyncio.run(run_episodes(
@@ -174,7 +176,8 @@ def test_mixed_episodes_play_their_own_env(tokenizer):
             _, r, _, info = env.step("Up")
             expected.append(r + (0.0 if info["action_is_valid"] else agent.format_penalty))
         assert [s.reward for s in ep.samples] == pytest.approx(expected), spec
-    assert [len(ep.samples) for ep in episodes[:2]] == [2, 2]  # bandit: invalid, goes on
+    assert [len(ep.samples) for ep in episodes] == [2, 2, 4, 4]  # bandit: invalid, goes on
+    assert not any(s.done for ep in episodes for s in ep.samples)  # the limits ended them
     bandit_prompt = tokenizer.decode(episodes[0].samples[0].prompt_ids)
     sokoban_prompt = tokenizer.decode(episodes[2].samples[0].prompt_ids)
     assert "Phoenix" in bandit_prompt and "Phoenix" not in sokoban_prompt

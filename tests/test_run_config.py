@@ -78,12 +78,13 @@ def test_trainer_config_errors_name_the_field(kwargs, field):
 
 MIX = ("env.mix=[{tag: sokoban, kwargs: {dim_room: [6, 6]}, env_groups: 3},"
        " {tag: lake, name: frozen_lake, kwargs: {is_slippery: false}, env_groups: 2, val_groups: 4},"
-       " {tag: big, name: sokoban, kwargs: {dim_room: [8, 8]}, env_groups: 0}]")
+       " {tag: big, name: sokoban, kwargs: {dim_room: [8, 8]}, env_groups: 0, max_turns: 12}]")
 
 
 def test_env_mix_parts():
     """A mixed run: training parts in order (eval-only entry left out), eval parts with each
-    entry's val_groups (default: env.val_groups), the env name defaulting to the tag."""
+    entry's val_groups (default: env.val_groups), the env name defaulting to the tag, an
+    entry's own max_turns carried (None: env.max_turns applies)."""
     from ragen_mega.rollout.episode import EnvPart
 
     cfg = load_run_config(None, [MIX, "env.env_groups=5", "env.val_groups=7"])
@@ -93,7 +94,7 @@ def test_env_mix_parts():
     assert cfg.env.val_parts() == [
         EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 7),
         EnvPart("lake", "frozen_lake", {"is_slippery": False}, 4),
-        EnvPart("big", "sokoban", {"dim_room": [8, 8]}, 7)]
+        EnvPart("big", "sokoban", {"dim_room": [8, 8]}, 7, max_turns=12)]
 
 
 def test_single_env_parts():
@@ -134,7 +135,8 @@ def _entry(**fields):
     ([_entry()], ["env.name=sokoban"], "env.name: 'sokoban' is not used when env.mix is set"),
     ([_entry()], ["env.val_name=frozen_lake"], "env.val_name: 'frozen_lake' is not used when"),
     ([_entry(groups=8)], [], "unknown config key 'env.mix[0].groups'; allowed keys here: "
-                             "env_groups, kwargs, name, tag, val_groups"),
+                             "env_groups, kwargs, max_turns, name, tag, val_groups"),
+    ([_entry(max_turns=0)], [], "env.mix[0].max_turns: must be >= 1, got 0"),
     ([_entry(env_groups="four")], [], "env.mix[0].env_groups: expected int, got str 'four'"),
 ])
 def test_env_mix_errors_name_the_key(mix, extra, needle):

@@ -39,6 +39,7 @@ class EpisodeSpec:
     episode_id: int
     group_id: int
     env_tag: str = ""
+    max_turns: int | None = None   # this env's own turn limit (``env.mix[i].max_turns``)
 
 
 class EnvHandle(Protocol):
@@ -89,9 +90,10 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
                       sampling: dict[str, Any], max_turns: int,
                       env_steps_in_thread: bool = False,
                       open_env: OpenEnvFn | None = None) -> Episode:
-    """Play one episode to its end or ``max_turns``; one :class:`Sample` per turn. The env comes
-    from ``open_env`` (e.g. ``EnvWorkerGroup.open``: a remote env), or by default is made here
-    (stepped in a thread with ``env_steps_in_thread``)."""
+    """Play one episode to its end or its turn limit (``spec.max_turns``, else ``max_turns``); one
+    :class:`Sample` per turn. The env comes from ``open_env`` (e.g. ``EnvWorkerGroup.open``: a
+    remote env), or by default is made here (stepped in a thread with ``env_steps_in_thread``)."""
+    max_turns = spec.max_turns or max_turns
     env = await open_env(spec) if open_env is not None else \
         LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
     builder = PromptBuilder.for_env(tokenizer, agent, env)
@@ -141,16 +143,18 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
 
 
 def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, group_size: int,
-                first_seed: int, env_tag: str = "", first_group: int = 0) -> list[EpisodeSpec]:
+                first_seed: int, env_tag: str = "", first_group: int = 0,
+                max_turns: int | None = None) -> list[EpisodeSpec]:
     """RAGEN's grouping: ``env_groups`` groups of ``group_size`` episodes. Group ``g`` plays seed
     ``first_seed + g`` in every episode, unless the env's ``seed_shared_in_group`` is False; then
     episode ``i`` plays seed ``first_seed + i`` (the seed range used is the same size either way:
     :func:`seeds_per_step`). Group ids start at ``first_group`` (episode ids follow them), so the
-    groups of several envs in one step stay distinct (:func:`mix_specs`)."""
+    groups of several envs in one step stay distinct (:func:`mix_specs`). ``max_turns``: the
+    env's own turn limit (None: the run's)."""
     shared = env_class(env_name).seed_shared_in_group
     return [EpisodeSpec(env_name, dict(env_kwargs),
                         first_seed + (g if shared else g * group_size + k),
-                        (first_group + g) * group_size + k, first_group + g, env_tag)
+                        (first_group + g) * group_size + k, first_group + g, env_tag, max_turns)
             for g in range(env_groups) for k in range(group_size)]
 
 
@@ -162,11 +166,13 @@ def seeds_per_step(env_name: str, env_groups: int, group_size: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class EnvPart:
     """One env of a step's mix (RAGEN's ``env_configs`` tag with its ``n_groups``): episodes of
-    env ``name`` built with ``kwargs``, ``groups`` groups of them, metrics logged under ``tag``."""
+    env ``name`` built with ``kwargs``, ``groups`` groups of them, metrics logged under ``tag``,
+    at most ``max_turns`` turns each (None: the run's ``env.max_turns``)."""
     tag: str
     name: str
     kwargs: dict[str, Any]
     groups: int
+    max_turns: int | None = None
 
 
 def mix_seeds_per_step(parts: Sequence[EnvPart], group_size: int) -> int:
@@ -183,7 +189,8 @@ def mix_specs(parts: Sequence[EnvPart], *, group_size: int, first_seed: int) -> 
     first_group = 0
     for p in parts:
         specs += group_specs(p.name, p.kwargs, env_groups=p.groups, group_size=group_size,
-                             first_seed=first_seed, env_tag=p.tag, first_group=first_group)
+                             first_seed=first_seed, env_tag=p.tag, first_group=first_group,
+                             max_turns=p.max_turns)
         first_seed += seeds_per_step(p.name, p.groups, group_size)
         first_group += p.groups
     return specs
