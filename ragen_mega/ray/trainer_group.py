@@ -6,10 +6,11 @@ Each :class:`TrainerWorker` is one rank of the TP x PP x DP world: it joins torc
 on every rank at once (the methods are SPMD collectives). The driver hands over the GLOBAL batch;
 each rank cuts its data-parallel share.
 
-Weight sync is the actor group's: every rank walks ``export_hf_state(dst=0)`` in step (the ranks
+Weight sync is the actor group's: every rank walks a ``DirectExport(dst=0)`` in step (the ranks
 of rank 0's model-parallel group send it their TP shards and PP stages) and global rank 0
 streams the HF-named tensors into the engines through
-:class:`~ragen_mega.backends.sglang.weight_sender.BucketedWeightSender`.
+:class:`~ragen_mega.backends.sglang.weight_sender.BucketedWeightSender`, along the export's
+layout.
 """
 from __future__ import annotations
 

@@ -17,9 +17,11 @@ larger than a bucket goes alone) so only one bucket is in flight at a time, then
 Each :meth:`BucketedWeightSender.send` is one ``begin_weight_update``/``end_weight_update``
 session per engine, flushes the prefix cache with the last bucket, then labels the engines with
 the new weight version. It is pipelined one bucket deep: while bucket k travels, the next one is
-drawn from the (lazy) input, e.g. a Megatron export gathering the next shards. Pausing
-generation around a sync is the caller's choice (``EngineClient.pause_generation`` /
-``continue_generation``).
+drawn from the (lazy) input, e.g. a Megatron export gathering the next shards. Given the input's
+``layout`` (names, shapes and dtypes known before the tensors, as ``DirectExport.layout``), a
+distributed per-tensor sync goes further and streams: each bucket is announced to the engines
+first, and each tensor goes on the wire the moment it is drawn. Pausing generation around a sync
+is the caller's choice (``EngineClient.pause_generation`` / ``continue_generation``).
 
 The design follows slime's ``UpdateWeightFromDistributed`` (buckets, a custom group with the
 trainer at rank 0, HTTP calls overlapped with the broadcast); the code is our own.
