@@ -6,7 +6,8 @@ import tempfile
 
 import pytest
 
-from ragen_mega.backends.sglang.server import build_command, build_env, launch_server
+from ragen_mega.backends.sglang.server import (build_command, build_env, cpu_threads_bind,
+                                              launch_server)
 from ragen_mega.ray.devices import bundle_gpu_ids
 from ragen_mega.ray.placement import create_placement_group, plan_placement
 
@@ -200,3 +201,19 @@ def test_server_flags_and_env_for_gpu_and_cpu(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=r"gpu_ids \['3'\] must name exactly tp=2 GPUs"):
         launch_server(tmp_path, tp=2, device="cuda", gpu_ids=["3"], wait=False)
+
+
+def test_cpu_engine_ranks_get_their_own_cores():
+    """A CPU engine with tp > 1 needs ``SGLANG_CPU_OMP_THREADS_BIND`` (else SGLang allows one
+    rank per NUMA node): the cores are cut into tp consecutive groups, or shared round robin when
+    there are fewer cores than ranks; a value the user set is kept."""
+    assert cpu_threads_bind(2, [0, 1, 2, 3]) == "0-1|2-3"
+    assert cpu_threads_bind(3, list(range(8))) == "0-2|3-5|6-7"
+    assert cpu_threads_bind(2, [6, 4, 2, 0]) == "0,2|4,6"
+    assert cpu_threads_bind(3, [0, 1]) == "0|1|0"
+    env = build_env({}, device="cpu", tp=2)
+    assert env["SGLANG_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in build_env({}, device="cpu", tp=1)
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in build_env({}, device="cuda", tp=2)
+    mine = {"SGLANG_CPU_OMP_THREADS_BIND": "0-15|32-47"}
+    assert build_env(mine, device="cpu", tp=2)["SGLANG_CPU_OMP_THREADS_BIND"] == "0-15|32-47"

@@ -206,8 +206,16 @@ def cpu_threads_bind(tp: int, cores: Sequence[int]) -> str:
         per, extra = divmod(len(cores), tp)
         bounds = [r * per + min(r, extra) for r in range(tp + 1)]
         groups = [cores[bounds[r]:bounds[r + 1]] for r in range(tp)]
-    return "|".join(f"{g[0]}-{g[-1]}" if g == list(range(g[0], g[-1] + 1)) else
-                    ",".join(map(str, g)) for g in groups)
+    return "|".join(map(_core_list, groups))
+
+
+def _core_list(cores: list[int]) -> str:
+    """``"3"``, ``"0-7"`` for a run of cores, else ``"0,2,4"``."""
+    if len(cores) == 1:
+        return str(cores[0])
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
 
 
 def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
