@@ -30,6 +30,7 @@ when ``score.weight`` is absent.
 """
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -335,8 +336,6 @@ class DirectExport:
 
     def _send(self) -> Iterator[tuple[str, torch.Tensor]]:
         """A shard holder: post its pieces in export order, a bounded number of bytes ahead."""
-        from collections import deque
-
         dst_in_my_stage = self.dst in dist.get_process_group_ranks(self.tp_group)
         in_flight, pending = 0, deque()
         for name in self.names:
@@ -385,8 +384,6 @@ class DirectExport:
         return full, recvs
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from collections import deque
-
         device = next(iter(self.mine.values())).device
         queue, ahead, upcoming = deque(), 0, iter(self.names)
         for name in self.names:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import io
 import time
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
@@ -303,8 +304,6 @@ class BucketedWeightSender:
 
     def _stream(self, named_tensors, layout) -> tuple[int, int, int]:
         """:meth:`send` with a layout: announce each bucket, then broadcast tensor by tensor."""
-        from collections import deque
-
         if not layout:
             raise ValueError("BucketedWeightSender.send: layout was empty")
         metas = ((name, torch.empty(tuple(shape), dtype=dtype, device="meta"))
