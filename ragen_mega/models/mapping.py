@@ -312,11 +312,18 @@ def _merge(rule: Rule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
         return shards[0]
     full = shards[0].new_empty(_full_shape(rule, shards[0].shape, len(shards)))
     for tp_rank, shard in enumerate(shards):
-        views = _tp_pieces(rule, full, tp_rank, len(shards))
-        for view, part in zip(views, shard.split([v.shape[rule.tp_dim] for v in views],
-                                                 dim=rule.tp_dim)):
+        for view, part in zip(_tp_pieces(rule, full, tp_rank, len(shards)),
+                              _shard_pieces(rule, shard, len(shards))):
             view.copy_(part)
     return full
+
+
+def _shard_pieces(rule: Rule, shard: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
+    if rule.tp_dim is None or tp_size == 1:
+        return [shard]
+    meta = torch.empty(_full_shape(rule, shard.shape, tp_size), device="meta")
+    sizes = [v.shape[rule.tp_dim] for v in _tp_pieces(rule, meta, 0, tp_size)]
+    return list(shard.split(sizes, dim=rule.tp_dim))
 
 
 def split_tp(global_name: str, full: torch.Tensor, spec: ModelSpec, tp_rank: int, tp_size: int,
@@ -347,12 +354,7 @@ def tp_pieces(global_name: str, full: torch.Tensor, spec: ModelSpec, tp_rank: in
 def shard_pieces(global_name: str, shard: torch.Tensor, spec: ModelSpec, tp_size: int,
                  role: str = "actor") -> list[torch.Tensor]:
     """A TP shard cut (as views) into the pieces ``tp_pieces`` places into the full tensor."""
-    rule = _rule_for(global_name, spec, role)[0]
-    if rule.tp_dim is None or tp_size == 1:
-        return [shard]
-    meta = torch.empty(_full_shape(rule, shard.shape, tp_size), device="meta")
-    sizes = [v.shape[rule.tp_dim] for v in _tp_pieces(rule, meta, 0, tp_size)]
-    return list(shard.split(sizes, dim=rule.tp_dim))
+    return _shard_pieces(_rule_for(global_name, spec, role)[0], shard, tp_size)
 
 
 def is_tp_split(global_name: str, spec: ModelSpec, role: str = "actor") -> bool:
