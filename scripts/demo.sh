@@ -5,7 +5,8 @@
 # Watch it: .venv/bin/tensorboard --logdir runs/bandit_cpu_demo/tensorboard
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${RAGEN_MEGA_VENV:-$root/.venv}"  # as scripts/setup_env.sh
 "$root/scripts/setup_env.sh"
 cd "$root"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-disabled}"
-exec "$root/.venv/bin/ragen-mega" train examples/bandit_cpu_demo.yaml "$@"
+exec "$venv/bin/ragen-mega" train examples/bandit_cpu_demo.yaml "$@"

@@ -3,6 +3,7 @@
 # Extra arguments go to pytest (e.g. scripts/test.sh tests/test_sokoban.py -x).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${RAGEN_MEGA_VENV:-$root/.venv}"  # as scripts/setup_env.sh
 "$root/scripts/setup_env.sh"
 cd "$root"
-exec "$root/.venv/bin/python" -m pytest "$@"
+exec "$venv/bin/python" -m pytest "$@"
