@@ -1,4 +1,4 @@
-"""Resume equivalence (issue 5): a run killed after step k and resumed with
+"""Resume equivalence: a run killed after step k and resumed with
 ``trainer.resume=auto`` reproduces the uninterrupted run's step k+1 metrics.
 
 What makes it possible: a step's env seeds are a function of the step (the data cursor), and with

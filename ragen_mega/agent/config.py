@@ -1,7 +1,7 @@
 """``AgentConfig``: the knobs of the text protocol between an env and the model.
 
-The lead's global config tree embeds this dataclass as is, so the field names are part of the
-public interface: keep them stable. Every value is checked when the object is built, and a bad one
+The run's config tree embeds this dataclass as the ``agent:`` section, so the field names are
+user-facing config keys: keep them stable. Every value is checked when the object is built, and a bad one
 raises ``ValueError``/``TypeError`` naming ``AgentConfig.<field>``.
 """
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Hugging Face ``config.json`` -> ``ModelSpec`` -> megatron-core ``TransformerConfig`` + layer spec.
 
-API:
-    ModelSpec                                   # frozen dataclass: what the mapping and model need
-    ModelSpec.padded_vocab(tp) -> int           # vocab rounded up to a multiple of divisor * tp
-    model_spec(config_or_dir) -> ModelSpec      # dict, HF config object, or a directory/config.json
-    megatron_config(spec, *, tp=1, pp=1, vpp=None, dtype=torch.float32, **overrides)
-        -> megatron.core.transformer.TransformerConfig
-    layer_spec(spec, *, use_te=None) -> ModuleSpec   # TE spec when transformer_engine imports
-    check_checkpoint(spec, shapes: Mapping[str, Sequence[int]], role="actor") -> None
-        # raises ConfigMismatchError naming the config field a tensor contradicts
+:class:`ModelSpec` holds what the mapping and the model need from a config (with the vocabulary
+padded for TP); :func:`check_checkpoint` compares a checkpoint's tensor shapes with it and names
+the config field a tensor contradicts; :func:`layer_spec` picks TransformerEngine's layer spec
+when it imports, the local one otherwise.
 
 Supported families: llama (SmolLM2, Llama 2/3 without rope scaling), qwen2 (q/k/v biases),
 qwen3 (q/k RMSNorm per head, head_dim may differ from hidden/heads). Anything this trainer would
@@ -138,7 +133,7 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
                     dtype: torch.dtype = torch.float32, **overrides):
     """The ``TransformerConfig`` that computes what transformers computes for ``spec``.
 
-    Fusions are off and ``use_cpu_initialization`` on when there is no GPU (CPU_STACK.md);
+    Fusions are off and ``use_cpu_initialization`` on when there is no GPU (docs/cpu_stack.md);
     ``moe_token_dispatcher_type="alltoall"`` + ``variable_seq_lengths`` let the pipeline schedule
     take micro-batches of different lengths. ``overrides`` go straight to TransformerConfig.
     """

@@ -1,29 +1,11 @@
 """THE one parameter mapping HF <-> Megatron (llama / qwen2 / qwen3), for conversion and weight sync.
 
-API (``spec`` is a ``ModelSpec``; ``role`` is "actor" (LM head) or "critic" (value head)):
-    rules(spec, role="actor") -> tuple[Rule, ...]      # the table (layer rules use "{i}")
-    chunk_layers(spec, pp_rank, pp_size, vpp=None, vp_stage=None) -> range  # global layer ids
-    chunk_has_embedding / chunk_has_head(pp_rank, pp_size, vpp=None, vp_stage=None) -> bool
-    megatron_names(spec, role="actor") -> list[str]      # every global name, in layer order
-    chunk_param_names(spec, pp_rank, pp_size, vpp=None, vp_stage=None, role="actor")
-        -> list[(global_name, local_name)]               # what one model chunk holds
-    owner(global_name, spec, pp_size, vpp=None) -> (pp_rank, vp_stage)
-    to_local(global_name, layer_offset) / to_global(local_name, layer_offset) -> str
-    hf_to_megatron_shard(hf_state, spec, tp_rank, tp_size, pp_rank=0, pp_size=1, *, vpp=None,
-                         vp_stage=None, role="actor") -> dict[local_name, Tensor]
-    iter_hf_to_megatron_shard(...)  -> Iterator[(local_name, Tensor)]   # same, streaming
-    megatron_to_hf(items, spec, role="actor") -> Iterator[(hf_name, Tensor)]
-        # items: Iterable[(global_name, full tensor | list of TP shards in TP-rank order)]
-    hf_names(global_name, spec, role="actor") -> tuple[str, ...]   # what one param becomes
-    is_tp_split(global_name, spec, role="actor") -> bool  # False: replicated over TP
-    split_tp(global_name, full, spec, tp_rank, tp_size, role) / merge_tp(global_name, shards,
-        spec, role)                                      # full Megatron tensor <-> TP shards
-    full_shape(global_name, shard_shape, spec, tp_size, role="actor") -> tuple[int, ...]
-    tp_pieces(global_name, full, spec, tp_rank, tp_size, role="actor") -> list[Tensor]
-        # views of the full tensor one TP rank holds; shard_pieces(global_name, shard, spec,
-        # tp_size, role) cuts a shard into the same pieces: gather straight into place
-    expected_hf_shapes(spec, role="actor") -> dict[hf_name, tuple[(config_key, factor), ...]]
-    hf_shape(hf_name, spec, role="actor") -> tuple[int, ...]
+The table is :func:`rules` (layer rules use ``"{i}"``); the other functions answer questions
+about it for a ``spec`` (a ``ModelSpec``) and a ``role`` ("actor": LM head, "critic": value
+head): which pipeline chunk holds which parameters, what one parameter is called on each side,
+and how a TP split cuts it. Conversion goes both ways (``hf_to_megatron_shard`` and its streaming
+twin for loading, ``megatron_to_hf`` for export, which takes full tensors or a list of TP shards
+in TP-rank order).
 
 Names. Megatron names are those of ``GPTModel`` built with the *local* layer spec
 (``decoder.layers.3.self_attention.linear_qkv.weight``). A "global" name carries the global layer

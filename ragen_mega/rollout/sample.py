@@ -1,6 +1,6 @@
 """The one record that carries a turn from the engine to the trainer, and its batch form.
 
-Each turn of an episode is one :class:`Sample` (DESIGN.md, "Long horizons"): the prompt ids the
+Each turn of an episode is one :class:`Sample` (docs/design.md, "Long horizons"): the prompt ids the
 engine was given, the response ids it sampled and their log-probs, exactly as sampled
 (token-in/token-out: nothing is re-tokenized), the turn's reward, and where the turn belongs
 (episode, group of episodes sharing a seed, turn number). The trainer's batch is built from these

@@ -1,13 +1,7 @@
 """Atomic, resharding Megatron checkpoints: model + optimizer + LR schedule + step + user state.
 
-API:
-    save_checkpoint(root, step, model, optimizer=None, scheduler=None, extra=None, hf_dir=None)
-        -> Path                                  # collective: every rank calls it
-    load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCheckpoint
-        LoadedCheckpoint: step, extra, path      # collective
-    latest_checkpoint(root) -> Path | None       # newest COMPLETE checkpoint, or None
-    checkpoint_hf_dir(ckpt_dir) -> Path          # the config/tokenizer copy kept inside it
-    model_signature(model) -> dict               # architecture fields compared on load
+Saving and loading are collectives (every rank calls them); loading compares the model's
+architecture signature with the checkpoint's and names the field that differs.
 
 Layout of ``<root>``::
 

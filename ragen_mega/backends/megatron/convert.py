@@ -1,10 +1,5 @@
 """Convert checkpoints between Hugging Face and Megatron (torch_dist) formats.
 
-API:
-    hf_to_megatron(hf_dir, out_dir, tp=1, pp=1, role="actor") -> Path    # out_dir/step_0
-    megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp=1, pp=1) -> Path
-    main(argv) -> int     # ``ragen-mega convert hf-to-megatron|megatron-to-hf ...``
-
 CLI::
 
     ragen-mega convert hf-to-megatron --hf-dir A --out-dir B [--tp N] [--pp M]

@@ -1,15 +1,12 @@
 """Run real megatron-core 0.16.1 on a machine without CUDA.
 
-API:
-    apply_cpu_patches() -> bool        # idempotent; no-op (returns False) when CUDA is available
-    cuda_tensor_type_names()           # context manager: patch 6, wrap get_megatron_optimizer
-                                       # and grad clipping in it (only while they run)
-    cpu_patches_applied() -> bool
-    quiet_cpu_warnings()               # silence megatron's "no TE/Apex" import chatter on CPU
+``apply_cpu_patches()`` applies patches 1-5 and 7 once (and nothing when CUDA is available);
+patch 6 is the context manager ``cuda_tensor_type_names()``, entered only around Megatron's
+optimizer construction and step. ``quiet_cpu_warnings()`` silences megatron's "no TE/Apex"
+import chatter on CPU.
 
-Megatron calls CUDA in about forty places. Seven small patches (measured, see
-/work/shared/CPU_STACK.md) make model building, the pipeline schedules, Megatron DDP, the
-optimizers and dist checkpointing work on CPU with gloo:
+Megatron calls CUDA in about forty places. Seven small patches make model building, the
+pipeline schedules, Megatron DDP, the optimizers and dist checkpointing work on CPU with gloo:
 
 1. ``torch.cuda.current_device`` -> the CPU device (used as ``device=`` for new tensors);
 2. ``torch.cuda.synchronize`` -> no-op;
@@ -27,6 +24,8 @@ optimizers and dist checkpointing work on CPU with gloo:
 7. ``Tensor.cuda`` -> returns the tensor itself (tied embeddings under PP, checkpoint paths).
 
 Nothing here changes numerics: every patched call either picks a device or handles RNG state.
+docs/cpu_stack.md maps each patch to the Megatron call sites it covers and lists what to
+re-check when megatron-core moves.
 """
 from __future__ import annotations
 

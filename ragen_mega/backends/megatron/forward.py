@@ -1,21 +1,10 @@
 """Forward passes of the Megatron chunks: per-token log-probs + entropy (actor), values (critic).
 
-API:
-    forward_logprobs(chunks, input_ids, attention_mask=None, *, temperature=1.0,
-                     compute_entropy=True, micro_batch_size=None) -> (logprobs, entropy | None)
-        # input_ids [B, S] right-padded; logprobs[b, t] = log p(input_ids[b, t+1] | <= t),
-        # shape [B, S-1]; 0 past each row's length; returned on EVERY rank
-    forward_values(chunks, input_ids, attention_mask=None, *, micro_batch_size=None) -> [B, S]
-        # values[b, t] = critic value at position t (after reading token t); 0 past the length
-    make_forward_step(*, temperature=1.0, compute_entropy=True, loss_fn=None) -> forward_step
-        # forward_step(data_iterator, model) -> (output_tensor, loss_func): Megatron's schedule
-        # contract, shared by inference (loss_fn=None) and training (loss_fn given)
-    split_microbatches(input_ids, attention_mask=None, micro_batch_size=None, **extra)
-        -> list[dict]    # trimmed to each micro-batch's length; "rows": (lo, hi) in the batch
-    vocab_parallel_logprobs_entropy(logits, targets, *, vocab_size, temperature=1.0,
-                                    compute_entropy=True, tp_group=None) -> (logprobs, entropy)
-    run_schedule(chunks, microbatches, forward_step, *, forward_only) -> list (last stage's
-        loss_func extras, one per micro-batch; [] on other stages)
+Log-probs are aligned with the next token: for right-padded ``input_ids`` [B, S],
+``logprobs[b, t] = log p(input_ids[b, t+1] | tokens <= t)``, shape [B, S-1], 0 past each row's
+length, returned on every rank (the last pipeline stage broadcasts them). Values are [B, S]:
+the critic's value after reading token t. One forward-step function serves inference and
+training (Megatron's schedule contract; below).
 
 Vocab-parallel: the LM head's logits stay split over TP ranks (``parallel_output=True``); the
 softmax normaliser, the target logit and the entropy term are each one all-reduce over the TP
@@ -109,7 +98,8 @@ def _lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> to
 
 def split_microbatches(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        micro_batch_size: int | None = None, **extra) -> list[dict]:
-    """Micro-batch dicts; each trimmed to its longest row (right padding keeps rows causal).
+    """Micro-batch dicts; each trimmed to its longest row (right padding keeps rows causal), with
+    ``"rows"``: its ``(lo, hi)`` rows in the batch.
 
     ``extra`` [B, ...] tensors are sliced along the batch dim (and trimmed to the micro-batch's
     length along dim 1 when their dim 1 equals S or S-1).
@@ -183,7 +173,9 @@ def make_forward_step(*, temperature: float = 1.0, compute_entropy: bool = True,
 
 
 def run_schedule(chunks, microbatches: list[dict], forward_step, *, forward_only: bool) -> list:
-    """Run Megatron's schedule (no pipelining, 1F1B, or interleaved) over ``microbatches``."""
+    """Run Megatron's schedule (no pipelining, 1F1B, or interleaved) over ``microbatches``.
+
+    Returns the last stage's ``loss_func`` extras, one per micro-batch ([] on other stages)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     if not microbatches:

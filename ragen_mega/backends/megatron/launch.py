@@ -1,10 +1,5 @@
 """Run a function on N local processes with Megatron's process groups set up (tests and tools).
 
-API:
-    run_workers(fn, world_size, *args, tp=1, pp=1, vpp=None, seed=1234, timeout=300.0,
-                threads_per_worker=1) -> list            # fn's return values, by rank
-    WorkerError(RuntimeError): .rank, .worker_traceback
-
 Each worker process (spawn context, so it starts clean: no inherited process groups or CUDA
 state) joins a ``file://`` rendezvous in a fresh temporary directory, calls ``init_parallel``
 with the given layout, runs ``fn(rank, world_size, *args)`` and writes the (picklable) result to

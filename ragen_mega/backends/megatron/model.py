@@ -1,19 +1,11 @@
 """Build Megatron GPT model chunks for this rank, load HF weights into them, export them back.
 
-API (call after ``parallel.init_parallel``):
-    build_model(spec_or_hf_dir, *, role="actor"|"critic", dtype=torch.float32, use_te=None,
-                config_overrides=None) -> list[nn.Module]
-        # one chunk per virtual pipeline stage (one chunk without vpp); each chunk is a
-        # megatron GPTModel (wrapped in Float16Module for bf16/fp16) carrying
-        # ``.ragen_spec`` / ``.ragen_role`` / ``.ragen_vp_stage`` / ``.ragen_layers``
-    unwrap(chunk) -> GPTModel                      # through DDP / Float16Module wrappers
-    chunk_spec(chunks) -> (ModelSpec, role)
-    load_hf_checkpoint(chunks, hf_dir, spec=None) -> None
-    export_hf_state(chunks, spec=None, *, dst=None, prefetch_bytes=256 << 20)
-        -> Iterator[(hf_name, full tensor)]   # on every rank, or only on global rank ``dst``
-    DirectExport(chunks, dst, spec=None, prefetch_bytes=256 << 20)   # the ``dst`` export, with
-        .layout -> [(hf_name, shape, dtype)] on ``dst``: what it will yield, known up front
-    ValueHead                                      # the critic's replicated [1, hidden] head
+Call after ``parallel.init_parallel``. A rank holds one chunk per virtual pipeline stage; each
+is a megatron ``GPTModel`` (in ``Float16Module`` for bf16/fp16) that carries its spec, role,
+virtual stage and global layer range (``.ragen_spec``, ``.ragen_role``, ``.ragen_vp_stage``,
+``.ragen_layers``), so loading and export need nothing else. Export yields ``(hf_name, full
+tensor)`` pairs; :class:`DirectExport` also knows, before any tensor moves, what it will yield
+(``.layout``), which lets the weight sync stream.
 
 Critic: the same GPTModel backbone with ``output_layer`` replaced by ``ValueHead`` (a plain
 replicated ``Linear(hidden, 1)`` without bias, HF name ``score.weight``); GPTModel's post-process

@@ -1,12 +1,5 @@
 """Process groups for the Megatron trainer: torch.distributed + megatron parallel_state + RNG.
 
-API:
-    init_parallel(rank, world_size, init_method, tp=1, pp=1, vpp=None, backend=None, seed=1234,
-                  timeout_minutes=30) -> ParallelInfo
-    destroy_parallel() -> None
-    parallel_info() -> ParallelInfo          # the current rank's coordinates (after init)
-    ParallelInfo: rank, world_size, tp, pp, dp, vpp, tp_rank, pp_rank, dp_rank, device
-
 Layout: Megatron's default order ``tp-cp-ep-dp-pp`` — TP ranks are adjacent (rank // 1), PP is the
 outermost dimension. DP = world_size / (tp * pp). ``backend=None`` picks nccl with CUDA, gloo
 otherwise; on CPU the patches of ``cpu_compat`` are applied here, before any Megatron object

@@ -1,17 +1,7 @@
 """One rank of the Megatron actor or critic: StarPO policy step, critic step, log-probs, values.
 
-API (every rank of the TP x PP x DP world calls the same methods in step; ``init_parallel`` first):
-    TrainerConfig(...)                      # dataclass; .validate() raises naming the field
-    MegatronTrainer(config, hf_dir, role="actor"|"critic")
-        .compute_logprobs(batch) -> [B, S]       # actor; column t = log p(token t | tokens < t)
-        .compute_ref_logprobs(batch) -> [B, S]   # frozen reference model (kl_coef > 0 only)
-        .compute_values(batch) -> [B, S]         # critic; column t = V(tokens < t)
-        .train_actor(batch) -> dict[str, float]  # one optimizer step, StarPO loss
-        .train_critic(batch) -> dict[str, float] # one optimizer step, clipped value loss
-        .save_checkpoint(root, extra=None) -> Path / .load_checkpoint(path, optimizer=True) -> extra
-        .export_hf_state() -> iterator of (hf_name, tensor)   # collective, for weight sync
-        .steps                                   # optimizer steps taken (restored on load)
-    dp_shard(batch) -> dict                      # this DP rank's rows of a global batch
+Every rank of the TP x PP x DP world calls the same methods in step (they are collectives),
+after ``parallel.init_parallel``.
 
 Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them):
 ``input_ids`` (prompt + response, right padded), ``loss_mask`` (1 on model-written tokens),

@@ -7,12 +7,11 @@ period). The server's stdout/stderr go to a log file; when start-up fails or tim
 error carries the log's tail, because that is where SGLang says why.
 
 On GPU clusters the server gets SGLang's defaults, on the GPUs it is given (``gpu_ids``). On a
-machine without CUDA it gets the CPU way measured in /work/shared/CPU_STACK.md:
-``SGLANG_USE_CPU_ENGINE=1``, ``--device cpu
---attention-backend torch_native --sampling-backend pytorch --disable-cuda-graph``, import-only
-stand-ins for ``sgl_kernel``/``torchvision`` (see ``cpu_standins``), a bounded KV cache
-(SGLang sizes it from *host* RAM on CPU: ~15 GB for a tiny model by default) and
-``--sleep-on-idle``.
+machine without CUDA it gets the CPU way (docs/cpu_stack.md): ``SGLANG_USE_CPU_ENGINE=1``,
+``--device cpu --attention-backend torch_native --sampling-backend pytorch
+--disable-cuda-graph``, import-only stand-ins for ``sgl_kernel``/``torchvision`` (see
+``cpu_standins``), a bounded KV cache (SGLang sizes it from *host* RAM on CPU: ~15 GB for a tiny
+model by default) and ``--sleep-on-idle``.
 
 Seeded sampling (``seeded_sampling=True``: requests carrying ``sampling_seed`` replay exactly,
 whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU and a plugin on
