@@ -228,10 +228,10 @@ class Grid:
         """Top things that are YOU, row-major."""
         return [(x, y, t) for x, y, t in self.tops() if self.rules.has(t, "you")]
 
-    def _pushable(self, thing: Thing | None) -> bool:
+    def pushable(self, thing: Thing | None) -> bool:
         return thing is not None and (thing.is_word or self.rules.has(thing, "push"))
 
-    def _blocks(self, thing: Thing | None) -> bool:
+    def blocks(self, thing: Thing | None) -> bool:
         return thing is not None and (thing.kind == "border" or thing.is_word
                                       or self.rules.has(thing, "stop"))
 
@@ -241,9 +241,9 @@ class Grid:
         nx, ny = x + dx, y + dy
         if not self.inside(nx, ny):
             return False
-        if self._pushable(self.top(nx, ny)):
+        if self.pushable(self.top(nx, ny)):
             self._move(nx, ny, dx, dy, None)
-        moved = not self._blocks(self.top(nx, ny))
+        moved = not self.blocks(self.top(nx, ny))
         if result is not None:
             there = self.top(nx, ny) if moved else self.top(x, y)
             result.won |= self.rules.has(there, "win")

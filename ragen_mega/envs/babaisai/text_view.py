@@ -60,7 +60,7 @@ def thing_name(thing: Thing) -> str | None:
 
 def rules_text(grid: Grid) -> str:
     lines = [rule.text() for rule in grid.rules.rules if not rule.is_transform]
-    return "Active rules:\n" + "\n".join(lines)
+    return "Active rules:" + "".join(f"\n{line}" for line in lines)
 
 
 def render(grid: Grid, add_ruleset: bool = True) -> str:
