@@ -155,6 +155,24 @@ BABA     IS   YOU       .
     assert done and info["success"]
 
 
+def test_win_is_tested_where_the_mover_ends_up_a_blocked_mover_on_its_own_cell():
+    blocked = env_on("""
+baba key  .
+KEY  IS   WIN
+KEY  IS   STOP
+BABA IS   YOU
+""")
+    *_, done, info = blocked.step("right")  # the key is WIN but STOP: baba stays, no win
+    assert not done and not info["success"] and not info["action_is_effective"]
+    itself = env_on("""
+baba .    .
+BABA IS   YOU
+BABA IS   WIN
+""")
+    _, reward, done, info = itself.step("left")  # into the border: its own cell, a WIN baba
+    assert done and info["success"] and reward == pytest.approx(1 - 0.9 * 1 / 100)
+
+
 def test_rules_read_in_both_directions_through_one_is_in_reading_order():
     env = env_on("""
 .    KEY  .
