@@ -173,6 +173,28 @@ BABA IS   WIN
     assert done and info["success"] and reward == pytest.approx(1 - 0.9 * 1 / 100)
 
 
+def test_push_objects_and_lose_and_only_the_top_of_a_stack_counts():
+    env = env_on("""
+baba ball .    key
+BALL IS   PUSH .
+KEY  IS   LOSE .
+BABA IS   YOU  .
+""")
+    env.step("right")  # ball (2,1) -> (3,1)
+    env.step("right")  # ball -> (4,1), on top of the key (the key is not STOP)
+    assert names(env, 4, 1) == ["object:key", "object:ball"]
+    _, reward, done, _ = env.step("right")  # ball stuck at the border; not STOP: walked over
+    assert (reward, done) == (0.0, False)  # the LOSE key is under the ball: inactive
+    assert names(env, 4, 1) == ["object:key", "object:ball", "object:baba"]
+    lose = env_on("""
+baba key .
+KEY  IS   LOSE
+BABA IS   YOU
+""")
+    _, reward, done, info = lose.step("right")
+    assert (reward, done, info["success"]) == (-1.0, True, False)
+
+
 def test_rules_read_in_both_directions_through_one_is_in_reading_order():
     env = env_on("""
 .    KEY  .

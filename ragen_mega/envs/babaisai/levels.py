@@ -92,6 +92,17 @@ class Builder:
         self.grid.put(x, y, word(thing_name) if as_word else
                       obj(thing_name, self.colors.get(thing_name)))
 
+    def place_objects(self, baba_region: Cells, objects: Cells, distr: "Distractors",
+                      win_rule_at: tuple[int, int]) -> None:
+        """The last steps of a level: baba, the win object, the distractor object if any, then
+        the distractor ``<obj3> IS WIN`` if any (last, so it may cover what lies there)."""
+        self.place("baba", baba_region)
+        self.place(self.obj1, objects)
+        if distr.obj:
+            self.place(self.obj2, objects)
+        if distr.win_rule:
+            self.rule(*win_rule_at, (self.obj3, "is", "win"))
+
     def relocate(self, cell: tuple[int, int], region: Cells) -> None:
         """Move the top thing of ``cell`` to a random empty cell of ``region``."""
         x, y = self.random_cell(region)
@@ -116,12 +127,7 @@ def one_room(rng: np.random.Generator, make_win: bool, distr: Distractors) -> Gr
         b.place(b.obj3 if distr.irrelevant else b.obj2,
                 sorted(set(ONE_ROOM_BORDER_CELLS), key=lambda c: (c[1], c[0])), as_word=True)
     objects = box(1, 6, 2, 6)
-    b.place("baba", objects)
-    b.place(b.obj1, objects)
-    if distr.obj:
-        b.place(b.obj2, objects)
-    if distr.win_rule:
-        b.rule(4, 4, (b.obj3, "is", "win"))
+    b.place_objects(objects, objects, distr, win_rule_at=(4, 4))
     return b.grid
 
 
@@ -158,12 +164,7 @@ def two_room(rng: np.random.Generator, break_stop: bool, make_win: bool, objects
         b.relocate((2 + int(rng.integers(2)), 2), LEFT_PUSHABLE)
     if make_win:
         b.relocate((9, 1), RIGHT_PUSHABLE)
-    b.place("baba", LEFT_PUSHABLE)
-    b.place(b.obj1, objects)
-    if distr.obj:
-        b.place(b.obj2, objects)
-    if distr.win_rule:
-        b.rule(9, 4, (b.obj3, "is", "win"))
+    b.place_objects(LEFT_PUSHABLE, objects, distr, win_rule_at=(9, 4))
     return b.grid
 
 
