@@ -248,6 +248,32 @@ baba KEY  .    IS   WIN
     assert env_on(level, add_ruleset=False).render() == expected_objects
 
 
+def test_text_view_matches_balrogs_published_example():
+    """BALROG's text for a goto_win-distr_obj level (baba at (6,5), blue key at (3,5), red ball
+    at (2,3)), with "steps" for every count above one."""
+    env = env_on("""
+KEY  IS   WIN      .        .    .
+.    .    .        .        .    .
+.    red:ball .    .        .    .
+.    .    .        .        .    .
+.    .    blue:key .        .    baba
+BABA IS   YOU      .        .    .
+""")
+    assert env.render() == """Active rules:
+key is win
+baba is you
+
+Objects on the map:
+rule `key` 5 steps to the left and 4 steps up
+rule `is` 4 steps to the left and 4 steps up
+rule `win` 3 steps to the left and 4 steps up
+ball 4 steps to the left and 2 steps up
+key 3 steps to the left
+rule `baba` 5 steps to the left and 1 step down
+rule `is` 4 steps to the left and 1 step down
+rule `you` 3 steps to the left and 1 step down"""
+
+
 def test_bad_kwargs_and_levels_are_clear_errors():
     with pytest.raises(ValueError, match="unknown task 'nope'"):
         make("babaisai", task="nope")
