@@ -111,7 +111,9 @@ class Builder:
 
 # -- one room (8x8: interior x, y in 1..6) -------------------------------------------------------
 
-ONE_ROOM_BORDER_CELLS = box(4, 6, 6, 6) + box(4, 6, 1, 1) + box(6, 6, 1, 6)
+#: where a one-room distractor noun may lie: cells along the border, where it starts no rule
+ONE_ROOM_DISTRACTOR_CELLS = sorted(set(box(4, 6, 6, 6) + box(4, 6, 1, 1) + box(6, 6, 1, 6)),
+                                   key=lambda cell: (cell[1], cell[0]))
 
 
 def one_room(rng: np.random.Generator, make_win: bool, distr: Distractors) -> Grid:
@@ -124,8 +126,7 @@ def one_room(rng: np.random.Generator, make_win: bool, distr: Distractors) -> Gr
     if make_win:
         b.relocate((1, 1), box(2, 5, 2, 5))
     if distr.rule:
-        b.place(b.obj3 if distr.irrelevant else b.obj2,
-                sorted(set(ONE_ROOM_BORDER_CELLS), key=lambda c: (c[1], c[0])), as_word=True)
+        b.place(b.obj3 if distr.irrelevant else b.obj2, ONE_ROOM_DISTRACTOR_CELLS, as_word=True)
     objects = box(1, 6, 2, 6)
     b.place_objects(objects, objects, distr, win_rule_at=(4, 4))
     return b.grid
