@@ -44,6 +44,17 @@ def test_play_stops_when_the_episode_ends():
     assert out.stdout.rstrip().endswith("[episode done]")
 
 
+def test_env_kwargs_are_taken_as_plain_options():
+    out = run_play(["babaisai", "--task", "two_room-break_stop-goto_win", "--seed", "3",
+                    "--add_ruleset=False"], "up\n")
+    assert out.returncode == 0, out.stderr
+    env = make("babaisai", task="two_room-break_stop-goto_win", add_ruleset=False)
+    first = env.reset(3)
+    after_up = env.step("up")[0]
+    assert out.stdout.startswith(env.instruction + "\n\n" + first + "\n")
+    assert out.stdout.endswith("\n" + after_up + "\n") and "Active rules" not in out.stdout
+
+
 @pytest.mark.parametrize("argv,message", [
     (["no_such_env"], "unknown env 'no_such_env'"),
     (["bandit", "--kwarg", "oops"], "key=value"),
@@ -51,6 +62,9 @@ def test_play_stops_when_the_episode_ends():
     (["bandit", "--kwarg", "colour=red"], "colour"),
     (["bandit", "--kwarg", "low_risk_name=A", "--kwarg", "low_risk_name=B"], "twice"),
     (["sokoban", "--seed", "-3"], "seed must be a non-negative int"),
+    (["babaisai", "--task"], "option --task needs a value"),
+    (["babaisai", "stray"], "unexpected argument 'stray'"),
+    (["babaisai", "--task", "nope"], "unknown task 'nope'"),
 ])
 def test_play_reports_bad_arguments(argv, message, capsys):
     assert main(argv) == 2

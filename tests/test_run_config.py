@@ -28,7 +28,7 @@ def test_defaults_are_ragen_starpo_s():
     (["trainer.data_parallel=0"], "trainer.data_parallel: must be >= 1"),
     (["algo.use_rollout_logprobs=true", "rollout.temperature=0.7"],
      "algo.use_rollout_logprobs: needs rollout.temperature=1.0"),
-    (["env.name=chess"], "env.name: unknown env 'chess'; registered envs: babyai, bandit"),
+    (["env.name=chess"], "env.name: unknown env 'chess'; registered envs: babaisai, babyai, bandit"),
     (["filter.ratio=0"], "filter.ratio: must be in (0, 1]"),
     (["filter.mode=top"], "filter.mode: 'top' is not allowed; allowed values: 'std', 'std_rev'"),
     (["agent.format_penalty=0.5"], "agent: AgentConfig.format_penalty"),
@@ -117,7 +117,7 @@ def _entry(**fields):
 
 
 @pytest.mark.parametrize("mix, extra, needle", [
-    ([_entry(name="chess")], [], "env.mix[0].name: unknown env 'chess'; registered envs: babyai"),
+    ([_entry(name="chess")], [], "env.mix[0].name: unknown env 'chess'; registered envs: babaisai, babyai"),
     ([_entry(tag="SimpleSokoban")], [],
      "env.mix[0].tag (no name given, so the tag names the env): unknown env 'SimpleSokoban'"),
     ([_entry(env_groups=4), _entry(env_groups=4)], [], "env.mix[1].tag: duplicate tag 'sokoban'"),

@@ -7,6 +7,8 @@ of stdout is the model's text. Also runnable as ``python -m ragen_mega.envs.play
 
 ``--kwarg`` values are read as Python literals when they are one (``dim_room=(8,8)``,
 ``is_slippery=False``, ``p=0.7``) and as plain strings otherwise (``low_risk_name=Trader``).
+Any other ``--NAME VALUE`` (or ``--NAME=VALUE``) is the same as ``--kwarg NAME=VALUE``, so
+``ragen-mega play babaisai --task two_room-goto_win`` works for every env's own kwargs.
 """
 from __future__ import annotations
 
@@ -30,22 +32,40 @@ def parse_kwarg(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def option_kwargs(extra: list[str]) -> list[str]:
+    """``["--task", "x", "--n=3"]`` -> ``["task=x", "n=3"]``: options argparse did not know."""
+    out, rest = [], list(extra)
+    while rest:
+        option = rest.pop(0)
+        if not option.startswith("--") or len(option) == 2:
+            raise ValueError(f"unexpected argument {option!r}; env kwargs are given as "
+                             f"--NAME VALUE or --kwarg NAME=VALUE")
+        name, sep, value = option[2:].partition("=")
+        if not sep:
+            if not rest or rest[0].startswith("--"):
+                raise ValueError(f"option {option} needs a value")
+            value = rest.pop(0)
+        out.append(f"{name.replace('-', '_')}={value}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """``argv``: the words after ``play`` (``ENV [--seed N] [--kwarg k=v ...]``); exit code."""
     parser = argparse.ArgumentParser(
-        prog="ragen-mega play",
-        description="Play a registered text env; one action per line on stdin.")
+        prog="ragen-mega play", allow_abbrev=False,
+        description="Play a registered text env; one action per line on stdin. Other "
+                    "--NAME VALUE options are env kwargs, like --kwarg NAME=VALUE.")
     parser.add_argument("env", help=f"env name, one of: {', '.join(list_envs())}")
     parser.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     parser.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
                         help="env constructor argument; repeat for several")
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
     except SystemExit as exit_:  # argparse already printed usage and the problem
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
         kwargs: dict[str, Any] = {}
-        for text in args.kwarg:
+        for text in args.kwarg + option_kwargs(extra):
             key, value = parse_kwarg(text)
             if key in kwargs:
                 raise ValueError(f"--kwarg {key} given twice")

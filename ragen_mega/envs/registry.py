@@ -26,6 +26,7 @@ _BUILTIN: dict[str, str] = {
     "frozen_lake": "ragen_mega.envs.frozen_lake:FrozenLakeEnv",
     "babyai": "ragen_mega.envs.babyai:BabyAIEnv",
     "crafter": "ragen_mega.envs.crafter_env:CrafterEnv",
+    "babaisai": "ragen_mega.envs.babaisai.env:BabaIsAIEnv",
 }
 _CLASSES: dict[str, type[TextEnv]] = {}
 _PATHS: dict[str, str] = dict(_BUILTIN)
