@@ -28,6 +28,7 @@ import torch
 from ragen_mega.agent.parse import STOP_STRINGS
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import ConfigError, to_dict
+from ragen_mega.models.prepare import resolve_model
 from ragen_mega.ray import checkpoints
 from ragen_mega.ray.placement import ResourcePlan
 from ragen_mega.ray.sync_check import max_logprob_diff
@@ -44,16 +45,6 @@ if TYPE_CHECKING:
     from ragen_mega.ray.engine_group import EngineGroup
     from ragen_mega.ray.env_workers import EnvWorkerGroup
     from ragen_mega.ray.trainer_group import TrainerGroup
-
-
-def resolve_model(path: str) -> str:
-    """``smollm2`` -> the prepared SmolLM2 directory; any other path (checked to be an HF
-    directory when the config was loaded) as it is."""
-    if path == "smollm2":
-        from ragen_mega.models.prepare import prepare_smollm2
-
-        return str(prepare_smollm2())
-    return path
 
 
 @dataclasses.dataclass
