@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -191,8 +192,13 @@ def build_run(cfg: RunConfig) -> Iterator[Run]:
     try:
         _place(run)
         yield run
-    finally:
-        run.shutdown()
+    except BaseException:
+        try:  # the error that stopped the run is the one to report, not a teardown's
+            run.shutdown()
+        except Exception as e:  # noqa: BLE001 - reported, then the original is re-raised
+            warnings.warn(f"stopping the run after an error also failed: {e!r}")
+        raise
+    run.shutdown()
 
 
 def _place(run: Run) -> None:
