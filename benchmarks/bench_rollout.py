@@ -103,7 +103,7 @@ def main() -> None:
     from ragen_mega.backends.sglang.client import AsyncEngineClient
     from ragen_mega.backends.sglang.server import launch_server
     from ragen_mega.models.prepare import make_tiny_model
-    from ragen_mega.ray.driver import request_seed
+    from ragen_mega.rollout.seeding import request_seed
     from ragen_mega.rollout.episode import Generation, group_specs, run_episode
 
     with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:

@@ -89,10 +89,11 @@ def _peak_gib() -> float:
 
 
 def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16):
-    from ragen_mega.backends.megatron.train import MegatronTrainer, TrainerConfig
+    from ragen_mega.backends.megatron.train import MegatronTrainer
+    from ragen_mega.config import ActorConfig
 
-    trainer = MegatronTrainer(TrainerConfig(tp=world_size, micro_batch_size=micro_batch,
-                                            lr=1e-5, bf16=bf16), hf_dir)
+    trainer = MegatronTrainer(ActorConfig(tp=world_size, micro_batch_size=micro_batch,
+                                          lr=1e-5, bf16=bf16), hf_dir)
     trainer.train_actor(batch)  # warm-up
     _sync()
     start = time.perf_counter()

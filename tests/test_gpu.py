@@ -4,7 +4,7 @@ shared through CUDA IPC.
 
 Every test here is skipped on machines without a CUDA GPU (CI has none); on a GPU box run
 ``pytest tests/test_gpu.py``. The references are the same as the CPU suite's: transformers +
-torch.optim.AdamW on the CPU (``test_megatron_train``'s full-batch step), and the tensors the
+torch.optim.AdamW on the CPU (conftest's ``actor_step``, as in ``test_megatron_train``), and the tensors the
 sender shared, read back in a second process.
 """
 from __future__ import annotations
@@ -13,8 +13,6 @@ import pytest
 import torch
 
 from ragen_mega.backends.megatron.launch import run_workers
-from test_megatron_train import ACTOR, _reference_step
-from test_megatron_train import batch, model_dir  # noqa: F401 (the same model and batch fixtures)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (NCCL, bf16 and CUDA IPC paths)")
@@ -35,16 +33,17 @@ def _read_shared(payload: bytes, queue) -> None:
                for n, t in named})
 
 
-def _gpu_worker(rank, world_size, hf_dir, batch):
+def _gpu_worker(rank, world_size, hf_dir, batch, actor_settings):
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from ragen_mega.backends.megatron.train import MegatronTrainer, TrainerConfig
+    from ragen_mega.backends.megatron.train import MegatronTrainer
+    from ragen_mega.config import ActorConfig
     from ragen_mega.backends.sglang.weight_sender import serialize_for_engine
 
     out = {"backend": dist.get_backend()}
     for name, bf16 in (("fp32", False), ("bf16", True)):
-        trainer = MegatronTrainer(TrainerConfig(**ACTOR, bf16=bf16), hf_dir)
+        trainer = MegatronTrainer(ActorConfig(**actor_settings, bf16=bf16), hf_dir, total_steps=10)
         logprobs = trainer.compute_logprobs(batch)
         logprobs = logprobs.cpu()
         metrics = trainer.train_actor({**batch, "old_logprobs": logprobs + batch["noise"]})
@@ -64,18 +63,19 @@ def _gpu_worker(rank, world_size, hf_dir, batch):
         child.join(timeout=60)
     out["ipc_expected"] = {n: ("cuda", float(t.double().sum()), float(t.double().abs().sum()))
                            for n, t in bucket}
-    out["bucket_bytes"] = sum(t.numel() * t.element_size() for _, t in bucket)
+    out["bucket_bytes"] = sum(t.nbytes for _, t in bucket)
     return out
 
 
 @pytest.fixture(scope="module")
-def result(model_dir, batch):
-    return run_workers(_gpu_worker, 1, model_dir, batch, timeout=600)[0]
+def result(actor_model_dir, actor_batch, actor_step):
+    return run_workers(_gpu_worker, 1, actor_model_dir, actor_batch, actor_step.settings,
+                       timeout=600)[0]
 
 
 @pytest.fixture(scope="module")
-def reference(model_dir, batch):
-    return _reference_step(model_dir, batch, "token-mean")
+def reference(actor_model_dir, actor_batch, actor_step):
+    return actor_step.reference(actor_model_dir, actor_batch, "token-mean")
 
 
 def _valid(reference):

@@ -30,13 +30,13 @@ def test_echo_trap_warnings(tmp_path):
     logger = RunLogger(tmp_path, total_steps=1, stream=out,
                        thresholds=EchoTrapThresholds(min_group_reward_std=0.05, min_entropy=0.1,
                                                      max_grad_norm=10.0))
-    warnings = logger.log(1, {"rollout/group_reward_std_before_filter": 0.0,
+    warnings = logger.log(1, {"filter/in_group_std": 0.0,
                               "actor/entropy": 0.01, "actor/grad_norm": 50.0})
     logger.close()
     assert len(warnings) == 3
-    assert any("group_reward_std_before_filter" in w and "echo trap" in w for w in warnings)
+    assert any("filter/in_group_std" in w and "echo trap" in w for w in warnings)
     assert out.getvalue().count("WARNING step 1") == 3
     # A NaN grad norm is always worth a warning; healthy values give none.
     assert logger.monitor.check({"actor/grad_norm": math.nan})
     assert not logger.monitor.check({"actor/entropy": 0.5, "actor/grad_norm": 1.0,
-                                     "rollout/group_reward_std_before_filter": 0.3})
+                                     "filter/in_group_std": 0.3})

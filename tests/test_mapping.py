@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ragen_mega.models import mapping
-from ragen_mega.models.hf_config import ConfigMismatchError, ModelSpec, check_checkpoint, model_spec
+from ragen_mega.models.hf_config import ConfigMismatchError, ModelSpec, model_spec
+from ragen_mega.models.mapping import check_checkpoint
 
 # 8 heads / 4 KV heads allow TP=4; vocab 200 is padded (256 at TP 1-2, 512 at TP 4); 4 layers
 # allow PP=2 with 2 virtual chunks. qwen3's head_dim 16 != hidden / heads = 8 (kv_channels).

@@ -12,12 +12,9 @@ import math
 import pytest
 import torch
 
-from ragen_mega.algo.losses import aggregate, kl_penalty, policy_loss, value_loss
+from ragen_mega.algo.losses import value_loss
 from ragen_mega.backends.megatron.launch import run_workers
 
-LR, WD, EPS, CLIP = 1e-3, 0.1, 1e-6, 0.05
-ACTOR = dict(micro_batch_size=1, lr=LR, weight_decay=WD, adam_eps=EPS, grad_clip=CLIP,
-             entropy_coeff=0.01, kl_coef=0.1, kl_kind="k1", total_steps=10)
 # layout name -> (tp, pp, vpp, extra config); world size 2, so tp=pp=1 means DP=2
 LAYOUTS = {
     "dp2": (1, 1, None, {}),
@@ -28,35 +25,18 @@ LAYOUTS = {
 }
 
 
-def _batch(vocab: int, seed: int = 0) -> dict:
-    """Ragged right-padded rows: prompt, a masked-out observation in the middle, padding."""
-    g = torch.Generator().manual_seed(seed)
-    B, S = 4, 14
-    lengths = [14, 9, 12, 6]
-    input_ids = torch.randint(0, vocab, (B, S), generator=g)
-    attention_mask = torch.zeros(B, S, dtype=torch.long)
-    loss_mask = torch.zeros(B, S)
-    for b, n in enumerate(lengths):
-        attention_mask[b, :n] = 1
-        input_ids[b, n:] = 0
-        loss_mask[b, 3:n] = 1
-    loss_mask[0, 7:9] = 0  # an environment observation inside the response
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "advantages": torch.randn(B, S, generator=g),
-            "noise": torch.randn(B, S, generator=g),
-            "returns": 1.5 + 0.5 * torch.randn(B, S, generator=g)}
-
-
-def _train_worker(rank, world_size, hf_dir, batch):
+def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
     import gc
 
     from ragen_mega.backends.megatron.parallel import file_init_method, init_parallel
-    from ragen_mega.backends.megatron.train import MegatronTrainer, TrainerConfig, dp_shard
+    from ragen_mega.backends.megatron.train import MegatronTrainer, dp_shard
+    from ragen_mega.config import ActorConfig, CriticConfig
 
     out = {}
     for name, (tp, pp, vpp, extra) in LAYOUTS.items():
         init_parallel(rank, world_size, file_init_method("/nonexistent"), tp=tp, pp=pp, vpp=vpp)
-        trainer = MegatronTrainer(TrainerConfig(tp=tp, pp=pp, vpp=vpp, **ACTOR, **extra), hf_dir)
+        trainer = MegatronTrainer(ActorConfig(tp=tp, pp=pp, vpp=vpp, **actor_settings, **extra),
+                                  hf_dir, total_steps=10)
         local = dp_shard(batch)
         logprobs = trainer.compute_logprobs(local)
         # old policy = current policy + noise, so clipped and dual-clipped tokens both occur
@@ -69,72 +49,33 @@ def _train_worker(rank, world_size, hf_dir, batch):
         gc.collect()
 
     init_parallel(rank, world_size, file_init_method("/nonexistent"), tp=2, pp=1)
-    critic = MegatronTrainer(TrainerConfig(tp=2, micro_batch_size=2, lr=1e-2, grad_clip=1.0,
-                                           value_clip=None), hf_dir, role="critic")
+    critic = MegatronTrainer(CriticConfig(tp=2, micro_batch_size=2, lr=1e-2, grad_clip=1.0,
+                                          value_clip=None), hf_dir, role="critic")
     values0 = critic.compute_values(batch)
-    losses = [critic.train_critic({**batch, "old_values": values0})["value_loss"]
+    losses = [critic.train_critic({**batch, "old_values": values0})["vf_loss"]
               for _ in range(6)]
     out["critic"] = {"values0": values0, "losses": losses}
     return out
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_model):
-    return tiny_model("qwen2", tied=True, num_layers=4)
+def model_dir(actor_model_dir):
+    return actor_model_dir
 
 
 @pytest.fixture(scope="module")
-def batch(model_dir):
-    from transformers import AutoConfig
-
-    return _batch(AutoConfig.from_pretrained(model_dir).vocab_size)
+def batch(actor_batch):
+    return actor_batch
 
 
 @pytest.fixture(scope="module")
-def results(model_dir, batch):
-    return run_workers(_train_worker, 2, model_dir, batch, timeout=900)
-
-
-def _hf_logprobs_entropy(model, batch):
-    logits = model(input_ids=batch["input_ids"],
-                   attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, dim=-1)
-    lp = logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return lp, entropy
-
-
-def _reference_step(model_dir, batch, mode):
-    """Full-batch StarPO loss with transformers + algo functions, then torch AdamW."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    with torch.no_grad():
-        ref_lp, _ = _hf_logprobs_entropy(ref_model, batch)
-    mask = batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]
-    old = ref_lp + batch["noise"][:, 1:]
-    lp, entropy = _hf_logprobs_entropy(model, batch)
-    pg, _ = policy_loss(lp, old, batch["advantages"][:, 1:], mask, 0.2, 0.28, 3.0, agg=mode)
-    loss = (pg - ACTOR["entropy_coeff"] * aggregate(entropy, mask, mode)
-            + ACTOR["kl_coef"] * aggregate(kl_penalty(lp, ref_lp, "k1"), mask, mode))
-    loss.backward()
-    params = [p for p in model.parameters()]
-    grad_norm = torch.norm(torch.stack([p.grad.norm() for p in params])).item()
-    torch.nn.utils.clip_grad_norm_(params, CLIP)
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=LR, eps=EPS)
-    opt.step()
-    return {"loss": loss.item(), "grad_norm": grad_norm, "ref_lp": ref_lp,
-            "weights": {n: p.detach().clone() for n, p in model.state_dict().items()},
-            "mask": mask}
+def results(model_dir, batch, actor_step):
+    return run_workers(_train_worker, 2, model_dir, batch, actor_step.settings, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def references(model_dir, batch):
-    return {mode: _reference_step(model_dir, batch, mode)
+def references(model_dir, batch, actor_step):
+    return {mode: actor_step.reference(model_dir, batch, mode)
             for mode in ("token-mean", "seq-mean-token-mean")}
 
 
@@ -143,7 +84,7 @@ def _mode(name):
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_actor_step_matches_transformers_and_adamw(results, references, name):
+def test_actor_step_matches_transformers_and_adamw(results, references, actor_step, name):
     ref = references[_mode(name)]
     # log-probs before the step: every DP rank's rows against transformers
     dp2 = LAYOUTS[name][:2] == (1, 1)  # each DP rank holds half of the rows
@@ -158,10 +99,12 @@ def test_actor_step_matches_transformers_and_adamw(results, references, name):
         assert m["update_successful"] == 1.0
         assert m["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
         assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-        assert m["lr"] == pytest.approx(LR)
-    assert ref["grad_norm"] > CLIP  # clipping was active
+        assert m["lr"] == pytest.approx(actor_step.lr)
+    assert ref["grad_norm"] > actor_step.clip  # clipping was active
     m = results[0][name]["metrics"]
-    assert 0 < m["pg_clipfrac"] < 1 and m["dual_clip_frac"] > 0
+    # either ratio clip (verl's pg_clipfrac) and the dual clip (verl's pg_clipfrac_lower) occur
+    assert 0 < m["pg_clipfrac"] < 1 and m["pg_clipfrac_lower"] > 0
+    assert m["pg_clipfrac"] == pytest.approx(m["pg_clipfrac_ratio_high"] + m["pg_clipfrac_ratio_low"])
 
     weights = results[0][name]["weights"]
     assert set(weights) == set(ref["weights"]) - {"lm_head.weight"}  # tied: no lm_head exported

@@ -9,7 +9,8 @@ import pytest
 from ragen_mega.backends.sglang.server import (build_command, build_env, cpu_threads_bind,
                                               launch_server)
 from ragen_mega.ray.devices import bundle_gpu_ids
-from ragen_mega.ray.placement import create_placement_group, plan_placement
+from ragen_mega.config import load_run_config
+from ragen_mega.ray.placement import create_placement_group, plan_placement, plan_resources
 
 
 def test_disaggregated_and_colocated_plans():
@@ -28,6 +29,37 @@ def test_disaggregated_and_colocated_plans():
         plan_placement(num_trainer_ranks=4, num_engines=3, engine_tp=2, colocate=True)
     with pytest.raises(ValueError, match="num_trainer_ranks must be >= 1"):
         plan_placement(num_trainer_ranks=0, num_engines=1)
+
+
+def test_resource_plans_from_the_config_by_hand():
+    """What each process reserves, worked out by hand for a 2-core machine and a GPU node."""
+    # actor TP=2 + critic + one engine on 2 CPUs: 4 bundles of 2/4 CPU; the trainer ranks run
+    # one phase at a time, so each may use 2 cores // 2 (the larger role's ranks) threads
+    cfg = load_run_config(None, ["actor.tp=2"])
+    res = plan_resources(cfg, cluster_cpus=2, host_cpus=2, use_gpu=False)
+    assert (res.actor_world, res.critic_world) == (2, 1)
+    assert res.placement.bundles == [{"CPU": 0.5}] * 4
+    assert res.actor_bundles == [0, 1] and res.critic_bundles == [2]
+    assert res.placement.engine_bundles == [[3]]
+    assert (res.engine_cpus, res.trainer_cpus, res.trainer_gpus) == (0.5, 0.5, 0.0)
+    assert res.trainer_threads == 1
+    # 2 env workers count a quarter each: 2 / (3 + 2/4) = 0.5714..., rounded down to 1e-4
+    cfg = load_run_config(None, ["rollout.env_workers=2"])
+    res = plan_resources(cfg, cluster_cpus=2, host_cpus=2, use_gpu=False)
+    assert res.placement.bundles == [{"CPU": 0.5714}] * 3 + [{"CPU": 0.1428}] * 2
+    assert res.env_worker_cpus == 0.1428 and res.placement.env_worker_bundles == [3, 4]
+    assert res.trainer_threads == 2
+    # colocated, no critic, DP=2: the engine shares trainer bundle 0 and takes half its share
+    cfg = load_run_config(None, ["trainer.colocate=true", "trainer.data_parallel=2",
+                                 "critic.enable=false", "algo.adv_estimator=grpo"])
+    res = plan_resources(cfg, cluster_cpus=2, host_cpus=2, use_gpu=False)
+    assert res.critic_world == 0 and res.critic_bundles == []
+    assert res.placement.bundles == [{"CPU": 1.0}] * 2 and res.placement.engine_bundles == [[0]]
+    assert (res.engine_cpus, res.trainer_cpus) == (0.5, 0.5)
+    # on GPU: a device and a core per bundle; colocated, half a device each; Ray's threads
+    res = plan_resources(cfg, cluster_cpus=64, host_cpus=64, use_gpu=True)
+    assert res.placement.bundles == [{"CPU": 1.0, "GPU": 1.0}] * 2
+    assert (res.trainer_cpus, res.trainer_gpus, res.trainer_threads) == (0.5, 0.5, None)
 
 
 class _Where:

@@ -75,7 +75,7 @@ def test_gae_needs_values():
 
 
 def test_summarize_means_and_pass_at_k():
-    from ragen_mega.ray.driver import summarize
+    from ragen_mega.rollout.metrics import summarize
     from ragen_mega.rollout.episode import Episode
 
     def episode(group, success, reward):

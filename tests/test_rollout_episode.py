@@ -9,37 +9,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from transformers import AutoTokenizer
-
 from ragen_mega.agent import AgentConfig
 from ragen_mega.envs import make
-from ragen_mega.rollout.episode import (EnvPart, EpisodeSpec, Generation, group_specs, mix_specs,
+from ragen_mega.rollout.episode import (EnvPart, EpisodeSpec, group_specs, mix_specs,
                                         run_episodes, train_step_specs)
 from ragen_mega.rollout.sample import collate
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir):
-    return AutoTokenizer.from_pretrained(smollm2_dir)
-
-
-def scripted(tokenizer, answers, delays=None, log=None):
-    """A generate function answering turn k of every episode with ``answers[k]``."""
-    calls: dict[int, int] = {}
-
-    async def generate(prompt_ids, sampling):
-        key = sampling["episode_key"]
-        k = calls.get(key, 0)
-        calls[key] = k + 1
-        await asyncio.sleep((delays or {}).get(key, 0.0))
-        if log is not None:
-            log.append(key)
-        ids = tokenizer.encode(answers[min(k, len(answers) - 1)], add_special_tokens=False)
-        return Generation(ids, [-0.5] * len(ids), "stop")
-    return generate
-
-
-def test_bandit_group_episode_samples(tokenizer):
+def test_bandit_group_episode_samples(tokenizer, scripted):
     agent = AgentConfig(think=False, max_actions_per_turn=1)
     specs = group_specs("bandit", {}, env_groups=2, group_size=3, first_seed=10)
     # the bandit's episode is one random draw: each group member gets its own seed
@@ -75,7 +52,7 @@ def test_bandit_group_episode_samples(tokenizer):
     assert broken[0].metrics["num_actions"] == 0 and broken[0].samples[-1].last
 
 
-def test_sokoban_multi_turn_reuses_sampled_ids(tokenizer):
+def test_sokoban_multi_turn_reuses_sampled_ids(tokenizer, scripted):
     """Later prompts contain earlier responses' ids verbatim; collate masks exactly them."""
     agent = AgentConfig(think=True, max_actions_per_turn=2)
     spec = EpisodeSpec("sokoban", {"dim_room": [6, 6], "num_boxes": 1}, seed=3, episode_id=0,
@@ -103,7 +80,7 @@ def test_sokoban_multi_turn_reuses_sampled_ids(tokenizer):
         assert batch["rollout_logprobs"][i][batch["loss_mask"][i].bool()].tolist() == [-0.5] * r
 
 
-def test_episodes_do_not_wait_for_the_slowest(tokenizer):
+def test_episodes_do_not_wait_for_the_slowest(tokenizer, scripted, run_episodes_keyed):
     """A slow generation for episode 0 does not hold back episode 1's later turns."""
     agent = AgentConfig(think=False, max_actions_per_turn=1)
     specs = [EpisodeSpec("bandit", {}, seed=s, episode_id=s, group_id=0) for s in (0, 1)]
@@ -111,19 +88,6 @@ def test_episodes_do_not_wait_for_the_slowest(tokenizer):
     gen = scripted(tokenizer, [" pizza </answer>"], delays={0: 0.3}, log=log)
     asyncio.run(run_episodes_keyed(specs, tokenizer, agent, gen))
     assert log[:3] == [1, 1, 1], f"episode 1 should finish its 3 turns first, order was {log}"
-
-
-async def run_episodes_keyed(specs, tokenizer, agent, gen, max_turns=3, **kwargs):
-    """Every episode with its own turn count in ``gen``; ``kwargs`` go to ``run_episode``
-    (tests/test_env_workers.py plays the same episodes on remote envs with ``open_env``)."""
-    from ragen_mega.rollout.episode import run_episode
-
-    async def one(spec):
-        return await run_episode(spec, tokenizer=tokenizer, agent=agent, sampling={},
-                                 max_turns=max_turns, **kwargs,
-                                 generate=lambda ids, sp: gen(ids, {**sp,
-                                                                    "episode_key": spec.episode_id}))
-    return await asyncio.gather(*(one(s) for s in specs))
 
 
 def test_mix_seed_and_group_layout():
@@ -154,7 +118,7 @@ def test_mix_seed_and_group_layout():
     assert train_step_specs(parts, group_size=2, seed=5, step=2) == steps[2]
 
 
-def test_mixed_episodes_play_their_own_env(tokenizer):
+def test_mixed_episodes_play_their_own_env(tokenizer, scripted):
     """Bandit and sokoban episodes in one batch: each plays its own env (reward replayed on
     that env independently), its samples carry its tag, and it stops at its own turn limit
     (sokoban's 4; the bandit has none of its own, so the run's 2)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import yaml
 
 from ragen_mega.config import load_run_config
 from ragen_mega.config_tree import ConfigError
@@ -39,6 +40,21 @@ def test_defaults_are_ragen_starpo_s():
     (["rollout.env_workers=-1"], "rollout.env_workers: must be >= 0 (0: envs in the driver)"),
     (["rollout.env_workers=2.5"], "rollout.env_workers: expected int, got float 2.5"),
     (["env.name=sokoban", "env.kwargs={dim: 3}"], "env.kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
+    # enumerations list their choices
+    (["actor.lr_decay_style=exp"], "actor.lr_decay_style: 'exp' is not allowed; allowed values: "
+                                   "'constant', 'linear', 'cosine', 'inverse-square-root'"),
+    (["actor.kl_kind=k9"], "actor.kl_kind: 'k9' is not allowed; allowed values: 'k1', 'kl',"),
+    (["critic.loss_agg_mode=mean"], "critic.loss_agg_mode: 'mean' is not allowed; allowed values: "
+                                    "'token-mean', 'seq-mean-token-mean',"),
+    # each role has only its own loss settings; what the run derives is no key at all
+    (["critic.clip_ratio_low=0.1"], "unknown config key 'critic.clip_ratio_low'"),
+    (["critic.kl_coef=0.1"], "unknown config key 'critic.kl_coef'"),
+    (["actor.value_clip=0.2"], "unknown config key 'actor.value_clip'"),
+    (["actor.total_steps=5"], "unknown config key 'actor.total_steps'"),
+    (["actor.temperature=0.5"], "unknown config key 'actor.temperature'"),
+    (["critic.seed=3"], "unknown config key 'critic.seed'"),
+    (["model.path=/nonexistent/model"],
+     "model.path: '/nonexistent/model' is not a Hugging Face model directory (no config.json"),
 ])
 def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
@@ -58,21 +74,37 @@ def test_overrides_apply():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_examples_load(path):
-    load_run_config(path)
+    """Every example loads. Most name a model directory of the user's machine (/path/to/...):
+    until it exists, that key, and only that one, is refused."""
+    model = yaml.safe_load(path.read_text())["model"]["path"]
+    if model != "smollm2" and not (pathlib.Path(model) / "config.json").is_file():
+        with pytest.raises(ConfigError, match="^model.path: "):
+            load_run_config(path)
+        load_run_config(path, ["model.path=smollm2"])
+    else:
+        load_run_config(path)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"micro_batch_size": 0}, "micro_batch_size"), ({"clip_ratio_c": 0.5}, "clip_ratio_c"),
-    ({"loss_agg_mode": "mean"}, "loss_agg_mode"), ({"kl_kind": "k9"}, "kl_kind"),
-    ({"warmup_steps": 10, "total_steps": 5}, "total_steps"), ({"bf16": True}, "bf16")])
-def test_trainer_config_errors_name_the_field(kwargs, field):
-    """The Megatron trainer refuses a bad TrainerConfig itself too (not only via the tree)."""
-    from ragen_mega.config import TrainerConfig
+def test_model_path_that_is_no_hf_dir_is_a_cli_config_error(tmp_path, capsys):
+    from ragen_mega.ray.driver import main
+
+    assert main(["examples/bandit_cpu_demo.yaml", f"model.path={tmp_path}"]) == 2
+    assert f"config error: model.path: '{tmp_path}' is not a Hugging Face" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("section, kwargs, field", [
+    ("actor", {"micro_batch_size": 0}, "micro_batch_size"),
+    ("actor", {"clip_ratio_c": 0.5}, "clip_ratio_c"), ("actor", {"kl_kind": "k9"}, "kl_kind"),
+    ("critic", {"loss_agg_mode": "mean"}, "loss_agg_mode"),
+    ("critic", {"value_clip": 0}, "value_clip"), ("critic", {"bf16": True}, "bf16")])
+def test_training_section_errors_name_the_field(section, kwargs, field):
+    """The Megatron trainer refuses a bad section itself too (not only via the tree)."""
+    from ragen_mega.config import ActorConfig, CriticConfig
 
     with pytest.raises(ValueError, match=f"^{field}: "):
-        TrainerConfig(**kwargs).validate()
-    overrides = [f"critic.{k}={v}" for k, v in kwargs.items()]
-    with pytest.raises(ConfigError, match=f"^critic.{field}: "):
+        {"actor": ActorConfig, "critic": CriticConfig}[section](**kwargs).validate()
+    overrides = [f"{section}.{k}={v}" for k, v in kwargs.items()]
+    with pytest.raises(ConfigError, match=f"^{section}.{field}: "):
         load_run_config(None, overrides)
 
 

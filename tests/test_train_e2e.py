@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from pathlib import Path
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import driver
+from ragen_mega.ray import checkpoints, driver
+
+
+def _readme_scalars() -> set[str]:
+    """The scalar names of README.md's "TensorBoard scalars" table (first column)."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text.split("## TensorBoard scalars", 1)[1].split("\n## ", 1)[0]
+    return {name for line in section.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([^`]+)`", line.split("|")[1])}
 
 
 def test_malformed_config_fails_before_anything_starts(capsys):
@@ -33,13 +44,25 @@ def test_two_steps_then_resume(tiny_run_overrides, tmp_path, private_ray):
     acc = EventAccumulator(str(tmp_path / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
+    # verl's names for verl's quantities (RAGEN publishes the same)
     for tag in ("rollout/success", "rollout/reward_mean", "actor/pg_loss", "actor/grad_norm",
-                "actor/entropy", "critic/value_loss", "filter/kept_groups", "time/rollout_s",
-                "rollout/group_reward_std_before_filter", "sync/seconds"):
+                "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+                "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "filter/kept_groups",
+                "filter/in_group_std", "time/rollout_s", "sync/seconds"):
         assert tag in tags, f"missing scalar {tag}"
     for tag in tags:
         assert all(math.isfinite(e.value) for e in acc.Scalars(tag)), tag
-    assert (tmp_path / "checkpoints" / "latest_step").read_text() == "2"
+    # README's table names every scalar the loop writes (per-env-tag copies as rollout/<tag>/...)
+    documented = _readme_scalars()
+    for tag in tags:
+        generic = re.sub(r"^val/", "rollout/", re.sub(r"pass@\d+", "pass@k", tag))
+        generic = re.sub(r"^rollout/bandit/", "rollout/<tag>/", generic)
+        assert generic in documented or re.sub(r"/<tag>/", "/", generic) in documented, tag
+    # one pointer, directories named by the loop's step, no per-role pointer
+    assert checkpoints.latest_complete_step(tmp_path) == 2
+    for role in ("actor", "critic"):
+        assert sorted(p.name for p in (tmp_path / "checkpoints" / role).iterdir()) == [
+            "step_1", "step_2"]
 
     # resume: a third step continues from the saved step 2 (weights and optimizer restored)
     cfg3 = load_run_config("examples/bandit_cpu_demo.yaml", tiny_run_overrides(tmp_path, 3))
@@ -48,6 +71,34 @@ def test_two_steps_then_resume(tiny_run_overrides, tmp_path, private_ray):
     assert history3[0]["sync/max_logprob_diff"] < 1e-3
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2, 3]
+
+
+def test_half_built_run_is_torn_down(tiny_model, tiny_run_overrides, tmp_path, private_ray,
+                                     monkeypatch):
+    """The engine is up when the actor fails to build (one attention head cannot be split over
+    actor.tp=2): the error reaches the caller, and the engine's server, the trainer ranks and
+    the placement group are gone."""
+    import ray
+    import requests
+
+    from ragen_mega.ray.engine_group import EngineGroup
+
+    started, real_init = [], EngineGroup.__init__
+
+    def recording_init(self, *args, **kwargs):  # the real engines, remembered for the check
+        real_init(self, *args, **kwargs)
+        started.append(self)
+
+    monkeypatch.setattr(EngineGroup, "__init__", recording_init)
+    one_head = tiny_model("qwen2", num_heads=1, num_kv_heads=1)
+    overrides = tiny_run_overrides(tmp_path, total_steps=1) + [f"model.path={one_head}"]
+    with pytest.raises(RuntimeError, match="on rank 0"):
+        driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
+    [engines] = started
+    with pytest.raises(requests.ConnectionError):
+        requests.get(f"{engines.urls[0]}/health", timeout=10)
+    # removing the placement group also ends every actor placed in it
+    assert [pg["state"] for pg in ray.util.placement_group_table().values()] == ["REMOVED"]
 
 
 def test_colocated_step_with_env_workers(tiny_run_overrides, tmp_path, private_ray):

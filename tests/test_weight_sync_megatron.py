@@ -100,13 +100,12 @@ def _sync_worker(rank, world_size, hf_dir, urls, rounds):
     """A TP=``world_size`` trainer that, per round ``(load_format, streamed, sign)``, trains a
     step, observes the stale engines, syncs them as the training loop does (``DirectExport`` to
     rank 0; ``streamed``: the sender follows its layout) and observes them again."""
-    from ragen_mega.backends.megatron.model import DirectExport
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.backends.sglang.client import EngineClient
     from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
-    from ragen_mega.config import TrainerConfig
+    from ragen_mega.config import ActorConfig
 
-    trainer = MegatronTrainer(TrainerConfig(lr=1e-2, micro_batch_size=3, tp=world_size), hf_dir)
+    trainer = MegatronTrainer(ActorConfig(lr=1e-2, micro_batch_size=3, tp=world_size), hf_dir)
     clients = [EngineClient(u, timeout=120, retries=1) for u in urls] if rank == 0 else []
     sender = None
     if rank == 0:
@@ -118,7 +117,7 @@ def _sync_worker(rank, world_size, hf_dir, urls, rounds):
     for version, (load_format, streamed, sign) in enumerate(rounds, start=1):
         report[f"train_{version}"] = _train_step(trainer, last, sign)
         report[f"stale_{version}"] = _observe(trainer, clients)  # the engines have old weights
-        export = DirectExport(trainer.model, dst=0, prefetch_bytes=BUCKET_BYTES)
+        export = trainer.weight_export(dst=0, prefetch_bytes=BUCKET_BYTES)
         if sender is None:  # rank 1: its shards go straight to rank 0
             for _ in export:
                 pass

@@ -36,6 +36,8 @@ from ragen_mega.agent.config import AgentConfig
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
 _TAGS = (THINK_OPEN, THINK_CLOSE, ANSWER_OPEN, ANSWER_CLOSE)
+#: where the engines stop a turn: the answer is closed, and what would follow is ignored anyway
+STOP_STRINGS = (ANSWER_CLOSE,)
 _THINK_TO_ANSWER = re.compile(r"</think>\s*<answer>")
 
 

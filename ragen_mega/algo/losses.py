@@ -26,10 +26,15 @@ Entropy is computed by the trainer (vocab-parallel); its bonus is
 """
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_KINDS = ("k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs")
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                  "seq-mean-token-sum-norm"]
+KlKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
+KL_KINDS: tuple[str, ...] = get_args(KlKind)
 
 # log-ratios are clamped before exp, as verl does, so one wild token cannot produce inf/NaN
 _LOG_RATIO_CLAMP = 20.0

@@ -1,9 +1,8 @@
 """Hugging Face ``config.json`` -> ``ModelSpec`` -> megatron-core ``TransformerConfig`` + layer spec.
 
 :class:`ModelSpec` holds what the mapping and the model need from a config (with the vocabulary
-padded for TP); :func:`check_checkpoint` compares a checkpoint's tensor shapes with it and names
-the config field a tensor contradicts; :func:`layer_spec` picks TransformerEngine's layer spec
-when it imports, the local one otherwise.
+padded for TP); :func:`layer_spec` picks TransformerEngine's layer spec when it imports, the
+local one otherwise.
 
 Supported families: llama (SmolLM2, Llama 2/3 without rope scaling), qwen2 (q/k/v biases),
 qwen3 (q/k RMSNorm per head, head_dim may differ from hidden/heads). Anything this trainer would
@@ -15,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -187,59 +186,3 @@ def layer_spec(spec: ModelSpec, *, use_te: bool | None = None):
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
     return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
-
-
-def check_checkpoint(spec: ModelSpec, shapes: Mapping[str, Sequence[int]],
-                     role: str = "actor") -> None:
-    """Compare a checkpoint's tensor names/shapes with ``spec``; name the contradicted field.
-
-    ``shapes`` maps HF tensor names to shapes (e.g. read from safetensors headers without loading
-    data); for a critic the optional ``score.weight`` is not required. Raises
-    ConfigMismatchError for a wrong dimension (naming the config key, the value it has and the
-    value the tensor implies), a missing tensor or an unexpected one.
-    """
-    from ragen_mega.models.mapping import CONFIG_KEY_TO_SPEC, expected_hf_shapes
-
-    expected = expected_hf_shapes(spec, role)
-    for name, dims in expected.items():
-        if name not in shapes:
-            raise ConfigMismatchError(f"checkpoint lacks tensor {name} that the config implies "
-                                      f"({_describe(spec, name)})")
-        shape = tuple(shapes[name])
-        if len(shape) != len(dims):
-            raise ConfigMismatchError(f"tensor {name} has shape {shape}, expected "
-                                      f"{len(dims)} dims")
-        for size, (field, factor) in zip(shape, dims):
-            want = getattr(spec, CONFIG_KEY_TO_SPEC[field]) * factor
-            if size != want:
-                implied = f"{size / factor:g}" if size % factor == 0 else f"{size}/{factor}"
-                raise ConfigMismatchError(
-                    f"{field}: config says {getattr(spec, CONFIG_KEY_TO_SPEC[field])}, checkpoint tensor "
-                    f"{name} has shape {shape}, implying {implied}")
-    unexpected = sorted(set(shapes) - set(expected))
-    if unexpected:
-        raise ConfigMismatchError(f"checkpoint has tensors the config does not imply: "
-                                  f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
-                                  f"({_hint(spec, unexpected[0])})")
-
-
-def _describe(spec: ModelSpec, name: str) -> str:
-    if name == "lm_head.weight":
-        return f"tie_word_embeddings={spec.tie_word_embeddings}"
-    if ".bias" in name:
-        return f"model_type={spec.arch} has q/k/v biases"
-    if "_norm" in name and "self_attn" in name:
-        return f"model_type={spec.arch} has q/k norms"
-    return f"num_hidden_layers={spec.num_layers}"
-
-
-def _hint(spec: ModelSpec, name: str) -> str:
-    if name == "lm_head.weight":
-        return f"tie_word_embeddings: config says {spec.tie_word_embeddings}"
-    if name.startswith("model.layers."):
-        index = int(name.split(".")[2])
-        if index >= spec.num_layers:
-            return f"num_hidden_layers: config says {spec.num_layers}, checkpoint has layer {index}"
-    if ".bias" in name or "_norm" in name:
-        return f"model_type: config says {spec.arch}"
-    return "not part of a llama/qwen2/qwen3 causal LM"

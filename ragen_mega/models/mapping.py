@@ -5,7 +5,8 @@ about it for a ``spec`` (a ``ModelSpec``) and a ``role`` ("actor": LM head, "cri
 head): which pipeline chunk holds which parameters, what one parameter is called on each side,
 and how a TP split cuts it. Conversion goes both ways (``hf_to_megatron_shard`` and its streaming
 twin for loading, ``megatron_to_hf`` for export, which takes full tensors or a list of TP shards
-in TP-rank order).
+in TP-rank order). :func:`check_checkpoint` compares a checkpoint's tensor shapes with
+:func:`expected_hf_shapes` and names the config field a tensor contradicts.
 
 Names. Megatron names are those of ``GPTModel`` built with the *local* layer spec
 (``decoder.layers.3.self_attention.linear_qkv.weight``). A "global" name carries the global layer
@@ -40,7 +41,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from ragen_mega.models.hf_config import ModelSpec
+from ragen_mega.models.hf_config import ConfigMismatchError, ModelSpec
 
 ROLES = ("actor", "critic")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -420,7 +421,7 @@ def hf_shape(hf_name: str, spec: ModelSpec, role: str = "actor") -> tuple[int, .
 def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]:
     """HF tensor name -> dims as (config key, factor): the size is ``config[key] * factor``.
 
-    Used by ``hf_config.check_checkpoint`` to name the config key a tensor contradicts.
+    Used by :func:`check_checkpoint` to name the config key a tensor contradicts.
     """
     H, V, F = ("hidden_size", 1), ("vocab_size", 1), ("intermediate_size", 1)
     hd = spec.head_dim
@@ -445,3 +446,57 @@ def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]
             for i in layers:
                 out[template.format(i=i)] = per_suffix[suffix]
     return out
+
+
+def check_checkpoint(spec: ModelSpec, shapes: Mapping[str, Sequence[int]],
+                     role: str = "actor") -> None:
+    """Compare a checkpoint's tensor names/shapes with ``spec``; name the contradicted field.
+
+    ``shapes`` maps HF tensor names to shapes (e.g. read from safetensors headers without loading
+    data); for a critic the optional ``score.weight`` is not required. Raises
+    ConfigMismatchError for a wrong dimension (naming the config key, the value it has and the
+    value the tensor implies), a missing tensor or an unexpected one.
+    """
+    expected = expected_hf_shapes(spec, role)
+    for name, dims in expected.items():
+        if name not in shapes:
+            raise ConfigMismatchError(f"checkpoint lacks tensor {name} that the config implies "
+                                      f"({_describe(spec, name)})")
+        shape = tuple(shapes[name])
+        if len(shape) != len(dims):
+            raise ConfigMismatchError(f"tensor {name} has shape {shape}, expected "
+                                      f"{len(dims)} dims")
+        for size, (field, factor) in zip(shape, dims):
+            want = getattr(spec, CONFIG_KEY_TO_SPEC[field]) * factor
+            if size != want:
+                implied = f"{size / factor:g}" if size % factor == 0 else f"{size}/{factor}"
+                raise ConfigMismatchError(
+                    f"{field}: config says {getattr(spec, CONFIG_KEY_TO_SPEC[field])}, checkpoint tensor "
+                    f"{name} has shape {shape}, implying {implied}")
+    unexpected = sorted(set(shapes) - set(expected))
+    if unexpected:
+        raise ConfigMismatchError(f"checkpoint has tensors the config does not imply: "
+                                  f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
+                                  f"({_hint(spec, unexpected[0])})")
+
+
+def _describe(spec: ModelSpec, name: str) -> str:
+    if name == "lm_head.weight":
+        return f"tie_word_embeddings={spec.tie_word_embeddings}"
+    if ".bias" in name:
+        return f"model_type={spec.arch} has q/k/v biases"
+    if "_norm" in name and "self_attn" in name:
+        return f"model_type={spec.arch} has q/k norms"
+    return f"num_hidden_layers={spec.num_layers}"
+
+
+def _hint(spec: ModelSpec, name: str) -> str:
+    if name == "lm_head.weight":
+        return f"tie_word_embeddings: config says {spec.tie_word_embeddings}"
+    if name.startswith("model.layers."):
+        index = int(name.split(".")[2])
+        if index >= spec.num_layers:
+            return f"num_hidden_layers: config says {spec.num_layers}, checkpoint has layer {index}"
+    if ".bias" in name or "_norm" in name:
+        return f"model_type: config says {spec.arch}"
+    return "not part of a llama/qwen2/qwen3 causal LM"

@@ -80,6 +80,12 @@ def prepare_smollm2(out_dir: str | Path | None = None) -> Path:
     return atomic_dir(out_dir, build)
 
 
+def resolve_model(path: str) -> str:
+    """A run's ``model.path`` as a directory: ``smollm2`` -> the prepared SmolLM2 directory;
+    any other path (checked to be an HF directory when the config was loaded) as it is."""
+    return str(prepare_smollm2()) if path == "smollm2" else path
+
+
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embeddings: bool = False,
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                     num_kv_heads: int = 2, intermediate_size: int = 128, seed: int = 0,

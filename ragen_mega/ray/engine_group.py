@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from typing import Any
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
 from ragen_mega.ray.actor_group import ActorGroup
 from ragen_mega.rollout.episode import Generation
+
+T = TypeVar("T")
 
 
 class EngineWorker:
@@ -74,9 +77,18 @@ class EngineGroup:
         out = await client.generate(prompt_ids, sampling, return_logprob=True)
         return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
 
-    async def close_clients(self) -> None:
-        for client in self.clients:
-            await client.close()
+    def run(self, work: Coroutine[Any, Any, T]) -> T:
+        """Run ``work`` (which talks to the engines, e.g. through :meth:`generate`) in a fresh
+        event loop and return its result. The HTTP clients belong to the loop they were first
+        used in, so they are closed before it ends, and the next call opens new ones."""
+        async def run_then_close():
+            try:
+                return await work
+            finally:
+                for client in self.clients:
+                    await client.close()
+
+        return asyncio.run(run_then_close())
 
     def release_memory(self) -> None:
         """Colocated mode: every engine frees its weights and KV cache for the trainer's phase
@@ -91,12 +103,9 @@ class EngineGroup:
 
     def _on_all(self, method: str, *args) -> None:
         async def call_all():
-            try:
-                await asyncio.gather(*(getattr(c, method)(*args) for c in self.clients))
-            finally:
-                await self.close_clients()  # the clients belong to this event loop
+            await asyncio.gather(*(getattr(c, method)(*args) for c in self.clients))
 
-        asyncio.run(call_all())
+        self.run(call_all())
 
     def shutdown(self) -> None:
         self.group.call("shutdown")

@@ -15,7 +15,11 @@ cores; on GPU each bundle holds one GPU. Trainer bundles come first, so rank ``r
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+import math
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from ragen_mega.config import RunConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +59,66 @@ def plan_placement(*, num_trainer_ranks: int, num_engines: int, engine_tp: int =
     env_workers = list(range(len(bundles), len(bundles) + num_env_workers))
     bundles.extend({"CPU": cpus_per_env_worker} for _ in range(num_env_workers))
     return PlacementPlan(bundles, trainer, engines, env_workers)
+
+
+def bundle_cpus(cluster_cpus: float, n_bundles: int, n_env_workers: int,
+                use_gpu: bool) -> tuple[float, float]:
+    """CPUs reserved by each trainer-rank/engine bundle and by each env-worker bundle. On GPU: a
+    core each, so many env workers spread over the cluster's CPUs. On CPU the whole run shares the
+    machine: an env worker reserves a quarter of what a trainer rank or engine does (it is busy
+    only between generations), rounded down to Ray's resource unit (1e-4) so the sum fits."""
+    if use_gpu:
+        return 1.0, 1.0
+    cpus = min(1.0, math.floor(cluster_cpus / (n_bundles + n_env_workers / 4) * 1e4) / 1e4)
+    return cpus, math.floor(cpus / 4 * 1e4) / 1e4
+
+
+@dataclasses.dataclass(frozen=True)
+class ResourcePlan:
+    """What each process of a run reserves, and where it sits (``placement``)."""
+    placement: PlacementPlan
+    actor_world: int             # actor ranks: TP x PP x DP
+    critic_world: int            # critic ranks (0: no critic)
+    engine_cpus: float           # CPUs of each engine worker's Ray actor
+    trainer_cpus: float          # ... of each trainer rank's
+    trainer_gpus: float          # GPUs of each trainer rank (a half when it shares with an engine)
+    env_worker_cpus: float
+    trainer_threads: int | None  # torch threads per trainer rank; None: Ray's choice (GPU)
+
+    @property
+    def actor_bundles(self) -> list[int]:
+        return self.placement.trainer_bundles[:self.actor_world]
+
+    @property
+    def critic_bundles(self) -> list[int]:
+        return self.placement.trainer_bundles[self.actor_world:]
+
+
+def plan_resources(cfg: RunConfig, *, cluster_cpus: float, host_cpus: int,
+                   use_gpu: bool) -> ResourcePlan:
+    """The run's bundles and per-process reservations from its config and the cluster's size.
+
+    Colocated, an engine and a trainer rank share a bundle, so each takes half its CPUs (and, on
+    GPU, half the device). Ray gives an actor with a fractional CPU one OpenMP thread; on CPU the
+    phases (rollout, critic, actor) run one after another, so each trainer rank may use the
+    ``host_cpus`` it shares with the ranks of the other role."""
+    dp, colocate = cfg.trainer.data_parallel, cfg.trainer.colocate
+    actor_world = cfg.actor.tp * cfg.actor.pp * dp
+    critic_world = cfg.critic.tp * cfg.critic.pp * dp if cfg.critic.enable else 0
+    engine_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp
+    n_bundles = actor_world + critic_world + (0 if colocate else engine_devices)
+    n_env = cfg.rollout.env_workers
+    cpus, env_cpus = bundle_cpus(cluster_cpus, n_bundles, n_env, use_gpu)
+    placement = plan_placement(num_trainer_ranks=actor_world + critic_world,
+                               num_engines=cfg.rollout.num_engines,
+                               engine_tp=cfg.rollout.engine_tp, colocate=colocate,
+                               use_gpu=use_gpu, cpus_per_bundle=cpus, num_env_workers=n_env,
+                               cpus_per_env_worker=env_cpus)
+    shared = cpus / 2 if colocate else cpus
+    return ResourcePlan(
+        placement, actor_world, critic_world, engine_cpus=shared, trainer_cpus=shared,
+        trainer_gpus=(0.5 if colocate else 1.0) if use_gpu else 0.0, env_worker_cpus=env_cpus,
+        trainer_threads=None if use_gpu else max(1, host_cpus // max(actor_world, critic_world)))
 
 
 def create_placement_group(plan: PlacementPlan, strategy: Literal["PACK", "SPREAD", "STRICT_PACK",

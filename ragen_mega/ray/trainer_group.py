@@ -15,10 +15,12 @@ layout.
 from __future__ import annotations
 
 import socket
+import warnings
 from typing import Any
 
 import torch
 
+from ragen_mega.config import ActorConfig, CriticConfig
 from ragen_mega.ray.actor_group import ActorGroup
 
 
@@ -48,7 +50,7 @@ class TrainerWorker:
     """One rank of a Megatron trainer (actor or critic), living in a Ray actor."""
 
     def __init__(self, rank: int, world_size: int, init_method: str, role: str, hf_dir: str,
-                 config, threads: int | None = None):
+                 config: ActorConfig | CriticConfig, derived: dict, threads: int | None = None):
         from ragen_mega.backends.megatron.cpu_compat import quiet_cpu_warnings
 
         quiet_cpu_warnings()
@@ -59,8 +61,8 @@ class TrainerWorker:
             torch.set_num_threads(threads)
         self.rank = rank
         init_parallel(rank, world_size, init_method, tp=config.tp, pp=config.pp, vpp=config.vpp,
-                      seed=config.seed)
-        self.trainer = MegatronTrainer(config, hf_dir, role=role)
+                      seed=derived["seed"])
+        self.trainer = MegatronTrainer(config, hf_dir, role=role, **derived)
         self.sender = None
         self.sync_bucket_bytes = None  # set by connect_engines, on every rank
 
@@ -82,14 +84,11 @@ class TrainerWorker:
             return self.trainer.train_actor(local)
         return self.trainer.train_critic(local)
 
-    def save_checkpoint(self, root: str, extra: dict | None = None) -> str:
-        return str(self.trainer.save_checkpoint(root, extra=extra))
+    def save_checkpoint(self, root: str, step: int, extra: dict | None = None) -> str:
+        return str(self.trainer.save_checkpoint(root, step, extra=extra))
 
     def load_checkpoint(self, path: str) -> dict:
         return self.trainer.load_checkpoint(path)
-
-    def steps(self) -> int:
-        return self.trainer.steps
 
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], mode: str,
                         bucket_bytes: int) -> None:
@@ -101,8 +100,6 @@ class TrainerWorker:
         from ragen_mega.backends.sglang.client import EngineClient
         from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
 
-        if mode == "tensor":
-            torch.multiprocessing.set_sharing_strategy("file_system")
         self.sender = BucketedWeightSender(
             [EngineClient(u) for u in urls], mode=mode, bucket_bytes=bucket_bytes,
             master_addr=_node_ip(), engine_tp_sizes=engine_tp_sizes)
@@ -115,11 +112,9 @@ class TrainerWorker:
         Only rank 0 (the sender) receives full tensors: the other ranks send their shards
         straight to it, up to a bucket ahead, and rank 0 puts each tensor on the wire to the
         engines as soon as it is whole (the sender streams along ``DirectExport.layout``)."""
-        from ragen_mega.backends.megatron.model import DirectExport
-
         if self.sync_bucket_bytes is None:
             raise RuntimeError("sync_weights: call connect_engines first")
-        export = DirectExport(self.trainer.model, dst=0, prefetch_bytes=self.sync_bucket_bytes)
+        export = self.trainer.weight_export(dst=0, prefetch_bytes=self.sync_bucket_bytes)
         if self.sender is None:  # not the sending rank: send its shards only
             for _ in export:
                 pass
@@ -152,33 +147,42 @@ class TrainerWorker:
 class TrainerGroup:
     """All ranks of one trainer role; every method runs on all ranks and returns rank 0's."""
 
-    def __init__(self, role: str, hf_dir: str, config, pg, bundles: list[int], *,
-                 num_cpus: float, num_gpus: float = 0.0, threads: int | None = None):
+    def __init__(self, role: str, hf_dir: str, config: ActorConfig | CriticConfig, pg,
+                 bundles: list[int], *, num_cpus: float, num_gpus: float = 0.0,
+                 threads: int | None = None, total_steps: int, temperature: float = 1.0,
+                 seed: int):
+        """``total_steps``, ``temperature``, ``seed``: what the run derives for the trainer
+        (see :class:`~ragen_mega.backends.megatron.train.MegatronTrainer`)."""
         init_method = rendezvous_on_bundle(pg, bundles[0])
+        derived = dict(total_steps=total_steps, temperature=temperature, seed=seed)
         self.group = ActorGroup(TrainerWorker, pg, bundles, num_cpus=num_cpus, num_gpus=num_gpus,
-                                init_args=(init_method, role, hf_dir, config, threads))
+                                init_args=(init_method, role, hf_dir, config, derived, threads))
         self.role = role
 
     def _first(self, method: str, *args: Any) -> Any:
         return self.group.call(method, *args)[0]
 
+    def _on_batch(self, method: str, batch: dict) -> Any:
+        """``method(batch)`` on every rank, the batch put into Ray's object store once (each
+        rank reads the same copy instead of being sent its own serialisation)."""
+        import ray
+
+        return self._first(method, ray.put(batch))
+
     def compute_logprobs(self, batch: dict) -> torch.Tensor:
-        return self._first("compute_logprobs", batch)
+        return self._on_batch("compute_logprobs", batch)
 
     def compute_values(self, batch: dict) -> torch.Tensor:
-        return self._first("compute_values", batch)
+        return self._on_batch("compute_values", batch)
 
     def train(self, batch: dict) -> dict[str, float]:
-        return {f"{self.role}/{k}": v for k, v in self._first("train", batch).items()}
+        return {f"{self.role}/{k}": v for k, v in self._on_batch("train", batch).items()}
 
-    def save_checkpoint(self, root: str, extra: dict | None = None) -> str:
-        return self._first("save_checkpoint", root, extra)
+    def save_checkpoint(self, root: str, step: int, extra: dict | None = None) -> str:
+        return self._first("save_checkpoint", root, step, extra)
 
     def load_checkpoint(self, path: str) -> dict:
         return self._first("load_checkpoint", path)
-
-    def steps(self) -> int:
-        return self._first("steps")
 
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], *, mode: str,
                         bucket_bytes: int) -> None:
@@ -188,5 +192,11 @@ class TrainerGroup:
         return self._first("sync_weights", version)
 
     def kill(self) -> None:
-        self.group.call("close")
-        self.group.kill()
+        """Close the weight-update channel, then end every rank. A rank that failed to start
+        (or died) has no channel to close: that is reported, and the ranks are ended anyway."""
+        try:
+            self.group.call("close")
+        except RuntimeError as e:
+            warnings.warn(f"{self.role}: could not close the weight-update channel: {e}")
+        finally:
+            self.group.kill()

@@ -10,7 +10,6 @@ Layout of ``<root>``::
       ragen_state.pt    step, optimizer step count, scheduler state, user ``extra``, signature
       hf/               config.json + tokenizer files of the model (so export needs no HF dir)
     .tmp-step_13/       a save in progress, or one that was killed: never looks complete
-    latest              text file naming the newest complete step dir, written last (atomic)
 
 Why torch_dist: tensors are stored under their *global* names and shapes, so a checkpoint
 written at one TP x PP (x VPP) layout loads at any other. The optimizer state follows the model
@@ -30,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 STATE_FILE = "ragen_state.pt"
-LATEST_FILE = "latest"
 FORMAT_VERSION = 1
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 # Architecture fields of megatron's TransformerConfig that must agree between a checkpoint and
@@ -132,12 +130,9 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _commit(tmp: Path, final: Path, root: Path) -> None:
-    """Make the checkpoint visible: rename the finished temp dir, then move ``latest``."""
+def _commit(tmp: Path, final: Path) -> None:
+    """Make the checkpoint visible: one rename of the finished temp dir."""
     os.rename(tmp, final)
-    pointer = root / (LATEST_FILE + ".tmp")
-    pointer.write_text(final.name + "\n")
-    os.replace(pointer, root / LATEST_FILE)
 
 
 def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
@@ -185,7 +180,7 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
                 for name in _HF_SIDE_FILES:
                     if (Path(hf_dir) / name).exists():
                         shutil.copy2(Path(hf_dir) / name, tmp / "hf" / name)
-            _commit(tmp, final, root)
+            _commit(tmp, final)
         except Exception as err:  # noqa: BLE001 - re-raised below, after telling the others
             error = err
     # Every rank learns whether rank 0 committed, so none reports a save that did not happen.
@@ -264,8 +259,7 @@ def latest_checkpoint(root) -> Path | None:
     """The newest complete ``step_N`` under ``root``, or None.
 
     The rename of the temp dir is the commit, so every ``step_N`` holding its state file is
-    complete (the ``latest`` pointer, written after it, is for people and shell scripts); temp
-    dirs of unfinished or killed saves (``.tmp-step_N``) are never returned.
+    complete; temp dirs of unfinished or killed saves (``.tmp-step_N``) are never returned.
     """
     root = Path(root)
     complete = [p for p in root.glob("step_*")

@@ -13,7 +13,7 @@ calls ``output_layer(hidden, weight=..., runtime_gather_output=...)`` and return
 [b, s, 1], so the schedule and forward code are shared with the actor.
 
 Loading is strict: the checkpoint's names and shapes are checked against the config first
-(``hf_config.check_checkpoint``: a wrong field is named), and every parameter of every chunk must
+(``mapping.check_checkpoint``: a wrong field is named), and every parameter of every chunk must
 be written exactly once with its exact shape. Tensors are read lazily, one at a time, and only
 those this rank's chunks need (a PP stage never reads another stage's layers); a TP rank reads
 the full HF tensor and keeps its slice, so peak extra memory is one full tensor.
@@ -32,8 +32,8 @@ from torch import nn
 
 from ragen_mega.backends.megatron.parallel import parallel_info
 from ragen_mega.models import mapping
-from ragen_mega.models.hf_config import (ConfigMismatchError, ModelSpec, check_checkpoint,
-                                         layer_spec, megatron_config, model_spec)
+from ragen_mega.models.hf_config import (ConfigMismatchError, ModelSpec, layer_spec,
+                                         megatron_config, model_spec)
 
 
 class ValueHead(nn.Module):
@@ -169,7 +169,7 @@ def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
     if role == "critic":  # an actor checkpoint may seed a critic; the value head is optional
         shapes.pop("lm_head.weight", None)
         shapes.pop("score.weight", None)
-    check_checkpoint(spec, shapes, role)
+    mapping.check_checkpoint(spec, shapes, role)
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     pp = mpu.get_pipeline_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
@@ -344,10 +344,10 @@ class DirectExport:
                 while pending and in_flight > self.prefetch_bytes:
                     work, sent = pending.popleft()
                     work.wait()
-                    in_flight -= _nbytes(sent)
+                    in_flight -= sent.nbytes
                 piece = piece.contiguous()  # kept referenced until its send completes
                 pending.append((dist.isend(piece, self.dst), piece))
-                in_flight += _nbytes(piece)
+                in_flight += piece.nbytes
         for work, _ in pending:
             work.wait()
         yield from ()
@@ -385,15 +385,11 @@ class DirectExport:
                     break
                 full, recvs = self._post(nxt, device)
                 queue.append((full, recvs))
-                ahead += _nbytes(full)
+                ahead += full.nbytes
             full, recvs = queue.popleft()
-            ahead -= _nbytes(full)
+            ahead -= full.nbytes
             for work, buf, view in recvs:
                 work.wait()
                 if buf is not view:
                     view.copy_(buf)
             yield from mapping.megatron_to_hf([(name, full)], self.spec, self.role)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -1,7 +1,9 @@
 """One rank of the Megatron actor or critic: StarPO policy step, critic step, log-probs, values.
 
-Every rank of the TP x PP x DP world calls the same methods in step (they are collectives),
-after ``parallel.init_parallel``.
+Every rank of the TP x PP x DP world calls the same methods in step (``init_parallel`` first).
+The trainer takes its section of the run config (:class:`~ragen_mega.config.ActorConfig` or
+:class:`~ragen_mega.config.CriticConfig`) plus what the run derives: the LR schedule's horizon,
+the sampling temperature its log-probs are taken at, and the seed.
 
 Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them):
 ``input_ids`` (prompt + response, right padded), ``loss_mask`` (1 on model-written tokens),
@@ -31,8 +33,9 @@ from ragen_mega.backends.megatron.cpu_compat import cuda_tensor_type_names
 from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_values,
                                                   make_forward_step, run_schedule,
                                                   split_microbatches)
-from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
-from ragen_mega.config import TrainerConfig
+from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
+                                                load_hf_checkpoint)
+from ragen_mega.config import ActorConfig, CriticConfig
 
 def _dp_group():
     from megatron.core import parallel_state as mpu
@@ -87,7 +90,10 @@ def _check_batch(batch: dict, keys: tuple[str, ...], fn: str) -> None:
 class MegatronTrainer:
     """Model chunks in Megatron DDP, Megatron's (distributed) Adam, LR schedule, grad clipping."""
 
-    def __init__(self, config: TrainerConfig, hf_dir, role: str = "actor"):
+    def __init__(self, config: ActorConfig | CriticConfig, hf_dir, role: str = "actor", *,
+                 total_steps: int = 1000, temperature: float = 1.0, seed: int = 1234):
+        """``total_steps``: the LR schedule's decay horizon (min_lr afterwards); ``temperature``:
+        log-probs and entropy are those of the sampling distribution at this temperature."""
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
 
@@ -96,12 +102,22 @@ class MegatronTrainer:
                               ("pp", mpu.get_pipeline_model_parallel_world_size()),
                               ("vpp", mpu.get_virtual_pipeline_model_parallel_world_size())):
             if getattr(config, field) != actual:
-                raise ValueError(f"TrainerConfig.{field}={getattr(config, field)} but the process "
-                                 f"groups were initialised with {field}={actual}")
-        if role not in ("actor", "critic"):
+                raise ValueError(f"{type(config).__name__}.{field}={getattr(config, field)} but "
+                                 f"the process groups were initialised with {field}={actual}")
+        expected = {"actor": ActorConfig, "critic": CriticConfig}.get(role)
+        if expected is None:
             raise ValueError(f"MegatronTrainer: role must be 'actor' or 'critic', got {role!r}")
-        torch.manual_seed(config.seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
+        if not isinstance(config, expected):
+            raise TypeError(f"MegatronTrainer: role {role!r} takes a {expected.__name__}, got "
+                            f"{type(config).__name__}")
+        if total_steps <= config.warmup_steps:
+            raise ValueError(f"total_steps: must be > warmup_steps={config.warmup_steps} "
+                             f"(got {total_steps})")
+        if not temperature > 0:
+            raise ValueError(f"temperature: must be > 0 (got {temperature})")
+        self.total_steps, self.temperature = total_steps, temperature
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.role, self.hf_dir, self.steps = role, hf_dir, 0
         self.dtype = torch.bfloat16 if config.bf16 else torch.float32
         self.model = self._wrap_ddp(self._load(role))
@@ -147,9 +163,9 @@ class MegatronTrainer:
             optimizer = get_megatron_optimizer(opt_config, self.model)
         scheduler = OptimizerParamScheduler(
             optimizer, init_lr=0.0 if c.warmup_steps else c.lr, max_lr=c.lr, min_lr=c.min_lr,
-            lr_warmup_steps=c.warmup_steps, lr_decay_steps=c.total_steps,
+            lr_warmup_steps=c.warmup_steps, lr_decay_steps=self.total_steps,
             lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
-            wd_incr_steps=c.total_steps, wd_incr_style="constant")
+            wd_incr_steps=self.total_steps, wd_incr_style="constant")
         return optimizer, scheduler
 
     # ------------------------------------------------------------------ inference
@@ -159,7 +175,7 @@ class MegatronTrainer:
 
     def compute_ref_logprobs(self, batch: dict) -> torch.Tensor:
         if self.ref_model is None:
-            raise RuntimeError("compute_ref_logprobs: no reference model (TrainerConfig.kl_coef "
+            raise RuntimeError("compute_ref_logprobs: no reference model (ActorConfig.kl_coef "
                                "is 0, or this is a critic)")
         return self._logprobs(self.ref_model, batch)
 
@@ -168,7 +184,7 @@ class MegatronTrainer:
             raise RuntimeError("compute_logprobs needs role='actor'")
         batch = _to_device(batch)
         logprobs, _ = forward_logprobs(chunks, batch["input_ids"], batch.get("attention_mask"),
-                                       temperature=self.config.temperature, compute_entropy=False,
+                                       temperature=self.temperature, compute_entropy=False,
                                        micro_batch_size=self.config.micro_batch_size)
         return _unshifted(logprobs)
 
@@ -189,7 +205,7 @@ class MegatronTrainer:
         rows = batch["input_ids"].shape[0]
         if rows % mbs:
             raise ValueError(f"batch of {rows} rows is not a multiple of "
-                             f"TrainerConfig.micro_batch_size={mbs}")
+                             f"{type(self.config).__name__}.micro_batch_size={mbs}")
         extra = {k: _shifted(batch[k]) for k in ("loss_mask", *keys)}
         mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs, **extra)
         counts = torch.stack([
@@ -206,7 +222,7 @@ class MegatronTrainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         results = run_schedule(self.model, microbatches,
-                               make_forward_step(temperature=self.config.temperature,
+                               make_forward_step(temperature=self.temperature,
                                                  loss_fn=loss_fn), forward_only=False)
         self.scheduler.step(1)  # lr of this update: schedule at step k (1-based)
         lr = self.optimizer.param_groups[0]["lr"]
@@ -233,9 +249,11 @@ class MegatronTrainer:
 
     def train_actor(self, batch: dict) -> dict:
         """One StarPO step: PPO clipped surrogate (asymmetric + dual clip), minus entropy bonus,
-        plus KL to the reference (kl_coef > 0). Returns global metrics (same on every rank):
-        loss, pg_loss, entropy (token-mean), kl, pg_clipfrac, pg_clipfrac_upper/_lower,
-        dual_clip_frac, approx_kl, grad_norm, lr, update_successful."""
+        plus KL to the reference (kl_coef > 0). Returns global metrics (same on every rank), under
+        verl's names where verl has the quantity: loss, pg_loss, entropy (token-mean), kl_loss,
+        pg_clipfrac (either ratio clip active), pg_clipfrac_ratio_high / _ratio_low (each side
+        alone), pg_clipfrac_lower (the dual clip active: verl's name), ppo_kl (k1 KL old ->
+        new), grad_norm, lr, update_successful."""
         if self.role != "actor":
             raise RuntimeError("train_actor needs role='actor'")
         c = self.config
@@ -249,8 +267,8 @@ class MegatronTrainer:
         microbatches, normalizer, global_tokens, width = self._microbatches(batch, keys)
         scale = self._scale(len(microbatches))
         agg = dict(mode=c.loss_agg_mode, normalizer=normalizer, horizon=c.loss_horizon or width)
-        names = ("loss", "pg_loss", "entropy", "kl", "pg_clipfrac", "pg_clipfrac_upper",
-                 "pg_clipfrac_lower", "dual_clip_frac", "approx_kl")
+        names = ("loss", "pg_loss", "entropy", "kl_loss", "pg_clipfrac", "pg_clipfrac_ratio_high",
+                 "pg_clipfrac_ratio_low", "pg_clipfrac_lower", "ppo_kl")
 
         def loss_fn(outputs, mb):
             mask = mb["loss_mask"]
@@ -278,8 +296,8 @@ class MegatronTrainer:
 
     def train_critic(self, batch: dict) -> dict:
         """One critic step on the clipped value loss against ``returns`` (``old_values`` are the
-        critic's values at rollout time). Metrics: value_loss, vf_clipfrac, vpred_mean, grad_norm,
-        lr, update_successful."""
+        critic's values at rollout time). Metrics (verl's names): vf_loss, vf_clipfrac, vpred_mean,
+        grad_norm, lr, update_successful."""
         if self.role != "critic":
             raise RuntimeError("train_critic needs role='critic'")
         c = self.config
@@ -301,12 +319,13 @@ class MegatronTrainer:
                                      m["vpred_mean"] * share]).detach().float()
             return loss * scale, {"stats": stats}
 
-        return self._step(microbatches, loss_fn, ("value_loss", "vf_clipfrac", "vpred_mean"))
+        return self._step(microbatches, loss_fn, ("vf_loss", "vf_clipfrac", "vpred_mean"))
 
     # ------------------------------------------------------------------ state
-    def save_checkpoint(self, root, extra: dict | None = None):
-        """Atomic ``<root>/step_<steps>`` with model, optimizer, LR schedule and ``extra``."""
-        return ckpt.save_checkpoint(root, self.steps, self.model, self.optimizer, self.scheduler,
+    def save_checkpoint(self, root, step: int, extra: dict | None = None):
+        """Atomic ``<root>/step_<step>`` with model, optimizer, LR schedule and ``extra``; the
+        caller's step names it (a run's loop step, so actor and critic agree)."""
+        return ckpt.save_checkpoint(root, step, self.model, self.optimizer, self.scheduler,
                                     extra=extra, hf_dir=self.hf_dir)
 
     def load_checkpoint(self, path, optimizer: bool = True) -> dict:
@@ -325,4 +344,10 @@ class MegatronTrainer:
         return loaded.extra
 
     def export_hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole model as (HF name, full tensor), on every rank (collective)."""
         return export_hf_state(self.model)
+
+    def weight_export(self, dst: int, prefetch_bytes: int) -> DirectExport:
+        """The weight-sync export: only global rank ``dst`` receives the HF tensors (collective:
+        every rank iterates it to the end; see :class:`DirectExport`)."""
+        return DirectExport(self.model, dst=dst, prefetch_bytes=prefetch_bytes)

@@ -62,7 +62,7 @@ def _buckets(named_tensors, bucket_bytes: int):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"weight {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         tensor = tensor.detach().contiguous()
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         if bucket and size + nbytes > bucket_bytes:
             yield bucket, False
             bucket, size = [], 0
@@ -288,7 +288,7 @@ class BucketedWeightSender:
                 in_flight = self._start_bucket(bucket, flush_cache=last)
                 n_buckets += 1
                 n_tensors += len(bucket)
-                n_bytes += sum(_nbytes(t) for _, t in bucket)
+                n_bytes += sum(t.nbytes for _, t in bucket)
             if in_flight is None:
                 raise ValueError("BucketedWeightSender.send: named_tensors was empty")
             in_flight, finish = None, in_flight
@@ -326,11 +326,11 @@ class BucketedWeightSender:
                 while on_wire and wire_bytes > self.bucket_bytes:
                     work, sent = on_wire.popleft()
                     self._await_broadcast([work], announced)
-                    wire_bytes -= _nbytes(sent)
+                    wire_bytes -= sent.nbytes
                 on_wire.append((dist.broadcast(tensor, group=self.group, group_src=0,
                                                async_op=True), tensor))
-                wire_bytes += _nbytes(tensor)
-                n_bytes += _nbytes(tensor)
+                wire_bytes += tensor.nbytes
+                n_bytes += tensor.nbytes
         extra = next(stream, None)
         if extra is not None:
             raise ValueError(f"BucketedWeightSender.send: the tensors go on past their layout "
@@ -404,10 +404,6 @@ class BucketedWeightSender:
                 f.result()
 
         return finish
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _expect(item, name: str, meta: torch.Tensor) -> torch.Tensor:

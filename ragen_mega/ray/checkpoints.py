@@ -1,0 +1,103 @@
+"""A run's checkpoints: save after a step, find the newest complete one, resume from it.
+
+Layout under ``RUN_DIR/checkpoints``::
+
+    actor/step_N/       the actor's Megatron checkpoint after the loop's step N
+    critic/step_N/      the critic's (runs with a critic)
+    latest_step         "N": written last, so step N is complete (actor and critic) once it names N
+
+The loop's step names the directories; each checkpoint's extra state holds that step, the data
+cursor and the driver's RNG states. Env seeds and (``rollout.seeded``) sampling seeds are
+functions of the step, so the data cursor is the step plus the seeds it was derived with, and a
+resumed run replays the uninterrupted one (tests/test_resume_equivalence.py).
+"""
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from ragen_mega.config import RunConfig
+    from ragen_mega.ray.trainer_group import TrainerGroup
+
+LATEST = "latest_step"
+
+
+def checkpoint_root(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def latest_complete_step(run_dir: str | Path) -> int | None:
+    """The newest step whose actor (and critic) checkpoints are all written, or None."""
+    pointer = checkpoint_root(run_dir) / LATEST
+    return int(pointer.read_text()) if pointer.exists() else None
+
+
+def rng_states() -> dict:
+    """The driver's Python, NumPy and torch RNG states. The loop itself draws from none of them
+    (env and sampling seeds are functions of the step, the filter breaks no ties at random, the
+    trainer has no dropout), but a user's env or hook may, so they are checkpointed too."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state()}
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+
+
+def data_cursor(cfg: RunConfig) -> dict:
+    """What, besides the step, decides the episodes and samples of a step (env seeds and
+    sampling seeds are functions of these and the step)."""
+    return {"env.seed": cfg.env.seed, "trainer.seed": cfg.trainer.seed,
+            "rollout.seeded": cfg.rollout.seeded}
+
+
+def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | None) -> None:
+    """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete."""
+    root = checkpoint_root(cfg.trainer.run_dir)
+    extra = {"step": step, "data_cursor": data_cursor(cfg), "rng": rng_states()}
+    actor.save_checkpoint(str(root / "actor"), step, extra)
+    if critic is not None:
+        critic.save_checkpoint(str(root / "critic"), step, extra)
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(str(step))
+    os.replace(tmp, root / LATEST)
+
+
+def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None) -> int:
+    """The step to continue after (0 = fresh start), loading its checkpoints and RNG states.
+
+    ``trainer.resume``: ``auto`` (the newest complete step, if any), ``never``, or a directory
+    holding ``actor/`` (and ``critic/``) checkpoints."""
+    mode = cfg.trainer.resume
+    if mode == "never":
+        return 0
+    if mode == "auto":
+        step = latest_complete_step(cfg.trainer.run_dir)
+        if step is None:
+            return 0
+        root = checkpoint_root(cfg.trainer.run_dir)
+        actor_dir, critic_dir = root / "actor" / f"step_{step}", root / "critic" / f"step_{step}"
+    else:
+        actor_dir, critic_dir = Path(mode) / "actor", Path(mode) / "critic"
+    extra = actor.load_checkpoint(str(actor_dir))
+    if critic is not None:
+        critic.load_checkpoint(str(critic_dir))
+    step = int(extra["step"])
+    set_rng_states(extra["rng"])
+    saved = extra["data_cursor"]
+    changed = [f"{k}={saved[k]!r} (now {v!r})" for k, v in data_cursor(cfg).items()
+               if k in saved and saved[k] != v]
+    if changed:
+        warnings.warn(f"trainer.resume: step {step}'s checkpoint was written with "
+                      f"{', '.join(changed)}; the resumed steps will not replay the "
+                      f"uninterrupted run's")
+    return step

@@ -1,0 +1,49 @@
+"""Summaries of a step's episodes: the ``rollout/...`` and ``val/...`` scalars of the loop.
+
+Each summary is over all episodes (``prefix/...``) and per env tag (``prefix/<tag>/...``): RAGEN
+logs per tag, and a mixed run's total hides which env learns.
+"""
+from __future__ import annotations
+
+import torch
+
+from ragen_mega.algo.advantages import group_stats
+from ragen_mega.rollout.episode import Episode
+
+
+def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    """Means of the per-episode metrics, reward mean/std, response length and pass@k over groups
+    of k episodes: over all episodes under ``prefix/`` and for each env tag under
+    ``prefix/<tag>/``. Per tag also the mean in-group reward std, the echo-trap signal of that
+    env (the run-wide one is the StarPO-S filter's own ``filter/in_group_std``)."""
+    out = _episode_stats(episodes, prefix)
+    by_tag: dict[str, list[Episode]] = {}
+    for e in episodes:
+        by_tag.setdefault(e.samples[0].env_tag, []).append(e)
+    for tag, tagged in by_tag.items():
+        out.update(_episode_stats(tagged, f"{prefix}/{tag}"))
+        group_ids = torch.tensor([e.samples[0].group_id for e in tagged])
+        if len(tagged) > len(set(group_ids.tolist())):  # groups of more than one episode
+            rewards = torch.tensor([e.metrics["reward"] for e in tagged])
+            out[f"{prefix}/{tag}/group_reward_std_before_filter"] = float(
+                group_stats(rewards, group_ids).std.mean())
+    return out
+
+
+def _episode_stats(episodes: list[Episode], prefix: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for key in episodes[0].metrics:
+        if key != "reward":  # published as reward_mean, next to its std
+            out[f"{prefix}/{key}"] = sum(e.metrics[key] for e in episodes) / len(episodes)
+    rewards = torch.tensor([e.metrics["reward"] for e in episodes])
+    out[f"{prefix}/reward_mean"] = float(rewards.mean())
+    out[f"{prefix}/reward_std"] = float(rewards.std()) if len(episodes) > 1 else 0.0
+    lengths = [len(s.response_ids) for e in episodes for s in e.samples]
+    out[f"{prefix}/response_length"] = sum(lengths) / len(lengths)
+    groups: dict[int, list[float]] = {}
+    for e in episodes:
+        groups.setdefault(e.samples[0].group_id, []).append(e.metrics["success"])
+    k = min(len(g) for g in groups.values())
+    if k > 1:  # pass@k: a group counts if any of its k episodes succeeded
+        out[f"{prefix}/pass@{k}"] = sum(max(g) for g in groups.values()) / len(groups)
+    return out
