@@ -49,10 +49,12 @@ ray_node_args() {
   fi
 }
 
-# Wait (at most RAY_WAIT_S) until the cluster at $1 has $2 nodes with their GPUs; else fail.
+# Wait (at most RAY_WAIT_S) until the cluster at $1 has $2 nodes with their GPUs; fail at
+# once if a Ray step has exited.
 wait_for_ray() {
   python -m ragen_mega.ray.wait_cluster --address "$1" --nodes "$2" \
-    --gpus-per-node "$RAY_GPUS_PER_NODE" --timeout-s "$RAY_WAIT_S"
+    --gpus-per-node "$RAY_GPUS_PER_NODE" --timeout-s "$RAY_WAIT_S" \
+    --step-pids "${ray_step_pids[@]}"
 }
 
 # start_ray NODE...: the head on the first node, then a worker on each other node; returns once
