@@ -166,17 +166,18 @@ def test_sbatch_two_nodes_preempted_and_requeued(tmp_path, tiny_run_overrides):
         actors = _ray_actors_by_node(job.sim_dir)
         os.kill(job.proc.pid, signal.SIGUSR1)  # slurm's --signal=B:USR1 goes to the batch shell
         # A second signal while the checkpoint is being written (Megatron writes into a temp
-        # directory that a rename makes complete) must change nothing.
+        # directory that a rename makes complete) must change nothing: SIGTERM, as slurm sends
+        # on preemption (ray.init puts a handler of its own on it: ours must win).
         _wait_for(lambda: any(ckpt.glob("*/.tmp-step_*")) or (ckpt / "latest_step").exists(),
                   300, "checkpoint save", job)
-        os.kill(job.proc.pid, signal.SIGUSR1)
+        os.kill(job.proc.pid, signal.SIGTERM)
         rc, out = job.finish(timeout=300)
         assert rc == 75, out
         assert "Ray cluster ready: 127.0.0.1 (2 CPU, 0 GPU), 127.0.0.1 (2 CPU, 0 GPU)" in out
         # the run's actors sit on both simulated nodes (4 one-CPU bundles on 2 two-CPU nodes)
         assert set(actors) == set(NODES) and all(actors.values()), actors
         assert "SIGUSR1 received: finishing the current step" in out
-        assert "SIGUSR1 again" in out
+        assert "SIGTERM again" in out
         done = _steps(run_dir / "metrics.jsonl")
         stopped_at = done[-1]
         assert done == list(range(1, stopped_at + 1)) and stopped_at < total, out

@@ -235,8 +235,10 @@ def train(cfg: RunConfig) -> list[dict[str, float]]:
     Raises :class:`~ragen_mega.ray.preemption.Preempted` after a stop signal (SIGUSR1/SIGTERM),
     once the step under way is checkpointed and the run's processes are stopped."""
     from ragen_mega.logging import RunLogger
+    from ragen_mega.ray.cluster import init_ray
 
     run_dir = Path(cfg.trainer.run_dir)
+    init_ray(cfg.trainer.ray_address)  # first: ray.init puts its own handler on SIGTERM
     with preemption.stop_on_signals() as stop, build_run(cfg) as run:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
