@@ -44,6 +44,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_cluster_wait_is_bounded_and_says_what_is_missing():
+    """No head at the address: a timeout naming it; a Ray step that exited: an error at once."""
+    from ragen_mega.ray.wait_cluster import wait_for_cluster
+
+    address = f"127.0.0.1:{_free_port()}"  # nothing listens there
+    with pytest.raises(TimeoutError, match=f"{address} not ready after 1s: wanted 2 node.s. "
+                                           f"with 8 GPU.s. each, have: the head at {address} "
+                                           "did not answer"):
+        wait_for_cluster(address, 2, 8, timeout_s=1, poll_s=0.2)
+    step = subprocess.Popen(["true"])
+    step.wait()
+    with pytest.raises(RuntimeError, match=rf"step\(s\) \[{step.pid}\] exited"):
+        wait_for_cluster(address, 2, 8, timeout_s=600, step_pids=(step.pid,), poll_s=0.2)
+
+
 def _marked_pids(marker: str) -> list[int]:
     """Processes whose environment carries ``marker``: the job's and their descendants."""
     needle = f"SLURM_SIM_MARKER={marker}".encode()
