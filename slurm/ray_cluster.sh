@@ -7,8 +7,9 @@
 #   RAY_PORT=6379                 the head's GCS port
 #   RAY_CLIENT_PORT=10001         the head's Ray client server port
 #   RAY_NODE_PORTS=0              node manager / object manager / agent / metrics ports of every
-#                                 node (0: each process picks a free one; set a base port, e.g.
-#                                 20000, when a firewall needs them fixed: base, base+1, ... base+5)
+#                                 node (0: each process, Ray's workers too, picks a free one; set
+#                                 a base port, e.g. 20000, when a firewall needs them fixed:
+#                                 base, base+1, ... base+5, and workers Ray's 10002-19999)
 #   RAY_OBJECT_STORE_BYTES=       object store per node (empty: Ray's default, 30% of memory)
 #   RAY_CPUS_PER_NODE=$SLURM_CPUS_ON_NODE, RAY_GPUS_PER_NODE=$SLURM_GPUS_ON_NODE
 #   RAY_TMP=/tmp/ray_$SLURM_JOB_ID  Ray's session and log directory on each node
@@ -43,6 +44,9 @@ ray_node_args() {
             --node-manager-port="${p[0]}" --object-manager-port="${p[1]}"
             --dashboard-agent-listen-port="${p[2]}" --dashboard-agent-grpc-port="${p[3]}"
             --metrics-export-port="${p[4]}" --runtime-env-agent-port="${p[5]}" --block)
+  if [ "$base" -eq 0 ]; then   # workers too: Ray's fixed range would be shared on a shared node
+    ray_args+=(--min-worker-port=0 --max-worker-port=0)
+  fi
   if [ -n "$RAY_CPUS_PER_NODE" ]; then ray_args+=(--num-cpus="$RAY_CPUS_PER_NODE"); fi
   if [ -n "$RAY_OBJECT_STORE_BYTES" ]; then
     ray_args+=(--object-store-memory="$RAY_OBJECT_STORE_BYTES")
