@@ -1,7 +1,7 @@
 """slurm/train.sbatch, run for real under a simulated slurm on this one machine.
 
 tests/slurm_sim/ holds stand-ins for ``srun`` and ``scontrol``, put first on PATH, and the test
-sets the SLURM_* variables sbatch would. Every simulated node is 127.0.0.1 with its own raylet
+sets the SLURM_* variables sbatch would. Every simulated node is this machine, with its own raylet
 (2 CPUs and a custom resource ``node_<name>``), ports and Ray temp dir private to the test. One
 job forms a 2-node Ray cluster, trains a tiny model and is signalled mid-run (as slurm's
 ``--signal=B:USR1`` does): it must save the step under way, stop its Ray and ask for a requeue;
