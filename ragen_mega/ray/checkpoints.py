@@ -6,6 +6,10 @@ Layout under ``RUN_DIR/checkpoints``::
     critic/step_N/      the critic's (runs with a critic)
     latest_step         "N": written last, so step N is complete (actor and critic) once it names N
 
+A save killed between the roles' renames and the pointer (a preempted job's second signal, a
+SIGKILL) leaves ``step_N`` directories newer than the pointer: resuming discards them, since
+the resumed run writes those steps again.
+
 The loop's step names the directories; each checkpoint's extra state holds that step, the data
 cursor and the driver's RNG states. Env seeds and (``rollout.seeded``) sampling seeds are
 functions of the step, so the data cursor is the step plus the seeds it was derived with, and a
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -37,6 +42,20 @@ def latest_complete_step(run_dir: str | Path) -> int | None:
     """The newest step whose actor (and critic) checkpoints are all written, or None."""
     pointer = checkpoint_root(run_dir) / LATEST
     return int(pointer.read_text()) if pointer.exists() else None
+
+
+def discard_incomplete(run_dir: str | Path) -> list[Path]:
+    """Remove the step directories newer than ``latest_step`` (a save that never completed);
+    returns them."""
+    newest = latest_complete_step(run_dir) or 0
+    root = checkpoint_root(run_dir)
+    stale = [d for role in ("actor", "critic") for d in sorted((root / role).glob("step_*"))
+             if d.name[5:].isdigit() and int(d.name[5:]) > newest]
+    for d in stale:
+        warnings.warn(f"trainer.resume: discarding {d}: its step never completed "
+                      f"(latest_step is {newest})")
+        shutil.rmtree(d)
+    return stale
 
 
 def rng_states() -> dict:
@@ -81,6 +100,7 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None) -> 
     if mode == "never":
         return 0
     if mode == "auto":
+        discard_incomplete(cfg.trainer.run_dir)
         step = latest_complete_step(cfg.trainer.run_dir)
         if step is None:
             return 0

@@ -8,7 +8,9 @@ One step, as docs/design.md draws it::
 
 :func:`build_run` places the pieces (engines, actor, critic, env workers) into a :class:`Run`;
 :func:`train` is the loop. Resuming (``trainer.resume=auto``, ``ray/checkpoints.py``) restarts
-after the newest complete step, and a resumed step replays the uninterrupted run's.
+after the newest complete step, and a resumed step replays the uninterrupted run's. SIGUSR1 or
+SIGTERM (slurm's warning before preemption or the time limit) stops the loop after the step under
+way, saved (``ray/preemption.py``).
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from ragen_mega.agent.parse import STOP_STRINGS
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import ConfigError, to_dict
 from ragen_mega.models.prepare import resolve_model
-from ragen_mega.ray import checkpoints
+from ragen_mega.ray import checkpoints, preemption
 from ragen_mega.ray.placement import ResourcePlan
 from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
@@ -235,32 +237,48 @@ def _place(run: Run) -> None:
 
 
 def train(cfg: RunConfig) -> list[dict[str, float]]:
-    """Run the loop; returns every step's metrics (also in TensorBoard and metrics.jsonl)."""
+    """Run the loop; returns every step's metrics (also in TensorBoard and metrics.jsonl).
+    Raises :class:`~ragen_mega.ray.preemption.Preempted` after a stop signal (SIGUSR1/SIGTERM),
+    once the step under way is checkpointed and the run's processes are stopped."""
     from ragen_mega.logging import RunLogger
+    from ragen_mega.ray.cluster import init_ray
 
     run_dir = Path(cfg.trainer.run_dir)
-    history = []
-    with build_run(cfg) as run:
+    init_ray(cfg.trainer.ray_address)  # first: ray.init puts its own handler on SIGTERM
+    with preemption.stop_on_signals() as stop, build_run(cfg) as run:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
         logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
         try:
-            start = checkpoints.resume(cfg, run.actor, run.critic)
-            run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
-            if start == 0 and cfg.trainer.eval_every:
-                logger.log(0, run.evaluate())
-            for step in range(start + 1, cfg.trainer.total_steps + 1):
-                metrics = run.train_step(step)
-                if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0:
-                    metrics.update(run.evaluate())
-                logger.log(step, metrics)
-                history.append({"step": step, **metrics})
-                with open(run_dir / "metrics.jsonl", "a") as f:
-                    f.write(json.dumps({"step": step, **metrics}) + "\n")
-                last = step == cfg.trainer.total_steps
-                if last or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-                    checkpoints.save(cfg, step, run.actor, run.critic)
+            return run_loop(cfg, run, logger, stop)
         finally:
             logger.close()
+
+
+def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
+             ) -> list[dict[str, float]]:
+    """Resume, then step until ``trainer.total_steps`` or until ``stop`` is requested: the step
+    under way is finished and saved, then :class:`~ragen_mega.ray.preemption.Preempted`."""
+    t, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
+    history = []
+    start = checkpoints.resume(cfg, run.actor, run.critic)
+    run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
+    if start == 0 and t.eval_every:
+        logger.log(0, run.evaluate())
+    for step in range(start + 1, t.total_steps + 1):
+        if stop.requested:  # signalled before the first step: the resumed checkpoint is newest
+            raise preemption.Preempted(stop.signal_name, start)
+        metrics = run.train_step(step)
+        if t.eval_every and step % t.eval_every == 0:
+            metrics.update(run.evaluate())
+        logger.log(step, metrics)
+        history.append({"step": step, **metrics})
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        last = step == t.total_steps
+        if last or stop.requested or (t.save_every and step % t.save_every == 0):
+            checkpoints.save(cfg, step, run.actor, run.critic)
+        if stop.requested and not last:
+            raise preemption.Preempted(stop.signal_name, step)
     return history
 
 
@@ -277,5 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ragen-mega train: config error: {e}", file=sys.stderr)
         return 2
-    train(cfg)
+    try:
+        train(cfg)
+    except preemption.Preempted as stopped:
+        print(f"ragen-mega train: {stopped}", file=sys.stderr, flush=True)
+        return preemption.PREEMPTED_EXIT_CODE
     return 0
