@@ -17,6 +17,7 @@ from ragen_mega.agent.config import AgentConfig
 from ragen_mega.algo.losses import AGG_MODES, KL_KINDS
 from ragen_mega.config_tree import ConfigError, load_config
 from ragen_mega.logging import EchoTrapThresholds
+from ragen_mega.models.hf_config import LOCAL_ATTENTIONS
 
 
 @dataclasses.dataclass
@@ -279,6 +280,9 @@ class TrainerConfig:
                                         # from rollout.temperature
     use_distributed_optimizer: bool = False
     bf16: bool = False                  # GPU only
+    local_attention: str = "sdpa"       # without TransformerEngine: "sdpa" = one fused
+                                        # scaled_dot_product_attention call (flash on GPUs);
+                                        # "unfused" = Megatron's DotProductAttention
     seed: int = 1234
 
     def validate(self) -> "TrainerConfig":
@@ -329,6 +333,8 @@ class TrainerConfig:
             bad("value_clip", "must be > 0 or None")
         if not self.temperature > 0:
             bad("temperature", "must be > 0")
+        if self.local_attention not in LOCAL_ATTENTIONS:
+            bad("local_attention", f"must be one of {LOCAL_ATTENTIONS}")
         if self.bf16 and not torch.cuda.is_available():
             bad("bf16", "bf16 training needs a GPU; this machine has none (use bf16=False)")
         return self

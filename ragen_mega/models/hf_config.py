@@ -6,7 +6,9 @@ API:
     model_spec(config_or_dir) -> ModelSpec      # dict, HF config object, or a directory/config.json
     megatron_config(spec, *, tp=1, pp=1, vpp=None, dtype=torch.float32, **overrides)
         -> megatron.core.transformer.TransformerConfig
-    layer_spec(spec, *, use_te=None) -> ModuleSpec   # TE spec when transformer_engine imports
+    layer_spec(spec, *, use_te=None, local_attention="sdpa") -> ModuleSpec
+        # TE spec when transformer_engine imports; else the local spec, its core attention one
+        # SDPA call ("sdpa", models/sdpa_attention.py) or Megatron's unfused one ("unfused")
     check_checkpoint(spec, shapes: Mapping[str, Sequence[int]], role="actor") -> None
         # raises ConfigMismatchError naming the config field a tensor contradicts
 
@@ -182,16 +184,32 @@ def te_available() -> bool:
     return torch.cuda.is_available()
 
 
-def layer_spec(spec: ModelSpec, *, use_te: bool | None = None):
-    """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise."""
+LOCAL_ATTENTIONS = ("sdpa", "unfused")
+
+
+def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: str = "sdpa"):
+    """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise.
+
+    ``local_attention`` picks the local spec's core attention: ``"sdpa"`` (one fused
+    ``scaled_dot_product_attention`` call: flash kernels on a GPU) or ``"unfused"`` (Megatron's
+    ``DotProductAttention``, materialised scores; kept as the reference and for comparison).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
+    if local_attention not in LOCAL_ATTENTIONS:
+        raise ValueError(f"local_attention must be one of {LOCAL_ATTENTIONS}, "
+                         f"got {local_attention!r}")
     if use_te is None:
         use_te = te_available()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    layers = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    if local_attention == "sdpa":
+        from ragen_mega.models.sdpa_attention import SDPAttention
+
+        layers.submodules.self_attention.submodules.core_attention = SDPAttention
+    return layers
 
 
 def check_checkpoint(spec: ModelSpec, shapes: Mapping[str, Sequence[int]],

@@ -125,7 +125,8 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ construction
     def _load(self, role: str) -> list:
-        chunks = build_model(self.hf_dir, role=role, dtype=self.dtype)
+        chunks = build_model(self.hf_dir, role=role, dtype=self.dtype,
+                             local_attention=self.config.local_attention)
         load_hf_checkpoint(chunks, self.hf_dir)
         return chunks
 
