@@ -7,9 +7,13 @@ loss-step tokens/s (all batch tokens, prompt included, per second of step time).
     python benchmarks/bench_train_step.py [--model smollm2|tiny|qwen2.5-0.5b|qwen2.5-1.5b]
                                           [--layers N] [--batch 4] [--seq 128]
                                           [--micro-batch 2] [--steps 3] [--tp 1] [--bf16]
+                                          [--attention sdpa,unfused]
 
-Megatron runs in ``tp`` worker processes (``launch.run_workers``), transformers in this process;
-on CPU each side gets all cores (``--tp`` splits them). One warm-up step is not timed. The Qwen2.5
+Megatron runs in ``tp`` worker processes (``launch.run_workers``), once per ``--attention`` (the
+local layer spec's core attention, ``TrainerConfig.local_attention``; one trainer after the
+other in the same processes, each freed before the next, peak memory measured per trainer),
+transformers in this process; on CPU each side gets all cores (``--tp`` splits them). One
+warm-up step is not timed. The Qwen2.5
 models are random weights in the published shapes (no hub here; the speed does not depend on
 the values); ``--layers`` shortens them for a quick look. With a GPU both sides run on it:
 ``--bf16`` is Megatron's mixed precision (bf16 compute, fp32 main weights and grads in the
@@ -27,6 +31,7 @@ import torch
 
 from ragen_mega.algo.losses import policy_loss
 from ragen_mega.backends.megatron.launch import run_workers
+from ragen_mega.models.hf_config import LOCAL_ATTENTIONS
 
 
 def make_batch(vocab: int, batch: int, seq: int) -> dict:
@@ -88,18 +93,31 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16):
+def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16, attentions):
+    """{attention: (seconds per step, peak GiB)}, one trainer per attention, each freed after."""
+    import gc
+
     from ragen_mega.backends.megatron.train import MegatronTrainer, TrainerConfig
 
-    trainer = MegatronTrainer(TrainerConfig(tp=world_size, micro_batch_size=micro_batch,
-                                            lr=1e-5, bf16=bf16), hf_dir)
-    trainer.train_actor(batch)  # warm-up
-    _sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_actor(batch)
-    _sync()
-    return (time.perf_counter() - start) / steps, _peak_gib()
+    out = {}
+    for attention in attentions:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        trainer = MegatronTrainer(TrainerConfig(tp=world_size, micro_batch_size=micro_batch,
+                                                lr=1e-5, bf16=bf16, local_attention=attention),
+                                  hf_dir)
+        trainer.train_actor(batch)  # warm-up
+        _sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_actor(batch)
+        _sync()
+        out[attention] = (time.perf_counter() - start) / steps, _peak_gib()
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
 
 
 def transformers_step_time(hf_dir, batch, micro_batch, steps, bf16=False) -> tuple[float, float]:
@@ -145,6 +163,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU only)")
+    parser.add_argument("--attention", default="sdpa",
+                        help="comma-separated Megatron local-spec core attentions to time "
+                             "(sdpa, unfused), each its own trainer")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the accelerator's dense bf16 peak for MFU (H100/H200 SXM: 989)")
     args = parser.parse_args()
@@ -159,13 +180,17 @@ def main() -> None:
         hf_dir = str(make_tiny_model(cache_dir() / "tiny" / "tiny-qwen2-untied", "qwen2"))
     else:
         hf_dir = qwen25_random_dir(args.model, args.layers)
+    attentions = args.attention.split(",")
+    for attention in attentions:
+        if attention not in LOCAL_ATTENTIONS:
+            parser.error(f"--attention: {attention!r} is not one of {LOCAL_ATTENTIONS}")
     batch = make_batch(AutoConfig.from_pretrained(hf_dir).vocab_size, args.batch, args.seq)
     cores = os.cpu_count() or 1
-    mcore, mcore_gib = run_workers(_megatron_worker, args.tp, hf_dir, batch, args.micro_batch,
-                                   args.steps, args.bf16, tp=args.tp, timeout=3600,
-                                   threads_per_worker=max(1, cores // args.tp))[0]
+    mcore = run_workers(_megatron_worker, args.tp, hf_dir, batch, args.micro_batch, args.steps,
+                        args.bf16, attentions, tp=args.tp, timeout=3600,
+                        threads_per_worker=max(1, cores // args.tp))[0]
     torch.set_num_threads(cores)
-    hf, hf_gib = transformers_step_time(hf_dir, batch, args.micro_batch, args.steps, args.bf16)
+    hf = transformers_step_time(hf_dir, batch, args.micro_batch, args.steps, args.bf16)
     tokens = args.batch * args.seq
     device = (torch.cuda.get_device_name() if torch.cuda.is_available()
               else f"cpu={platform.processor() or platform.machine()} cores={cores}")
@@ -173,14 +198,19 @@ def main() -> None:
           f"micro_batch={args.micro_batch} steps={args.steps} tp={args.tp} "
           f"dtype={'bf16' if args.bf16 else 'fp32'} device={device} torch={torch.__version__}")
     flops = matmul_flops_per_token(hf_dir, args.seq) * tokens
+    rows = {f"megatron-core (tp={args.tp}, {a} attention)": mcore[a] for a in attentions}
+    rows["transformers + torch.optim"] = hf
     print("| trainer | step time (s) | tokens/s | MFU | peak GPU mem (GiB) |")
     print("|---|---|---|---|---|")
-    for name, t, gib in ((f"megatron-core (tp={args.tp})", mcore, mcore_gib),
-                         ("transformers + torch.optim", hf, hf_gib)):
+    for name, (t, gib) in rows.items():
         mfu = flops / t / (args.peak_tflops * 1e12 * args.tp) if torch.cuda.is_available() else None
         print(f"| {name} | {t:.3f} | {tokens / t:.0f} | "
               f"{'-' if mfu is None else f'{mfu:.1%}'} | {gib:.1f} |")
-    print(f"megatron / transformers throughput ratio: {hf / mcore:.2f}")
+    for a in attentions:
+        print(f"megatron ({a}) / transformers throughput ratio: {hf[0] / mcore[a][0]:.2f}")
+    if len(attentions) > 1:
+        print(f"megatron {attentions[0]} / {attentions[1]} throughput ratio: "
+              f"{mcore[attentions[1]][0] / mcore[attentions[0]][0]:.2f}")
 
 
 if __name__ == "__main__":
