@@ -257,6 +257,10 @@ class TrainerConfig:
     pp: int = 1
     vpp: int | None = None              # virtual pipeline chunks per rank (interleaved 1F1B)
     micro_batch_size: int = 1
+    ppo_mini_batch_size: int | None = None  # episodes per optimizer update (RAGEN/verl count
+                                        # trajectories; an episode's turns stay together);
+                                        # None = the whole batch, one update per epoch
+    ppo_epochs: int = 1                 # passes over the batch's mini-batches per training step
     lr: float = 1e-6
     min_lr: float = 0.0
     warmup_steps: int = 0               # linear warm-up: step k (1-based) uses lr * k / warmup
@@ -289,9 +293,13 @@ class TrainerConfig:
         def bad(field, why):
             raise ConfigError(f"{field}: {why} (got {getattr(self, field)!r})")
 
-        for field in ("tp", "pp", "micro_batch_size"):
+        for field in ("tp", "pp", "micro_batch_size", "ppo_epochs"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 bad(field, "must be an integer >= 1")
+        if self.ppo_mini_batch_size is not None and (
+                not isinstance(self.ppo_mini_batch_size, int) or self.ppo_mini_batch_size < 1):
+            bad("ppo_mini_batch_size", "must be None (the whole batch) or an integer >= 1 "
+                                       "(episodes)")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             bad("vpp", "must be None or >= 1 together with pp > 1")
         if not self.lr > 0:

@@ -6,14 +6,18 @@ API (every rank of the TP x PP x DP world calls the same methods in step; ``init
         .compute_logprobs(batch) -> [B, S]       # actor; column t = log p(token t | tokens < t)
         .compute_ref_logprobs(batch) -> [B, S]   # frozen reference model (kl_coef > 0 only)
         .compute_values(batch) -> [B, S]         # critic; column t = V(tokens < t)
+        .train(global_batch) -> dict[str, float] # one training step: ppo_epochs x PPO mini-batches,
+                                                 # one optimizer update each (actor or critic)
         .train_actor(batch) -> dict[str, float]  # one optimizer step, StarPO loss
         .train_critic(batch) -> dict[str, float] # one optimizer step, clipped value loss
         .save_checkpoint(root, extra=None) -> Path / .load_checkpoint(path, optimizer=True) -> extra
         .export_hf_state() -> iterator of (hf_name, tensor)   # collective, for weight sync
-        .steps                                   # optimizer steps taken (restored on load)
+        .steps                                   # training steps taken (restored on load)
     dp_shard(batch) -> dict                      # this DP rank's rows of a global batch
+    ppo_minibatches(batch, episodes) -> list[dict]   # a global batch cut into whole episodes
 
-Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them):
+Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them;
+``train`` alone takes the global batch, cuts its mini-batches and shards them itself):
 ``input_ids`` (prompt + response, right padded), ``loss_mask`` (1 on model-written tokens),
 optional ``attention_mask`` (right padding; lets micro-batches be trimmed), and per-token values
 ALIGNED WITH ``input_ids``: column t belongs to token t (it is computed from tokens < t), column
@@ -25,7 +29,12 @@ Loss normalisation (``algo.losses`` module doc): the global normaliser (loss tok
 sequences for the seq-mean modes) is summed over this rank's micro-batches and all-reduced over
 DP; each micro-batch loss is its share of the global mean times M * D, because Megatron's
 schedule divides by the M micro-batches and DDP averages over the D replicas. The gradient is
-then exactly that of the full global batch, whatever the micro-batching and DP split.
+then exactly that of the full global batch, whatever the micro-batching and DP split. With PPO
+mini-batches the same holds per mini-batch: each update's loss is the mean over its own global
+mini-batch.
+
+A training step advances the LR schedule and ``steps`` once, however many updates it makes (as
+verl's LR schedule counts training steps), so checkpoints stay named by the run's step.
 """
 from __future__ import annotations
 
@@ -60,6 +69,25 @@ def dp_shard(batch: dict) -> dict:
         raise ValueError(f"dp_shard: batch of {rows} rows does not split over {dp} DP ranks")
     per = rows // dp
     return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+
+def ppo_minibatches(batch: dict, episodes: int | None) -> list[dict]:
+    """A global batch cut into PPO mini-batches of ``episodes`` whole episodes each.
+
+    RAGEN (verl) counts ``ppo_mini_batch_size`` in trajectories, so every turn sample of an
+    episode lands in the same mini-batch; episodes are taken in order of first appearance, rows
+    keep their batch order. ``None``: the whole batch is one mini-batch.
+    """
+    if episodes is None:
+        return [batch]
+    if "episode_id" not in batch:
+        raise KeyError("ppo_mini_batch_size counts episodes: the batch needs episode_id "
+                       f"(has {sorted(batch)})")
+    ids = batch["episode_id"].tolist()
+    chunk_of = {e: i // episodes for i, e in enumerate(dict.fromkeys(ids))}
+    chunk = torch.tensor([chunk_of[e] for e in ids])
+    return [{k: v[chunk == c] for k, v in batch.items()}
+            for c in range(max(chunk_of.values()) + 1)]
 
 
 def _device() -> torch.device:
@@ -209,8 +237,32 @@ class MegatronTrainer:
         dist.all_reduce(counts, group=_dp_group())
         return mbs_list, counts[0], counts[1].clamp(min=1), batch["input_ids"].shape[1] - 1
 
+    def train(self, batch: dict) -> dict:
+        """One training step on the GLOBAL batch (the same dict on every rank): ``ppo_epochs``
+        passes over its PPO mini-batches (:func:`ppo_minibatches`), one optimizer update each on
+        this DP rank's rows. ``old_logprobs`` / ``old_values`` stay the rollout policy's for every
+        update, so from the second update on the PPO clip acts. Metrics: the mean over the
+        updates, plus ``ppo_updates``; the defaults (whole batch, one epoch) make exactly one
+        update, the same as ``train_actor`` / ``train_critic`` on the DP shard."""
+        c = self.config
+        update = self._actor_update if self.role == "actor" else self._critic_update
+        minibatches = ppo_minibatches(batch, c.ppo_mini_batch_size)
+        return self._phase(update, [dp_shard(mb) for _ in range(c.ppo_epochs)
+                                    for mb in minibatches])
+
+    def _phase(self, update, local_batches: list[dict]) -> dict:
+        """One training step: the LR schedule advances once, then one update per batch."""
+        self.scheduler.step(1)  # lr of this step: schedule at step k (1-based)
+        results = [update(b) for b in local_batches]
+        if any(r["update_successful"] for r in results):
+            self.steps += 1
+        metrics = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        metrics["ppo_updates"] = float(len(results))
+        return metrics
+
     def _step(self, microbatches: list, loss_fn, stat_names: tuple[str, ...]) -> dict:
-        """Forward/backward over all micro-batches, optimizer step; global metrics on every rank."""
+        """Forward/backward over all micro-batches, optimizer update; global metrics on every
+        rank."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.model:
@@ -219,12 +271,9 @@ class MegatronTrainer:
         results = run_schedule(self.model, microbatches,
                                make_forward_step(temperature=self.config.temperature,
                                                  loss_fn=loss_fn), forward_only=False)
-        self.scheduler.step(1)  # lr of this update: schedule at step k (1-based)
         lr = self.optimizer.param_groups[0]["lr"]
         with cuda_tensor_type_names():
             updated, grad_norm, _ = self.optimizer.step()
-        if updated:
-            self.steps += 1
         stats = torch.zeros(len(stat_names), device=_device())
         for r in results:  # last pipeline stage only; summed shares of the global means
             stats += r["stats"]
@@ -243,12 +292,16 @@ class MegatronTrainer:
         return float(num_microbatches * mpu.get_data_parallel_world_size())
 
     def train_actor(self, batch: dict) -> dict:
-        """One StarPO step: PPO clipped surrogate (asymmetric + dual clip), minus entropy bonus,
-        plus KL to the reference (kl_coef > 0). Returns global metrics (same on every rank):
-        loss, pg_loss, entropy (token-mean), kl, pg_clipfrac, pg_clipfrac_upper/_lower,
-        dual_clip_frac, approx_kl, grad_norm, lr, update_successful."""
+        """One StarPO step of one update on this DP rank's rows: PPO clipped surrogate
+        (asymmetric + dual clip), minus entropy bonus, plus KL to the reference (kl_coef > 0).
+        Returns global metrics (same on every rank): loss, pg_loss, entropy (token-mean), kl,
+        pg_clipfrac, pg_clipfrac_upper/_lower, dual_clip_frac, approx_kl, grad_norm, lr,
+        update_successful, ppo_updates."""
         if self.role != "actor":
             raise RuntimeError("train_actor needs role='actor'")
+        return self._phase(self._actor_update, [batch])
+
+    def _actor_update(self, batch: dict) -> dict:
         c = self.config
         keys = ("old_logprobs", "advantages")
         if c.kl_coef > 0:
@@ -288,11 +341,14 @@ class MegatronTrainer:
         return self._step(microbatches, loss_fn, names)
 
     def train_critic(self, batch: dict) -> dict:
-        """One critic step on the clipped value loss against ``returns`` (``old_values`` are the
-        critic's values at rollout time). Metrics: value_loss, vf_clipfrac, vpred_mean, grad_norm,
-        lr, update_successful."""
+        """One critic step of one update on this DP rank's rows: the clipped value loss against
+        ``returns`` (``old_values`` are the critic's values at rollout time). Metrics:
+        value_loss, vf_clipfrac, vpred_mean, grad_norm, lr, update_successful, ppo_updates."""
         if self.role != "critic":
             raise RuntimeError("train_critic needs role='critic'")
+        return self._phase(self._critic_update, [batch])
+
+    def _critic_update(self, batch: dict) -> dict:
         c = self.config
         keys = ("returns", "old_values")
         _check_batch(batch, keys, "train_critic")
