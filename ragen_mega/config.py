@@ -261,6 +261,9 @@ class TrainerConfig:
                                         # trajectories; an episode's turns stay together);
                                         # None = the whole batch, one update per epoch
     ppo_epochs: int = 1                 # passes over the batch's mini-batches per training step
+    max_tokens_per_micro_batch: int | None = None  # training micro-batches by a padded-token
+                                        # budget (rows sorted by length) instead of
+                                        # micro_batch_size rows each; None = fixed count
     lr: float = 1e-6
     min_lr: float = 0.0
     warmup_steps: int = 0               # linear warm-up: step k (1-based) uses lr * k / warmup
@@ -300,6 +303,8 @@ class TrainerConfig:
                 not isinstance(self.ppo_mini_batch_size, int) or self.ppo_mini_batch_size < 1):
             bad("ppo_mini_batch_size", "must be None (the whole batch) or an integer >= 1 "
                                        "(episodes)")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            bad("max_tokens_per_micro_batch", "must be None or >= 1")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             bad("vpp", "must be None or >= 1 together with pp > 1")
         if not self.lr > 0:

@@ -3,9 +3,11 @@ transformers + torch.optim.AdamW reference that makes the same sequence of updat
 
 One 2-process launch: the default (whole batch, one epoch) at DP=2 must be today's single step;
 two mini-batches of one episode each (two turn samples apiece) at DP=2 and at TP=2 (DP=1, two
-micro-batches per mini-batch) and two epochs at TP=2 must each equal the reference's sequence of
-AdamW updates, every update's loss normalised over its own mini-batch; and with old log-probs
-equal to the current policy's, a single update never clips while the second of two does.
+micro-batches per mini-batch), two epochs at TP=2, and token-budget micro-batches (DP ranks
+with different micro-batch counts; rows reordered by length) must each equal the reference's
+sequence of AdamW updates, every update's loss normalised over its own mini-batch; and with old
+log-probs equal to the current policy's, a single update never clips while the second of two
+does.
 """
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ RUNS = {"dp2_whole": (1, {}, "noisy"),
         "dp2_two": (1, {"ppo_mini_batch_size": 1}, "noisy"),
         "tp2_two": (2, {"ppo_mini_batch_size": 1}, "noisy"),
         "tp2_two_epochs2": (2, {"ppo_mini_batch_size": 1, "ppo_epochs": 2}, "noisy"),
+        # token-budget micro-batches (row lengths 14, 9 | 12, 6): DP rank 0 gets [14] [9],
+        # rank 1 [12, 6] in one; at TP=2 the sorted rows go [14] [12, 9] [6]
+        "dp2_budget": (1, {"max_tokens_per_micro_batch": 24}, "noisy"),
+        "tp2_two_budget": (2, {"ppo_mini_batch_size": 1, "max_tokens_per_micro_batch": 24},
+                           "noisy"),
         "exact_whole": (2, {"lr": 0.05}, "exact"),
         "exact_two": (2, {"lr": 0.05, "ppo_mini_batch_size": 1}, "exact")}
 EPISODES = torch.tensor([7, 7, 3, 3])     # rows 0-1: one episode's two turns, rows 2-3 another
@@ -93,7 +100,9 @@ def setup(tiny_model):
     ("dp2_whole", [[0, 1, 2, 3]], 1),
     ("dp2_two", [[0, 1], [2, 3]], 1),
     ("tp2_two", [[0, 1], [2, 3]], 1),
-    ("tp2_two_epochs2", [[0, 1], [2, 3]], 2)])
+    ("tp2_two_epochs2", [[0, 1], [2, 3]], 2),
+    ("dp2_budget", [[0, 1, 2, 3]], 1),
+    ("tp2_two_budget", [[0, 1], [2, 3]], 1)])
 def test_updates_match_adamw_reference(setup, name, row_groups, epochs):
     model_dir, batches, results = setup
     ref_weights, ref_losses = _reference(model_dir, batches["noisy"], row_groups, epochs)
@@ -106,6 +115,14 @@ def test_updates_match_adamw_reference(setup, name, row_groups, epochs):
     for hf_name, tensor in results[0][name]["weights"].items():
         torch.testing.assert_close(tensor, ref_weights[hf_name], atol=1e-5, rtol=0,
                                    msg=lambda msg: f"{name} {hf_name}: {msg}")
+
+
+def test_token_budget_padding_fraction(setup):
+    _, _, results = setup
+    for r in range(2):
+        assert results[r]["dp2_whole"]["metrics"]["padding_frac"] == 0.0   # one row each
+        # 41 real tokens; fed 14 + 9 + 2 x 12 (rank 1's rows 12 and 6 share a micro-batch)
+        assert results[r]["dp2_budget"]["metrics"]["padding_frac"] == pytest.approx(6 / 47)
 
 
 def test_second_minibatch_is_off_policy_and_clips(setup):
@@ -127,3 +144,17 @@ def test_minibatches_keep_episodes_together():
     assert [mb["x"].tolist() for mb in ppo_minibatches(batch, 3)] == [[0, 1, 2, 3, 4, 5], [6]]
     with pytest.raises(KeyError, match="episode_id"):
         ppo_minibatches({"x": torch.arange(3)}, 2)
+
+
+def test_token_budget_groups_pack_sorted_rows():
+    from ragen_mega.backends.megatron.forward import split_microbatches, token_budget_groups
+
+    lengths = torch.tensor([14, 9, 12, 6, 30])
+    groups = token_budget_groups(lengths, 24)
+    assert [g.tolist() for g in groups] == [[4], [0], [2, 1], [3]]   # 30 > 24: alone
+    ids = torch.arange(5 * 30).reshape(5, 30)
+    mask = (torch.arange(30)[None] < lengths[:, None]).long()
+    mbs = split_microbatches(ids, mask, max_tokens=24, advantages=torch.ones(5, 29))
+    assert [tuple(mb["input_ids"].shape) for mb in mbs] == [(1, 30), (1, 14), (2, 12), (1, 6)]
+    assert [tuple(mb["advantages"].shape) for mb in mbs] == [(1, 29), (1, 13), (2, 11), (1, 5)]
+    assert torch.equal(mbs[2]["input_ids"], ids[[2, 1], :12])

@@ -223,19 +223,24 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ training
     def _microbatches(self, batch: dict, keys: tuple[str, ...]):
         """Micro-batches (per-token tensors in next-token layout), the global loss normaliser,
-        the global loss-token count and the batch width (the default loss horizon)."""
-        mbs = self.config.micro_batch_size
+        the global loss-token count, the batch width (the default loss horizon) and the global
+        padding fraction of the micro-batches (padded tokens / all tokens fed)."""
+        mbs, budget = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
         rows = batch["input_ids"].shape[0]
-        if rows % mbs:
+        if budget is None and rows % mbs:
             raise ValueError(f"batch of {rows} rows is not a multiple of "
                              f"TrainerConfig.micro_batch_size={mbs}")
         extra = {k: _shifted(batch[k]) for k in ("loss_mask", *keys)}
-        mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs, **extra)
+        mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs,
+                                      max_tokens=budget, **extra)
         counts = torch.stack([
             sum(loss_normalizer(mb["loss_mask"], self.config.loss_agg_mode) for mb in mbs_list),
-            sum(mb["loss_mask"].sum() for mb in mbs_list)]).float()
+            sum(mb["loss_mask"].sum() for mb in mbs_list),
+            sum(mb["attention_mask"].sum() for mb in mbs_list),
+            sum(mb["attention_mask"].numel() for mb in mbs_list)]).float()
         dist.all_reduce(counts, group=_dp_group())
-        return mbs_list, counts[0], counts[1].clamp(min=1), batch["input_ids"].shape[1] - 1
+        return (mbs_list, counts[0], counts[1].clamp(min=1), batch["input_ids"].shape[1] - 1,
+                float(1 - counts[2] / counts[3]))
 
     def train(self, batch: dict) -> dict:
         """One training step on the GLOBAL batch (the same dict on every rank): ``ppo_epochs``
@@ -310,7 +315,7 @@ class MegatronTrainer:
             keys += ("ref_logprobs",)
         _check_batch(batch, keys, "train_actor")
         batch = _to_device(batch)
-        microbatches, normalizer, global_tokens, width = self._microbatches(batch, keys)
+        microbatches, normalizer, global_tokens, width, padding = self._microbatches(batch, keys)
         scale = self._scale(len(microbatches))
         agg = dict(mode=c.loss_agg_mode, normalizer=normalizer, horizon=c.loss_horizon or width)
         names = ("loss", "pg_loss", "entropy", "kl", "pg_clipfrac", "pg_clipfrac_upper",
@@ -338,7 +343,7 @@ class MegatronTrainer:
                     m["approx_kl"] * share]).detach().float()
             return loss * scale, {"stats": stats}
 
-        return self._step(microbatches, loss_fn, names)
+        return {**self._step(microbatches, loss_fn, names), "padding_frac": padding}
 
     def train_critic(self, batch: dict) -> dict:
         """One critic step of one update on this DP rank's rows: the clipped value loss against
@@ -353,7 +358,7 @@ class MegatronTrainer:
         keys = ("returns", "old_values")
         _check_batch(batch, keys, "train_critic")
         batch = _to_device(batch)
-        microbatches, normalizer, global_tokens, width = self._microbatches(batch, keys)
+        microbatches, normalizer, global_tokens, width, padding = self._microbatches(batch, keys)
         scale = self._scale(len(microbatches))
 
         def loss_fn(outputs, mb):
@@ -368,7 +373,8 @@ class MegatronTrainer:
                                      m["vpred_mean"] * share]).detach().float()
             return loss * scale, {"stats": stats}
 
-        return self._step(microbatches, loss_fn, ("value_loss", "vf_clipfrac", "vpred_mean"))
+        return {**self._step(microbatches, loss_fn, ("value_loss", "vf_clipfrac", "vpred_mean")),
+                "padding_frac": padding}
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, root, extra: dict | None = None):
