@@ -34,12 +34,20 @@ from ragen_mega.backends.megatron.launch import run_workers
 from ragen_mega.models.hf_config import LOCAL_ATTENTIONS
 
 
-def make_batch(vocab: int, batch: int, seq: int) -> dict:
+def make_batch(vocab: int, batch: int, seq: int, mixed: bool = False) -> dict:
+    """Random rows of ``seq`` tokens, the second half of each row the "response"; ``mixed``:
+    row lengths spread evenly from seq / 8 to seq (long-horizon turns next to short answers),
+    right padded, rows shuffled."""
     g = torch.Generator().manual_seed(0)
-    loss_mask = torch.zeros(batch, seq)
-    loss_mask[:, seq // 2:] = 1  # second half = "response"
-    return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g),
-            "loss_mask": loss_mask, "advantages": torch.randn(batch, seq, generator=g),
+    lengths = torch.full((batch,), seq)
+    if mixed:
+        lengths = torch.linspace(seq // 8, seq, batch).long()[torch.randperm(batch, generator=g)]
+    positions = torch.arange(seq)[None]
+    attention_mask = (positions < lengths[:, None]).long()
+    loss_mask = ((positions >= lengths[:, None] // 2) & (attention_mask > 0)).float()
+    return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g) * attention_mask,
+            "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "advantages": torch.randn(batch, seq, generator=g),
             "old_logprobs": torch.full((batch, seq), -10.0)}
 
 
@@ -93,26 +101,26 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16, attentions):
-    """{attention: (seconds per step, peak GiB)}, one trainer per attention, each freed after."""
+def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16, variants):
+    """{label: (seconds per step, peak GiB, padding fraction)}: one trainer per variant (label,
+    TrainerConfig overrides), each freed before the next."""
     import gc
 
     from ragen_mega.backends.megatron.train import MegatronTrainer, TrainerConfig
 
     out = {}
-    for attention in attentions:
+    for label, overrides in variants:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         trainer = MegatronTrainer(TrainerConfig(tp=world_size, micro_batch_size=micro_batch,
-                                                lr=1e-5, bf16=bf16, local_attention=attention),
-                                  hf_dir)
-        trainer.train_actor(batch)  # warm-up
+                                                lr=1e-5, bf16=bf16, **overrides), hf_dir)
+        metrics = trainer.train_actor(batch)  # warm-up
         _sync()
         start = time.perf_counter()
         for _ in range(steps):
             trainer.train_actor(batch)
         _sync()
-        out[attention] = (time.perf_counter() - start) / steps, _peak_gib()
+        out[label] = (time.perf_counter() - start) / steps, _peak_gib(), metrics["padding_frac"]
         del trainer
         gc.collect()
         if torch.cuda.is_available():
@@ -166,6 +174,10 @@ def main() -> None:
     parser.add_argument("--attention", default="sdpa",
                         help="comma-separated Megatron local-spec core attentions to time "
                              "(sdpa, unfused), each its own trainer")
+    parser.add_argument("--mixed-lengths", action="store_true",
+                        help="row lengths from seq/8 to seq (right padded) instead of all seq")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                        help="also time the first attention with token-budget micro-batches")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the accelerator's dense bf16 peak for MFU (H100/H200 SXM: 989)")
     args = parser.parse_args()
@@ -184,33 +196,43 @@ def main() -> None:
     for attention in attentions:
         if attention not in LOCAL_ATTENTIONS:
             parser.error(f"--attention: {attention!r} is not one of {LOCAL_ATTENTIONS}")
-    batch = make_batch(AutoConfig.from_pretrained(hf_dir).vocab_size, args.batch, args.seq)
+    batch = make_batch(AutoConfig.from_pretrained(hf_dir).vocab_size, args.batch, args.seq,
+                       args.mixed_lengths)
+    variants = [(f"{a} attention", {"local_attention": a}) for a in attentions]
+    budget = args.max_tokens_per_micro_batch
+    if budget:
+        variants.append((f"{attentions[0]} attention, <= {budget} tokens per micro-batch",
+                         {"local_attention": attentions[0], "max_tokens_per_micro_batch": budget}))
     cores = os.cpu_count() or 1
     mcore = run_workers(_megatron_worker, args.tp, hf_dir, batch, args.micro_batch, args.steps,
-                        args.bf16, attentions, tp=args.tp, timeout=3600,
+                        args.bf16, variants, tp=args.tp, timeout=3600,
                         threads_per_worker=max(1, cores // args.tp))[0]
     torch.set_num_threads(cores)
     hf = transformers_step_time(hf_dir, batch, args.micro_batch, args.steps, args.bf16)
-    tokens = args.batch * args.seq
+    tokens = int(batch["attention_mask"].sum())  # real tokens, padding not counted
     device = (torch.cuda.get_device_name() if torch.cuda.is_available()
               else f"cpu={platform.processor() or platform.machine()} cores={cores}")
     print(f"model={args.model} layers={args.layers or 'all'} batch={args.batch}x{args.seq} "
           f"micro_batch={args.micro_batch} steps={args.steps} tp={args.tp} "
+          f"lengths={'mixed' if args.mixed_lengths else 'all seq'} "
           f"dtype={'bf16' if args.bf16 else 'fp32'} device={device} torch={torch.__version__}")
     flops = matmul_flops_per_token(hf_dir, args.seq) * tokens
-    rows = {f"megatron-core (tp={args.tp}, {a} attention)": mcore[a] for a in attentions}
-    rows["transformers + torch.optim"] = hf
-    print("| trainer | step time (s) | tokens/s | MFU | peak GPU mem (GiB) |")
-    print("|---|---|---|---|---|")
-    for name, (t, gib) in rows.items():
+    rows = {f"megatron-core (tp={args.tp}, {label})": mcore[label] for label, _ in variants}
+    rows["transformers + torch.optim"] = (*hf, float("nan"))
+    print("| trainer | step time (s) | tokens/s | MFU | peak GPU mem (GiB) | padding |")
+    print("|---|---|---|---|---|---|")
+    for name, (t, gib, padding) in rows.items():
         mfu = flops / t / (args.peak_tflops * 1e12 * args.tp) if torch.cuda.is_available() else None
         print(f"| {name} | {t:.3f} | {tokens / t:.0f} | "
-              f"{'-' if mfu is None else f'{mfu:.1%}'} | {gib:.1f} |")
-    for a in attentions:
-        print(f"megatron ({a}) / transformers throughput ratio: {hf[0] / mcore[a][0]:.2f}")
-    if len(attentions) > 1:
-        print(f"megatron {attentions[0]} / {attentions[1]} throughput ratio: "
-              f"{mcore[attentions[1]][0] / mcore[attentions[0]][0]:.2f}")
+              f"{'-' if mfu is None else f'{mfu:.1%}'} | {gib:.1f} | "
+              f"{'-' if padding != padding else f'{padding:.1%}'} |")
+    for label, _ in variants:
+        print(f"megatron ({label}) / transformers throughput ratio: "
+              f"{hf[0] / mcore[label][0]:.2f}")
+    first = variants[0][0]
+    for label, _ in variants[1:]:
+        print(f"megatron ({first}) / ({label}) throughput ratio: "
+              f"{mcore[label][0] / mcore[first][0]:.2f}")
 
 
 if __name__ == "__main__":
