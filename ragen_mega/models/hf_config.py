@@ -6,9 +6,7 @@ API:
     model_spec(config_or_dir) -> ModelSpec      # dict, HF config object, or a directory/config.json
     megatron_config(spec, *, tp=1, pp=1, vpp=None, dtype=torch.float32, **overrides)
         -> megatron.core.transformer.TransformerConfig
-    layer_spec(spec, *, use_te=None, local_attention="sdpa") -> ModuleSpec
-        # TE spec when transformer_engine imports; else the local spec, its core attention one
-        # SDPA call ("sdpa", models/sdpa_attention.py) or Megatron's unfused one ("unfused")
+    layer_spec(spec, *, use_te=None) -> ModuleSpec   # TE spec when transformer_engine imports
     check_checkpoint(spec, shapes: Mapping[str, Sequence[int]], role="actor") -> None
         # raises ConfigMismatchError naming the config field a tensor contradicts
 

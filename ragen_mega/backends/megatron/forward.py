@@ -10,9 +10,8 @@ API:
     make_forward_step(*, temperature=1.0, compute_entropy=True, loss_fn=None) -> forward_step
         # forward_step(data_iterator, model) -> (output_tensor, loss_func): Megatron's schedule
         # contract, shared by inference (loss_fn=None) and training (loss_fn given)
-    split_microbatches(input_ids, attention_mask=None, micro_batch_size=None, *,
-                       max_tokens=None, **extra)
-        -> list[dict]    # trimmed to each micro-batch's length; "rows": its batch row indices
+    split_microbatches(input_ids, attention_mask=None, micro_batch_size=None, **extra)
+        -> list[dict]    # trimmed to each micro-batch's length; "rows": (lo, hi) in the batch
     vocab_parallel_logprobs_entropy(logits, targets, *, vocab_size, temperature=1.0,
                                     compute_entropy=True, tp_group=None) -> (logprobs, entropy)
     run_schedule(chunks, microbatches, forward_step, *, forward_only) -> list (last stage's

@@ -2,7 +2,7 @@
 
 API (call after ``parallel.init_parallel``):
     build_model(spec_or_hf_dir, *, role="actor"|"critic", dtype=torch.float32, use_te=None,
-                local_attention="sdpa", config_overrides=None) -> list[nn.Module]
+                config_overrides=None) -> list[nn.Module]
         # one chunk per virtual pipeline stage (one chunk without vpp); each chunk is a
         # megatron GPTModel (wrapped in Float16Module for bf16/fp16) carrying
         # ``.ragen_spec`` / ``.ragen_role`` / ``.ragen_vp_stage`` / ``.ragen_layers``

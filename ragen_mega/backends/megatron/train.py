@@ -6,15 +6,12 @@ API (every rank of the TP x PP x DP world calls the same methods in step; ``init
         .compute_logprobs(batch) -> [B, S]       # actor; column t = log p(token t | tokens < t)
         .compute_ref_logprobs(batch) -> [B, S]   # frozen reference model (kl_coef > 0 only)
         .compute_values(batch) -> [B, S]         # critic; column t = V(tokens < t)
-        .train(global_batch) -> dict[str, float] # one training step: ppo_epochs x PPO mini-batches,
-                                                 # one optimizer update each (actor or critic)
         .train_actor(batch) -> dict[str, float]  # one optimizer step, StarPO loss
         .train_critic(batch) -> dict[str, float] # one optimizer step, clipped value loss
         .save_checkpoint(root, extra=None) -> Path / .load_checkpoint(path, optimizer=True) -> extra
         .export_hf_state() -> iterator of (hf_name, tensor)   # collective, for weight sync
-        .steps                                   # training steps taken (restored on load)
+        .steps                                   # optimizer steps taken (restored on load)
     dp_shard(batch) -> dict                      # this DP rank's rows of a global batch
-    ppo_minibatches(batch, episodes) -> list[dict]   # a global batch cut into whole episodes
 
 Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them;
 ``train`` alone takes the global batch, cuts its mini-batches and shards them itself):
