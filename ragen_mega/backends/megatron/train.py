@@ -230,11 +230,12 @@ class MegatronTrainer:
         extra = {k: _shifted(batch[k]) for k in ("loss_mask", *keys)}
         mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs,
                                       max_tokens=budget, **extra)
-        counts = torch.stack([
+        fed = sum(mb["attention_mask"].numel() for mb in mbs_list)  # tokens incl. padding
+        counts = torch.stack([t.float() for t in (
             sum(loss_normalizer(mb["loss_mask"], self.config.loss_agg_mode) for mb in mbs_list),
             sum(mb["loss_mask"].sum() for mb in mbs_list),
             sum(mb["attention_mask"].sum() for mb in mbs_list),
-            sum(mb["attention_mask"].numel() for mb in mbs_list)]).float()
+            batch["input_ids"].new_tensor(fed))])
         dist.all_reduce(counts, group=_dp_group())
         return (mbs_list, counts[0], counts[1].clamp(min=1), batch["input_ids"].shape[1] - 1,
                 float(1 - counts[2] / counts[3]))
