@@ -7,9 +7,13 @@ loss-step tokens/s (all batch tokens, prompt included, per second of step time).
     python benchmarks/bench_train_step.py [--model smollm2|tiny|qwen2.5-0.5b|qwen2.5-1.5b]
                                           [--layers N] [--batch 4] [--seq 128]
                                           [--micro-batch 2] [--steps 3] [--tp 1] [--bf16]
+                                          [--attention sdpa,unfused]
 
-Megatron runs in ``tp`` worker processes (``launch.run_workers``), transformers in this process;
-on CPU each side gets all cores (``--tp`` splits them). One warm-up step is not timed. The Qwen2.5
+Megatron runs in ``tp`` worker processes (``launch.run_workers``), once per ``--attention`` (the
+local layer spec's core attention, ``ActorConfig.local_attention``; one trainer after the
+other in the same processes, each freed before the next, peak memory measured per trainer),
+transformers in this process; on CPU each side gets all cores (``--tp`` splits them). One
+warm-up step is not timed. The Qwen2.5
 models are random weights in the published shapes (no hub here; the speed does not depend on
 the values); ``--layers`` shortens them for a quick look. With a GPU both sides run on it:
 ``--bf16`` is Megatron's mixed precision (bf16 compute, fp32 main weights and grads in the
@@ -27,14 +31,23 @@ import torch
 
 from ragen_mega.algo.losses import policy_loss
 from ragen_mega.backends.megatron.launch import run_workers
+from ragen_mega.models.hf_config import LOCAL_ATTENTIONS
 
 
-def make_batch(vocab: int, batch: int, seq: int) -> dict:
+def make_batch(vocab: int, batch: int, seq: int, mixed: bool = False) -> dict:
+    """Random rows of ``seq`` tokens, the second half of each row the "response"; ``mixed``:
+    row lengths spread evenly from seq / 8 to seq (long-horizon turns next to short answers),
+    right padded, rows shuffled."""
     g = torch.Generator().manual_seed(0)
-    loss_mask = torch.zeros(batch, seq)
-    loss_mask[:, seq // 2:] = 1  # second half = "response"
-    return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g),
-            "loss_mask": loss_mask, "advantages": torch.randn(batch, seq, generator=g),
+    lengths = torch.full((batch,), seq)
+    if mixed:
+        lengths = torch.linspace(seq // 8, seq, batch).long()[torch.randperm(batch, generator=g)]
+    positions = torch.arange(seq)[None]
+    attention_mask = (positions < lengths[:, None]).long()
+    loss_mask = ((positions >= lengths[:, None] // 2) & (attention_mask > 0)).float()
+    return {"input_ids": torch.randint(0, vocab, (batch, seq), generator=g) * attention_mask,
+            "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "advantages": torch.randn(batch, seq, generator=g),
             "old_logprobs": torch.full((batch, seq), -10.0)}
 
 
@@ -88,19 +101,32 @@ def _peak_gib() -> float:
     return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else float("nan")
 
 
-def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16):
+def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16, variants):
+    """{label: (seconds per step, peak GiB, padding fraction)}: one trainer per variant (label,
+    ActorConfig overrides), each freed before the next."""
+    import gc
+
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
 
-    trainer = MegatronTrainer(ActorConfig(tp=world_size, micro_batch_size=micro_batch,
-                                          lr=1e-5, bf16=bf16), hf_dir)
-    trainer.train_actor(batch)  # warm-up
-    _sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_actor(batch)
-    _sync()
-    return (time.perf_counter() - start) / steps, _peak_gib()
+    out = {}
+    for label, overrides in variants:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        trainer = MegatronTrainer(ActorConfig(tp=world_size, micro_batch_size=micro_batch,
+                                              lr=1e-5, bf16=bf16, **overrides), hf_dir)
+        metrics = trainer.train_actor(batch)  # warm-up
+        _sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            trainer.train_actor(batch)
+        _sync()
+        out[label] = (time.perf_counter() - start) / steps, _peak_gib(), metrics["padding_frac"]
+        del trainer
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
 
 
 def transformers_step_time(hf_dir, batch, micro_batch, steps, bf16=False) -> tuple[float, float]:
@@ -146,6 +172,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision (GPU only)")
+    parser.add_argument("--attention", default="sdpa",
+                        help="comma-separated Megatron local-spec core attentions to time "
+                             "(sdpa, unfused), each its own trainer")
+    parser.add_argument("--mixed-lengths", action="store_true",
+                        help="row lengths from seq/8 to seq (right padded) instead of all seq")
+    parser.add_argument("--max-tokens-per-micro-batch", type=int, default=None,
+                        help="also time the first attention with token-budget micro-batches")
     parser.add_argument("--peak-tflops", type=float, default=989.0,
                         help="the accelerator's dense bf16 peak for MFU (H100/H200 SXM: 989)")
     args = parser.parse_args()
@@ -160,28 +193,47 @@ def main() -> None:
         hf_dir = str(make_tiny_model(cache_dir() / "tiny" / "tiny-qwen2-untied", "qwen2"))
     else:
         hf_dir = qwen25_random_dir(args.model, args.layers)
-    batch = make_batch(AutoConfig.from_pretrained(hf_dir).vocab_size, args.batch, args.seq)
+    attentions = args.attention.split(",")
+    for attention in attentions:
+        if attention not in LOCAL_ATTENTIONS:
+            parser.error(f"--attention: {attention!r} is not one of {LOCAL_ATTENTIONS}")
+    batch = make_batch(AutoConfig.from_pretrained(hf_dir).vocab_size, args.batch, args.seq,
+                       args.mixed_lengths)
+    variants = [(f"{a} attention", {"local_attention": a}) for a in attentions]
+    budget = args.max_tokens_per_micro_batch
+    if budget:
+        variants.append((f"{attentions[0]} attention, <= {budget} tokens per micro-batch",
+                         {"local_attention": attentions[0], "max_tokens_per_micro_batch": budget}))
     cores = os.cpu_count() or 1
-    mcore, mcore_gib = run_workers(_megatron_worker, args.tp, hf_dir, batch, args.micro_batch,
-                                   args.steps, args.bf16, tp=args.tp, timeout=3600,
-                                   threads_per_worker=max(1, cores // args.tp))[0]
+    mcore = run_workers(_megatron_worker, args.tp, hf_dir, batch, args.micro_batch, args.steps,
+                        args.bf16, variants, tp=args.tp, timeout=3600,
+                        threads_per_worker=max(1, cores // args.tp))[0]
     torch.set_num_threads(cores)
-    hf, hf_gib = transformers_step_time(hf_dir, batch, args.micro_batch, args.steps, args.bf16)
-    tokens = args.batch * args.seq
+    hf = transformers_step_time(hf_dir, batch, args.micro_batch, args.steps, args.bf16)
+    tokens = int(batch["attention_mask"].sum())  # real tokens, padding not counted
     device = (torch.cuda.get_device_name() if torch.cuda.is_available()
               else f"cpu={platform.processor() or platform.machine()} cores={cores}")
     print(f"model={args.model} layers={args.layers or 'all'} batch={args.batch}x{args.seq} "
           f"micro_batch={args.micro_batch} steps={args.steps} tp={args.tp} "
+          f"lengths={'mixed' if args.mixed_lengths else 'all seq'} "
           f"dtype={'bf16' if args.bf16 else 'fp32'} device={device} torch={torch.__version__}")
     flops = matmul_flops_per_token(hf_dir, args.seq) * tokens
-    print("| trainer | step time (s) | tokens/s | MFU | peak GPU mem (GiB) |")
-    print("|---|---|---|---|---|")
-    for name, t, gib in ((f"megatron-core (tp={args.tp})", mcore, mcore_gib),
-                         ("transformers + torch.optim", hf, hf_gib)):
+    rows = {f"megatron-core (tp={args.tp}, {label})": mcore[label] for label, _ in variants}
+    rows["transformers + torch.optim"] = (*hf, float("nan"))
+    print("| trainer | step time (s) | tokens/s | MFU | peak GPU mem (GiB) | padding |")
+    print("|---|---|---|---|---|---|")
+    for name, (t, gib, padding) in rows.items():
         mfu = flops / t / (args.peak_tflops * 1e12 * args.tp) if torch.cuda.is_available() else None
         print(f"| {name} | {t:.3f} | {tokens / t:.0f} | "
-              f"{'-' if mfu is None else f'{mfu:.1%}'} | {gib:.1f} |")
-    print(f"megatron / transformers throughput ratio: {hf / mcore:.2f}")
+              f"{'-' if mfu is None else f'{mfu:.1%}'} | {gib:.1f} | "
+              f"{'-' if padding != padding else f'{padding:.1%}'} |")
+    for label, _ in variants:
+        print(f"megatron ({label}) / transformers throughput ratio: "
+              f"{hf[0] / mcore[label][0]:.2f}")
+    first = variants[0][0]
+    for label, _ in variants[1:]:
+        print(f"megatron ({first}) / ({label}) throughput ratio: "
+              f"{mcore[label][0] / mcore[first][0]:.2f}")
 
 
 if __name__ == "__main__":

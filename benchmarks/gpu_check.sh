@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # The GPU-only checks in one short run (meant for a briefly lent single-GPU machine):
 #   1. tests/test_gpu.py: the Megatron trainer on CUDA/NCCL in fp32 and bf16 against the
-#      transformers + AdamW reference, and the colocated sync payload through CUDA IPC;
-#   2. bench_train_step.py on Qwen2.5-0.5B / 1.5B shapes (random weights), bf16 and fp32:
-#      tokens/s, MFU and peak memory of Megatron vs transformers.
+#      transformers + AdamW reference, the local spec's SDPA attention against the unfused one
+#      (and on its flash kernel), and the colocated sync payload through CUDA IPC;
+#   2. bench_train_step.py on the Qwen2.5-1.5B / 0.5B shapes (random weights), bf16: tokens/s,
+#      MFU and peak memory of Megatron with SDPA attention, Megatron with the unfused attention,
+#      and transformers, in one run per shape. Expected to take ~5 min on an H200; the limits
+#      below add up to 7.
 # Usage, from the repository root: benchmarks/gpu_check.sh OUT_DIR
 # Needs torch with CUDA, transformers, pytest(-timeout) and megatron-core importable, and the
 # SmolLM2 tokenizer under $RAGEN_MEGA_CACHE/models/SmolLM2-135M-Instruct (the tiny test models
@@ -19,7 +22,7 @@ export PYTHONUNBUFFERED=1
   python3 -c "import torch, megatron.core as m; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'megatron-core', m.__version__)"
 } 2>&1 | tee "$out/gpu.txt"
 
-timeout 120 python3 -m pytest -p no:cacheprovider -q -rA -s tests/test_gpu.py 2>&1 \
+timeout 130 python3 -m pytest -p no:cacheprovider -q -rA -s tests/test_gpu.py 2>&1 \
   | grep -v "Warning\|warnings.warn" | tee "$out/test_gpu.log"
 
 n=0
@@ -30,6 +33,5 @@ bench() {  # LIMIT_S ARGS...: one benchmark; the table and ratio lines are what 
   timeout "$limit" python3 benchmarks/bench_train_step.py "$@" > "$log" 2>&1
   grep -E "^model=|^\||ratio" "$log" | tee -a "$out/bench_train_step.md" || tail -5 "$log"
 }
-bench 110 --model qwen2.5-0.5b --batch 16 --seq 1024 --micro-batch 4 --steps 5 --bf16
-bench 100 --model qwen2.5-0.5b --batch 16 --seq 1024 --micro-batch 4 --steps 3
-bench 130 --model qwen2.5-1.5b --batch 16 --seq 1024 --micro-batch 4 --steps 3 --bf16
+bench 200 --model qwen2.5-1.5b --batch 16 --seq 1024 --micro-batch 4 --steps 3 --bf16 --attention sdpa,unfused
+bench 100 --model qwen2.5-0.5b --batch 16 --seq 1024 --micro-batch 4 --steps 3 --bf16 --attention sdpa,unfused

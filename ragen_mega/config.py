@@ -18,6 +18,7 @@ from ragen_mega.agent.config import AgentConfig
 from ragen_mega.algo.losses import AGG_MODES, KL_KINDS, AggMode, KlKind
 from ragen_mega.config_tree import ConfigError, load_config
 from ragen_mega.logging import EchoTrapThresholds
+from ragen_mega.models.hf_config import LOCAL_ATTENTIONS, LocalAttention
 
 
 @dataclasses.dataclass
@@ -265,6 +266,13 @@ class ModelTrainingConfig:
     pp: int = 1
     vpp: int | None = None              # virtual pipeline chunks per rank (interleaved 1F1B)
     micro_batch_size: int = 1
+    ppo_mini_batch_size: int | None = None  # episodes per optimizer update (RAGEN/verl count
+                                        # trajectories; an episode's turns stay together);
+                                        # None = the whole batch, one update per epoch
+    ppo_epochs: int = 1                 # passes over the batch's mini-batches per training step
+    max_tokens_per_micro_batch: int | None = None  # training micro-batches by a padded-token
+                                        # budget (rows sorted by length) instead of
+                                        # micro_batch_size rows each; None = fixed count
     lr: float = 1e-6
     min_lr: float = 0.0
     warmup_steps: int = 0               # linear warm-up: step k (1-based) uses lr * k / warmup
@@ -278,15 +286,24 @@ class ModelTrainingConfig:
     loss_horizon: int | None = None     # seq-mean-token-sum-norm divisor; None = batch width - 1
     use_distributed_optimizer: bool = False
     bf16: bool = False                  # GPU only
+    local_attention: LocalAttention = "sdpa"  # without TransformerEngine: "sdpa" = one fused
+                                        # scaled_dot_product_attention call (flash on GPUs);
+                                        # "unfused" = Megatron's DotProductAttention
 
     def _bad(self, field, why):
         raise ConfigError(f"{field}: {why} (got {getattr(self, field)!r})")
 
     def validate(self):
         bad = self._bad
-        for field in ("tp", "pp", "micro_batch_size"):
+        for field in ("tp", "pp", "micro_batch_size", "ppo_epochs"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 bad(field, "must be an integer >= 1")
+        if self.ppo_mini_batch_size is not None and (
+                not isinstance(self.ppo_mini_batch_size, int) or self.ppo_mini_batch_size < 1):
+            bad("ppo_mini_batch_size", "must be None (the whole batch) or an integer >= 1 "
+                                       "(episodes)")
+        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
+            bad("max_tokens_per_micro_batch", "must be None or >= 1")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             bad("vpp", "must be None or >= 1 together with pp > 1")
         if not self.lr > 0:
@@ -310,6 +327,8 @@ class ModelTrainingConfig:
             bad("loss_agg_mode", f"must be one of {AGG_MODES}")
         if self.loss_horizon is not None and self.loss_horizon < 1:
             bad("loss_horizon", "must be None or >= 1")
+        if self.local_attention not in LOCAL_ATTENTIONS:
+            bad("local_attention", f"must be one of {LOCAL_ATTENTIONS}")
         if self.bf16 and not torch.cuda.is_available():
             bad("bf16", "bf16 training needs a GPU; this machine has none (use bf16=False)")
         return self

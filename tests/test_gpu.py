@@ -1,6 +1,7 @@
 """The CUDA paths the CPU suite cannot reach: the Megatron trainer on a GPU (NCCL process group,
-fp32 and bf16 with Megatron's mixed-precision optimizer) and the colocated weight-sync payload
-shared through CUDA IPC.
+fp32 and bf16 with Megatron's mixed-precision optimizer; the local spec's SDPA core attention
+against the unfused one, and on its flash kernel) and the colocated weight-sync payload shared
+through CUDA IPC.
 
 Every test here is skipped on machines without a CUDA GPU (CI has none); on a GPU box run
 ``pytest tests/test_gpu.py``. The references are the same as the CPU suite's: transformers +
@@ -36,6 +37,7 @@ def _read_shared(payload: bytes, queue) -> None:
 def _gpu_worker(rank, world_size, hf_dir, batch, actor_settings):
     import torch.distributed as dist
     import torch.multiprocessing as mp
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
@@ -43,11 +45,23 @@ def _gpu_worker(rank, world_size, hf_dir, batch, actor_settings):
 
     out = {"backend": dist.get_backend()}
     for name, bf16 in (("fp32", False), ("bf16", True)):
-        trainer = MegatronTrainer(ActorConfig(**actor_settings, bf16=bf16), hf_dir, total_steps=10)
+        unfused = MegatronTrainer(ActorConfig(**actor_settings, bf16=bf16, local_attention="unfused"),
+                                  hf_dir, total_steps=10)
+        unfused_logprobs = unfused.compute_logprobs(batch).cpu()
+        del unfused
+        trainer = MegatronTrainer(ActorConfig(**actor_settings, bf16=bf16), hf_dir,
+                                  total_steps=10)  # SDPA attention
         logprobs = trainer.compute_logprobs(batch)
         logprobs = logprobs.cpu()
+        if bf16:  # the same forward with SDPA held to its flash kernel: an error if it cannot
+            try:
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    out["flash_logprobs"] = trainer.compute_logprobs(batch).cpu()
+            except RuntimeError as e:
+                out["flash_logprobs"] = repr(e)
         metrics = trainer.train_actor({**batch, "old_logprobs": logprobs + batch["noise"]})
-        out[name] = {"logprobs": logprobs, "metrics": metrics,
+        out[name] = {"logprobs": logprobs, "unfused_logprobs": unfused_logprobs,
+                     "metrics": metrics,
                      "weights": {n: t.float().cpu() for n, t in trainer.export_hf_state()}}
 
     # colocated sync payload: the trainer's CUDA tensors travel as IPC handles, not bytes
@@ -112,6 +126,25 @@ def test_bf16_step_on_gpu_tracks_fp32_reference(result, reference):
     assert m["update_successful"] == 1.0
     assert m["grad_norm"] == pytest.approx(reference["grad_norm"], rel=0.05)
     assert m["loss"] == pytest.approx(reference["loss"], rel=0.05, abs=1e-3)
+
+
+def test_sdpa_attention_matches_unfused_on_gpu_and_runs_flash(result, reference):
+    """The local spec's SDPA core attention against Megatron's unfused one on CUDA: fp32 to
+    float rounding, bf16 within bf16 rounding; in bf16 SDPA can run on its flash kernel."""
+    valid = _valid(reference)
+    for name, atol in (("fp32", 1e-4), ("bf16", None)):
+        diff = (result[name]["logprobs"] - result[name]["unfused_logprobs"])[valid].abs()
+        print(f"{name} SDPA vs unfused attention log-probs: max {diff.max():.2e}, "
+              f"mean {diff.mean():.2e}")
+        if atol is not None:
+            assert diff.max() <= atol
+        else:
+            assert diff.mean() < 0.01 and diff.max() < 0.1
+    flash = result["flash_logprobs"]
+    assert torch.is_tensor(flash), f"SDPA could not use its flash kernel: {flash}"
+    diff = (flash - result["bf16"]["logprobs"])[valid].abs()
+    print(f"bf16 flash-only vs default SDPA kernel log-probs: max {diff.max():.2e}")
+    assert diff.max() < 0.05
 
 
 def test_colocated_payload_shares_cuda_tensors(result):

@@ -15,18 +15,11 @@ import shutil
 import pytest
 import torch
 
+from conftest import LENGTHS, make_batch, training_grads
 from ragen_mega.backends.megatron.launch import run_workers
 
 LAYOUTS = [(1, 1, None), (2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
-LENGTHS = [9, 5, 7]       # right padded; micro-batches of 2 -> lengths 9 and 7 under PP
 
-
-def make_batch(vocab: int, lengths=LENGTHS, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    seq = max(lengths)
-    ids = torch.randint(0, vocab, (len(lengths), seq), generator=g)
-    mask = (torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]).long()
-    return ids * mask + 2 * (1 - mask), mask     # pad id 2 (SmolLM2's) on the right
 
 
 def hf_reference(hf_dir, ids, mask, temperature=1.0):
@@ -113,7 +106,7 @@ def logits_worker(rank, world, cases, layouts, ids, mask, critic_case, bad_dir):
                 exported = dict(export_hf_state(critic))
                 out["critic"] = (zero, values, w, sorted(exported),
                                  torch.equal(exported["score.weight"], w))
-                out["grads"] = _training_grads(chunks, ids, mask, rank)
+                out["grads"] = training_grads(chunks, ids, mask, rank)
         if (tp, pp) == (2, 2):
             out["refused"] = _load_error(bad_dir)
     return out
@@ -130,23 +123,6 @@ def _load_error(hf_dir) -> str:
         return str(e)
     return "loaded without error"
 
-
-def _training_grads(chunks, ids, mask, rank):
-    """One training-mode schedule run with a loss on log-probs and entropy; HF-named grads."""
-    from ragen_mega.backends.megatron.forward import make_forward_step, run_schedule, split_microbatches
-    from ragen_mega.backends.megatron.model import export_hf_state
-
-    def loss_fn(outputs, batch):
-        loss = -(outputs["logprobs"].sum() + 0.1 * outputs["entropy"].sum())
-        return loss, {"loss": loss.detach().clone()}
-
-    step = make_forward_step(temperature=1.0, compute_entropy=True, loss_fn=loss_fn)
-    metrics = run_schedule(chunks, split_microbatches(ids, mask, 2), step, forward_only=False)
-    params = [p for chunk in chunks for p in chunk.parameters()]
-    for p in params:   # export the gradients through the same gather + mapping as the weights
-        p.data = p.grad
-    grads = dict(export_hf_state(chunks))
-    return (grads if rank == 0 else None), metrics
 
 
 @pytest.fixture(scope="module")

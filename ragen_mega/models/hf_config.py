@@ -16,6 +16,7 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal, get_args
 
 import torch
 
@@ -176,13 +177,31 @@ def te_available() -> bool:
     return torch.cuda.is_available()
 
 
-def layer_spec(spec: ModelSpec, *, use_te: bool | None = None):
-    """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise."""
+LocalAttention = Literal["sdpa", "unfused"]
+LOCAL_ATTENTIONS = get_args(LocalAttention)
+
+
+def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: LocalAttention = "sdpa"):
+    """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise.
+
+    ``local_attention`` picks the local spec's core attention: ``"sdpa"`` (one fused
+    ``scaled_dot_product_attention`` call: flash kernels on a GPU) or ``"unfused"`` (Megatron's
+    ``DotProductAttention``, materialised scores; kept as the reference and for comparison).
+    """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
 
+    if local_attention not in LOCAL_ATTENTIONS:
+        raise ValueError(f"local_attention must be one of {LOCAL_ATTENTIONS}, "
+                         f"got {local_attention!r}")
     if use_te is None:
         use_te = te_available()
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    layers = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+    if local_attention == "sdpa":
+        from ragen_mega.models.sdpa_attention import SDPAttention
+
+        layers.submodules.self_attention.submodules.core_attention = SDPAttention
+    return layers
+

@@ -79,10 +79,7 @@ class TrainerWorker:
         return self._gather_rows(self.trainer.compute_values(self._local(batch)))
 
     def train(self, batch: dict) -> dict[str, float]:
-        local = self._local(batch)
-        if self.trainer.role == "actor":
-            return self.trainer.train_actor(local)
-        return self.trainer.train_critic(local)
+        return self.trainer.train(batch)  # cuts its PPO mini-batches, then each one's DP shard
 
     def save_checkpoint(self, root: str, step: int, extra: dict | None = None) -> str:
         return str(self.trainer.save_checkpoint(root, step, extra=extra))

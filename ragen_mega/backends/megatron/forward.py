@@ -96,29 +96,54 @@ def _lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> to
     return lengths
 
 
-def split_microbatches(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                       micro_batch_size: int | None = None, **extra) -> list[dict]:
-    """Micro-batch dicts; each trimmed to its longest row (right padding keeps rows causal), with
-    ``"rows"``: its ``(lo, hi)`` rows in the batch.
+def token_budget_groups(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """Row indices of micro-batches that each hold at most ``max_tokens`` padded tokens.
 
-    ``extra`` [B, ...] tensors are sliced along the batch dim (and trimmed to the micro-batch's
-    length along dim 1 when their dim 1 equals S or S-1).
+    Rows sorted longest first fill a micro-batch while (rows x its longest row) stays within the
+    budget, so rows of similar length share one and short rows stop being padded to the longest
+    of the batch; a row longer than the budget gets a micro-batch of its own.
+    """
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    groups, current = [], []
+    for row in torch.argsort(lengths, descending=True, stable=True).tolist():
+        if current and (len(current) + 1) * int(lengths[current[0]]) > max_tokens:
+            groups.append(current)
+            current = []
+        current.append(row)
+    groups.append(current)
+    return [torch.tensor(g, device=lengths.device) for g in groups]
+
+
+def split_microbatches(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                       micro_batch_size: int | None = None, *, max_tokens: int | None = None,
+                       **extra) -> list[dict]:
+    """Micro-batch dicts; each trimmed to its longest row (right padding keeps rows causal).
+
+    Consecutive rows, ``micro_batch_size`` at a time, or with ``max_tokens`` the
+    :func:`token_budget_groups` of the rows (then ``micro_batch_size`` is unused). ``extra``
+    [B, ...] tensors are sliced along the batch dim (and trimmed to the micro-batch's length
+    along dim 1 when their dim 1 equals S or S-1).
     """
     lengths = _lengths(input_ids, attention_mask)
     batch, seq = input_ids.shape
-    mbs = micro_batch_size or batch
-    if mbs < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if max_tokens is not None:
+        groups = token_budget_groups(lengths, max_tokens)
+    else:
+        mbs = micro_batch_size or batch
+        if mbs < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        groups = [torch.arange(lo, min(lo + mbs, batch), device=input_ids.device)
+                  for lo in range(0, batch, mbs)]
     out = []
-    for lo in range(0, batch, mbs):
-        hi = min(lo + mbs, batch)
-        length = max(int(lengths[lo:hi].max()), 1)
-        mb = {"input_ids": input_ids[lo:hi, :length],
+    for rows in groups:
+        length = max(int(lengths[rows].max()), 1)
+        mb = {"input_ids": input_ids[rows, :length],
               "attention_mask": (torch.arange(length, device=input_ids.device).unsqueeze(0)
-                                 < lengths[lo:hi].unsqueeze(1)).long(),
-              "rows": (lo, hi)}
+                                 < lengths[rows].unsqueeze(1)).long(),
+              "rows": rows}
         for key, value in extra.items():
-            value = value[lo:hi]
+            value = value[rows]
             if value.dim() > 1 and value.shape[1] in (seq, seq - 1):
                 value = value[:, : length - (seq - value.shape[1])]
             mb[key] = value
@@ -198,9 +223,8 @@ def _device() -> torch.device:
 def _assemble(results: list[dict], microbatches: list[dict], key: str, shape) -> torch.Tensor:
     out = torch.zeros(shape, dtype=torch.float32, device=_device())
     for mb, res in zip(microbatches, results):
-        lo, hi = mb["rows"]
         value = res[key]
-        out[lo:hi, : value.shape[1]] = value
+        out[mb["rows"], : value.shape[1]] = value
     return out
 
 

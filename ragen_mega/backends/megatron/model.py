@@ -52,9 +52,10 @@ def _as_spec(spec_or_hf_dir) -> ModelSpec:
 
 
 def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = torch.float32,
-                use_te: bool | None = None, config_overrides: dict | None = None
-                ) -> list[nn.Module]:
-    """This rank's model chunks (random init; ``load_hf_checkpoint`` fills them)."""
+                use_te: bool | None = None, local_attention: str = "sdpa",
+                config_overrides: dict | None = None) -> list[nn.Module]:
+    """This rank's model chunks (random init; ``load_hf_checkpoint`` fills them).
+    ``use_te`` / ``local_attention``: the layer spec (``hf_config.layer_spec``)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
@@ -66,7 +67,7 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
     vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     config = megatron_config(spec, tp=tp, pp=pp, vpp=vpp, dtype=dtype, **(config_overrides or {}))
-    layers = layer_spec(spec, use_te=use_te)
+    layers = layer_spec(spec, use_te=use_te, local_attention=local_attention)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None

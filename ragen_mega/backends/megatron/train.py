@@ -5,7 +5,8 @@ The trainer takes its section of the run config (:class:`~ragen_mega.config.Acto
 :class:`~ragen_mega.config.CriticConfig`) plus what the run derives: the LR schedule's horizon,
 the sampling temperature its log-probs are taken at, and the seed.
 
-Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them):
+Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them;
+``train`` alone takes the global batch, cuts its mini-batches and shards them itself):
 ``input_ids`` (prompt + response, right padded), ``loss_mask`` (1 on model-written tokens),
 optional ``attention_mask`` (right padding; lets micro-batches be trimmed), and per-token values
 ALIGNED WITH ``input_ids``: column t belongs to token t (it is computed from tokens < t), column
@@ -17,7 +18,12 @@ Loss normalisation (``algo.losses`` module doc): the global normaliser (loss tok
 sequences for the seq-mean modes) is summed over this rank's micro-batches and all-reduced over
 DP; each micro-batch loss is its share of the global mean times M * D, because Megatron's
 schedule divides by the M micro-batches and DDP averages over the D replicas. The gradient is
-then exactly that of the full global batch, whatever the micro-batching and DP split.
+then exactly that of the full global batch, whatever the micro-batching and DP split. With PPO
+mini-batches the same holds per mini-batch: each update's loss is the mean over its own global
+mini-batch.
+
+A training step advances the LR schedule and ``steps`` once, however many updates it makes (as
+verl's LR schedule counts training steps), so checkpoints stay named by the run's step.
 """
 from __future__ import annotations
 
@@ -53,6 +59,25 @@ def dp_shard(batch: dict) -> dict:
         raise ValueError(f"dp_shard: batch of {rows} rows does not split over {dp} DP ranks")
     per = rows // dp
     return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
+
+
+def ppo_minibatches(batch: dict, episodes: int | None) -> list[dict]:
+    """A global batch cut into PPO mini-batches of ``episodes`` whole episodes each.
+
+    RAGEN (verl) counts ``ppo_mini_batch_size`` in trajectories, so every turn sample of an
+    episode lands in the same mini-batch; episodes are taken in order of first appearance, rows
+    keep their batch order. ``None``: the whole batch is one mini-batch.
+    """
+    if episodes is None:
+        return [batch]
+    if "episode_id" not in batch:
+        raise KeyError("ppo_mini_batch_size counts episodes: the batch needs episode_id "
+                       f"(has {sorted(batch)})")
+    ids = batch["episode_id"].tolist()
+    chunk_of = {e: i // episodes for i, e in enumerate(dict.fromkeys(ids))}
+    chunk = torch.tensor([chunk_of[e] for e in ids])
+    return [{k: v[chunk == c] for k, v in batch.items()}
+            for c in range(max(chunk_of.values()) + 1)]
 
 
 def _device() -> torch.device:
@@ -131,7 +156,8 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ construction
     def _load(self, role: str) -> list:
-        chunks = build_model(self.hf_dir, role=role, dtype=self.dtype)
+        chunks = build_model(self.hf_dir, role=role, dtype=self.dtype,
+                             local_attention=self.config.local_attention)
         load_hf_checkpoint(chunks, self.hf_dir)
         return chunks
 
@@ -200,22 +226,52 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ training
     def _microbatches(self, batch: dict, keys: tuple[str, ...]):
         """Micro-batches (per-token tensors in next-token layout), the global loss normaliser,
-        the global loss-token count and the batch width (the default loss horizon)."""
-        mbs = self.config.micro_batch_size
+        the global loss-token count, the batch width (the default loss horizon) and the global
+        padding fraction of the micro-batches (padded tokens / all tokens fed)."""
+        mbs, budget = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
         rows = batch["input_ids"].shape[0]
-        if rows % mbs:
+        if budget is None and rows % mbs:
             raise ValueError(f"batch of {rows} rows is not a multiple of "
                              f"{type(self.config).__name__}.micro_batch_size={mbs}")
         extra = {k: _shifted(batch[k]) for k in ("loss_mask", *keys)}
-        mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs, **extra)
-        counts = torch.stack([
+        mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs,
+                                      max_tokens=budget, **extra)
+        fed = sum(mb["attention_mask"].numel() for mb in mbs_list)  # tokens incl. padding
+        counts = torch.stack([t.float() for t in (
             sum(loss_normalizer(mb["loss_mask"], self.config.loss_agg_mode) for mb in mbs_list),
-            sum(mb["loss_mask"].sum() for mb in mbs_list)]).float()
+            sum(mb["loss_mask"].sum() for mb in mbs_list),
+            sum(mb["attention_mask"].sum() for mb in mbs_list),
+            batch["input_ids"].new_tensor(fed))])
         dist.all_reduce(counts, group=_dp_group())
-        return mbs_list, counts[0], counts[1].clamp(min=1), batch["input_ids"].shape[1] - 1
+        return (mbs_list, counts[0], counts[1].clamp(min=1), batch["input_ids"].shape[1] - 1,
+                float(1 - counts[2] / counts[3]))
+
+    def train(self, batch: dict) -> dict:
+        """One training step on the GLOBAL batch (the same dict on every rank): ``ppo_epochs``
+        passes over its PPO mini-batches (:func:`ppo_minibatches`), one optimizer update each on
+        this DP rank's rows. ``old_logprobs`` / ``old_values`` stay the rollout policy's for every
+        update, so from the second update on the PPO clip acts. Metrics: the mean over the
+        updates, plus ``ppo_updates``; the defaults (whole batch, one epoch) make exactly one
+        update, the same as ``train_actor`` / ``train_critic`` on the DP shard."""
+        c = self.config
+        update = self._actor_update if self.role == "actor" else self._critic_update
+        minibatches = ppo_minibatches(batch, c.ppo_mini_batch_size)
+        return self._phase(update, [dp_shard(mb) for _ in range(c.ppo_epochs)
+                                    for mb in minibatches])
+
+    def _phase(self, update, local_batches: list[dict]) -> dict:
+        """One training step: the LR schedule advances once, then one update per batch."""
+        self.scheduler.step(1)  # lr of this step: schedule at step k (1-based)
+        results = [update(b) for b in local_batches]
+        if any(r["update_successful"] for r in results):
+            self.steps += 1
+        metrics = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
+        metrics["ppo_updates"] = float(len(results))
+        return metrics
 
     def _step(self, microbatches: list, loss_fn, stat_names: tuple[str, ...]) -> dict:
-        """Forward/backward over all micro-batches, optimizer step; global metrics on every rank."""
+        """Forward/backward over all micro-batches, optimizer update; global metrics on every
+        rank."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.model:
@@ -224,12 +280,9 @@ class MegatronTrainer:
         results = run_schedule(self.model, microbatches,
                                make_forward_step(temperature=self.temperature,
                                                  loss_fn=loss_fn), forward_only=False)
-        self.scheduler.step(1)  # lr of this update: schedule at step k (1-based)
         lr = self.optimizer.param_groups[0]["lr"]
         with cuda_tensor_type_names():
             updated, grad_norm, _ = self.optimizer.step()
-        if updated:
-            self.steps += 1
         stats = torch.zeros(len(stat_names), device=_device())
         for r in results:  # last pipeline stage only; summed shares of the global means
             stats += r["stats"]
@@ -248,14 +301,18 @@ class MegatronTrainer:
         return float(num_microbatches * mpu.get_data_parallel_world_size())
 
     def train_actor(self, batch: dict) -> dict:
-        """One StarPO step: PPO clipped surrogate (asymmetric + dual clip), minus entropy bonus,
-        plus KL to the reference (kl_coef > 0). Returns global metrics (same on every rank), under
-        verl's names where verl has the quantity: loss, pg_loss, entropy (token-mean), kl_loss,
-        pg_clipfrac (either ratio clip active), pg_clipfrac_ratio_high / _ratio_low (each side
-        alone), pg_clipfrac_lower (the dual clip active: verl's name), ppo_kl (k1 KL old ->
-        new), grad_norm, lr, update_successful."""
+        """One StarPO update on this DP rank's rows (one mini-batch): PPO clipped surrogate
+        (asymmetric + dual clip), minus entropy bonus, plus KL to the reference (kl_coef > 0).
+        Returns global metrics (same on every rank), under verl's names where verl has the
+        quantity: loss, pg_loss, entropy (token-mean), kl_loss, pg_clipfrac (either ratio clip
+        active), pg_clipfrac_ratio_high / _ratio_low (each side alone), pg_clipfrac_lower (the
+        dual clip active: verl's name), ppo_kl (k1 KL old -> new), grad_norm, lr,
+        update_successful, ppo_updates, padding_frac."""
         if self.role != "actor":
             raise RuntimeError("train_actor needs role='actor'")
+        return self._phase(self._actor_update, [batch])
+
+    def _actor_update(self, batch: dict) -> dict:
         c = self.config
         keys = ("old_logprobs", "advantages")
         if c.kl_coef > 0:
@@ -264,7 +321,7 @@ class MegatronTrainer:
             keys += ("ref_logprobs",)
         _check_batch(batch, keys, "train_actor")
         batch = _to_device(batch)
-        microbatches, normalizer, global_tokens, width = self._microbatches(batch, keys)
+        microbatches, normalizer, global_tokens, width, padding = self._microbatches(batch, keys)
         scale = self._scale(len(microbatches))
         agg = dict(mode=c.loss_agg_mode, normalizer=normalizer, horizon=c.loss_horizon or width)
         names = ("loss", "pg_loss", "entropy", "kl_loss", "pg_clipfrac", "pg_clipfrac_ratio_high",
@@ -292,19 +349,23 @@ class MegatronTrainer:
                     m["approx_kl"] * share]).detach().float()
             return loss * scale, {"stats": stats}
 
-        return self._step(microbatches, loss_fn, names)
+        return {**self._step(microbatches, loss_fn, names), "padding_frac": padding}
 
     def train_critic(self, batch: dict) -> dict:
-        """One critic step on the clipped value loss against ``returns`` (``old_values`` are the
-        critic's values at rollout time). Metrics (verl's names): vf_loss, vf_clipfrac, vpred_mean,
-        grad_norm, lr, update_successful."""
+        """One critic update on this DP rank's rows (one mini-batch): the clipped value loss
+        against ``returns`` (``old_values`` are the critic's values at rollout time). Metrics
+        (verl's names): vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr, update_successful,
+        ppo_updates, padding_frac."""
         if self.role != "critic":
             raise RuntimeError("train_critic needs role='critic'")
+        return self._phase(self._critic_update, [batch])
+
+    def _critic_update(self, batch: dict) -> dict:
         c = self.config
         keys = ("returns", "old_values")
         _check_batch(batch, keys, "train_critic")
         batch = _to_device(batch)
-        microbatches, normalizer, global_tokens, width = self._microbatches(batch, keys)
+        microbatches, normalizer, global_tokens, width, padding = self._microbatches(batch, keys)
         scale = self._scale(len(microbatches))
 
         def loss_fn(outputs, mb):
@@ -319,7 +380,8 @@ class MegatronTrainer:
                                      m["vpred_mean"] * share]).detach().float()
             return loss * scale, {"stats": stats}
 
-        return self._step(microbatches, loss_fn, ("vf_loss", "vf_clipfrac", "vpred_mean"))
+        return {**self._step(microbatches, loss_fn, ("vf_loss", "vf_clipfrac", "vpred_mean")),
+                "padding_frac": padding}
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, root, step: int, extra: dict | None = None):
