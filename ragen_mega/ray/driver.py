@@ -138,7 +138,8 @@ class Run:
         """Play one step's episodes (training seeds, or the held-out seeds at eval temperature)."""
         env, r = self.cfg.env, self.cfg.rollout
         if evaluate:
-            specs = mix_specs(env.val_parts(), group_size=1, first_seed=env.val_seed)
+            specs = mix_specs(env.val_parts(), group_size=env.val_group_size,
+                              first_seed=env.val_seed)
             temperature = r.val_temperature
         else:
             specs = train_step_specs(env.train_parts(), group_size=env.group_size,

@@ -1,0 +1,162 @@
+"""``ragen-mega eval CONFIG [key=value ...] --checkpoint PATH [--out FILE.json]``.
+
+Plays the config's held-out evaluation (``env.val_*`` or ``env.mix`` entries, ``env.val_groups``
+seeds from ``env.val_seed``, ``env.val_group_size`` episodes each, ``rollout.val_temperature``)
+with the weights at ``PATH`` on SGLang engines only, no trainer, through the training loop's own
+evaluation (:meth:`Run.rollout` with ``evaluate=True`` and :func:`summarize`), so the numbers
+are those a run logs under ``val/``. It prints one row per env tag and, with ``--out``, writes
+them as JSON: ``success``, ``valid_action_rate``, ``episodes``, ``mean_turns``,
+``response_length``, ``pass@k`` where k > 1, and ``per_tag`` (tag -> the same keys).
+
+``PATH`` is ``smollm2``, a Hugging Face model directory, a run directory (``trainer.run_dir``:
+its newest complete step) or one step's actor checkpoint (``.../checkpoints/actor/step_N``).
+Megatron checkpoints are converted to a temporary Hugging Face directory first.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from ragen_mega.config import RunConfig, load_run_config
+
+#: summary keys of one tag (from ``summarize``'s ``val/...`` names) -> the names printed / written
+_KEYS = {"success": "success", "valid_action_rate": "valid_action_rate",
+         "num_turns": "mean_turns", "response_length": "response_length"}
+
+
+def run_step_checkpoint(run_dir: Path) -> Path:
+    """The actor checkpoint of a run directory's newest complete step (the one its
+    ``checkpoints/latest_step`` pointer names, as a resumed run would load)."""
+    pointer = run_dir / "checkpoints" / "latest_step"
+    if not pointer.is_file():
+        raise FileNotFoundError(f"{run_dir}: no complete checkpoint ({pointer} is missing)")
+    step_dir = run_dir / "checkpoints" / "actor" / f"step_{pointer.read_text().strip()}"
+    return step_dir
+
+
+@contextlib.contextmanager
+def hf_weights(path: str):
+    """Yield a Hugging Face directory holding the weights at ``path`` (see the module docstring);
+    a Megatron checkpoint is exported into a temporary directory removed afterwards."""
+    from ragen_mega.backends.megatron import checkpoint as ckpt
+    from ragen_mega.ray.driver import resolve_model
+
+    p = Path(path)
+    if path == "smollm2" or (p / "config.json").is_file() and not (p / ckpt.STATE_FILE).exists():
+        yield resolve_model(path)
+        return
+    if not p.is_dir():
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    step_dir = run_step_checkpoint(p) if (p / "checkpoints").is_dir() else p
+    if not (step_dir / ckpt.STATE_FILE).is_file():
+        raise FileNotFoundError(f"--checkpoint: {step_dir} is not a complete checkpoint (no "
+                                f"{ckpt.STATE_FILE}) nor a Hugging Face model dir (no config.json)")
+    from ragen_mega.backends.megatron.convert import megatron_to_hf
+
+    with tempfile.TemporaryDirectory(prefix="ragen_eval_") as tmp:
+        yield str(megatron_to_hf(step_dir, Path(tmp) / "hf"))
+
+
+def evaluate(cfg: RunConfig, checkpoint: str) -> dict:
+    """The held-out evaluation of ``checkpoint`` under ``cfg``: the JSON report (module doc)."""
+    with hf_weights(checkpoint) as model_dir:
+        episodes = play(cfg, model_dir)
+    from ragen_mega.ray.driver import summarize
+
+    metrics = summarize(episodes, "val")
+    tags = sorted({e.samples[0].env_tag for e in episodes})
+    counts = {tag: sum(e.samples[0].env_tag == tag for e in episodes) for tag in tags}
+    report = {**pick(metrics, "val"), "episodes": len(episodes), "per_tag": {
+        tag: {**pick(metrics, f"val/{tag}"), "episodes": counts[tag]} for tag in tags}}
+    return report
+
+
+def pick(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """The report's keys of one ``summarize`` prefix (pass@k kept under its own name)."""
+    out = {name: metrics[f"{prefix}/{key}"] for key, name in _KEYS.items()}
+    out.update({key.rsplit("/", 1)[1]: value for key, value in metrics.items()
+                if key.startswith(f"{prefix}/pass@")})
+    return out
+
+
+def play(cfg: RunConfig, model_dir: str) -> list:
+    """Start the config's engines on ``model_dir`` and play the held-out episodes on them."""
+    import torch
+    from ray.util.placement_group import remove_placement_group
+    from transformers import AutoTokenizer
+
+    from ragen_mega.ray.cluster import init_ray
+    from ragen_mega.ray.driver import Run
+    from ragen_mega.ray.engine_group import EngineGroup
+    from ragen_mega.ray.placement import PlacementPlan, create_placement_group
+
+    init_ray(cfg.trainer.ray_address)
+    r = cfg.rollout
+    use_gpu = torch.cuda.is_available()
+    unit = {"CPU": 1.0, **({"GPU": 1.0} if use_gpu else {})}
+    bundles = [list(range(e * r.engine_tp, (e + 1) * r.engine_tp)) for e in range(r.num_engines)]
+    pg = create_placement_group(PlacementPlan([dict(unit) for _ in range(r.num_engines
+                                                                         * r.engine_tp)],
+                                              [], bundles, []))
+    log_dir = Path(tempfile.mkdtemp(prefix="ragen_eval_logs_"))
+    engines = None
+    try:
+        engines = EngineGroup(model_dir, pg, bundles, tp=r.engine_tp, dtype=cfg.model.dtype,
+                              log_dir=str(log_dir), num_cpus=1.0, seeded_sampling=r.seeded,
+                              mem_fraction=r.mem_fraction)
+        run = Run(cfg, model_dir, AutoTokenizer.from_pretrained(model_dir), engines,
+                  actor=None, critic=None, placement_group=pg)
+        episodes, _ = run.rollout(0, evaluate=True)
+        return episodes
+    finally:
+        if engines is not None:
+            engines.shutdown()
+        remove_placement_group(pg)
+
+
+def format_table(report: dict) -> str:
+    """One row per env tag, then the total."""
+    ks = sorted({k for row in [report, *report["per_tag"].values()] for k in row
+                 if k.startswith("pass@")})
+    cols = ["episodes", "success", *ks, "valid_action_rate", "mean_turns", "response_length"]
+    rows = [(tag, report["per_tag"][tag]) for tag in report["per_tag"]] + [("all", report)]
+    width = max(len(t) for t, _ in rows)
+    lines = [f"{'env':<{width}}  " + "  ".join(f"{c:>17}" for c in cols)]
+    for tag, row in rows:
+        cells = [f"{row[c]:>17d}" if c == "episodes" else
+                 (f"{row[c]:>17.3f}" if c in row else f"{'-':>17}") for c in cols]
+        lines.append(f"{tag:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ragen-mega eval CONFIG [key=value ...] --checkpoint PATH [--out FILE.json]``"""
+    import argparse
+
+    from ragen_mega.config_tree import ConfigError
+
+    parser = argparse.ArgumentParser(prog="ragen-mega eval", description=main.__doc__)
+    parser.add_argument("config", help="the run's YAML config (its env.val_* / env.mix entries)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. env.val_groups=64")
+    parser.add_argument("--checkpoint", required=True,
+                        help="smollm2, an HF model dir, a run dir or a step_N checkpoint dir")
+    parser.add_argument("--out", default=None, help="also write the numbers to this JSON file")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"ragen-mega eval: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        report = evaluate(cfg, args.checkpoint)
+    except FileNotFoundError as e:
+        print(f"ragen-mega eval: {e}", file=sys.stderr)
+        return 2
+    print(format_table(report))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
