@@ -45,12 +45,14 @@ def hf_weights(path: str):
     from ragen_mega.ray.driver import resolve_model
 
     p = Path(path)
-    if path == "smollm2" or (p / "config.json").is_file() and not (p / ckpt.STATE_FILE).exists():
+    if not (path == "smollm2" or p.is_dir()):
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    # a run dir holds the run's config.json too: look for checkpoints before an HF config
+    is_run, is_step = (p / "checkpoints").is_dir(), (p / ckpt.STATE_FILE).exists()
+    if path == "smollm2" or (p / "config.json").is_file() and not (is_run or is_step):
         yield resolve_model(path)
         return
-    if not p.is_dir():
-        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
-    step_dir = run_step_checkpoint(p) if (p / "checkpoints").is_dir() else p
+    step_dir = run_step_checkpoint(p) if is_run else p
     if not (step_dir / ckpt.STATE_FILE).is_file():
         raise FileNotFoundError(f"--checkpoint: {step_dir} is not a complete checkpoint (no "
                                 f"{ckpt.STATE_FILE}) nor a Hugging Face model dir (no config.json)")
@@ -145,15 +147,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="smollm2, an HF model dir, a run dir or a step_N checkpoint dir")
     parser.add_argument("--out", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
-    try:
-        cfg = load_run_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"ragen-mega eval: config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        report = evaluate(cfg, args.checkpoint)
-    except FileNotFoundError as e:
-        print(f"ragen-mega eval: {e}", file=sys.stderr)
+    try:  # a bad config or checkpoint fails before any engine starts
+        report = evaluate(load_run_config(args.config, args.overrides), args.checkpoint)
+    except (ConfigError, FileNotFoundError) as e:
+        kind = "config error: " if isinstance(e, ConfigError) else ""
+        print(f"ragen-mega eval: {kind}{e}", file=sys.stderr)
         return 2
     print(format_table(report))
     if args.out:

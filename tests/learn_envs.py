@@ -6,8 +6,8 @@ therefore builds a tiny random Qwen2 whose output is confined to a three-token a
 ``A``, ``B`` and newline: a constant direction in every token embedding meets large output
 weights of those three rows only, so they hold all but ~1e-6 of the probability, while the
 rest of the network stays random. With ``agent.answer_line`` the answer is the text up to the
-first newline, so a random policy writes a valid one-line answer about half the time and starts
-it with ``A`` about half of those: the games below pay on that first letter.
+first newline, so within 8 tokens a random policy writes a valid one-line answer ~95% of the
+time and starts it with ``A`` half of those: the games below pay on that first letter.
 
 These envs are registered by the tests themselves, never in the package's registry.
 """
@@ -63,16 +63,24 @@ def first_letter(action: str) -> str | None:
     return head if head in ("A", "B") else None
 
 
-class FirstLetterGame(TextEnv):
-    """One turn: an answer starting with ``A`` pays 1 (success), one starting with ``B`` 0."""
+class _LetterGame(TextEnv):
+    """A game whose actions are lines of letters, read by their first letter."""
+
+    rules = ""
 
     @property
     def instruction(self) -> str:
-        return "Write one line of letters. A line that starts with A wins."
+        return self.rules
 
     @property
     def valid_actions(self) -> list[str]:
         return ["A", "B"]
+
+
+class FirstLetterGame(_LetterGame):
+    """One turn: an answer starting with ``A`` pays 1 (success), one starting with ``B`` 0."""
+
+    rules = "Write one line of letters. A line that starts with A wins."
 
     def reset(self, seed: int) -> str:
         return "Your line:"
@@ -86,22 +94,16 @@ class FirstLetterGame(TextEnv):
                                            "success": won}
 
 
-class DoorThenPayGame(TextEnv):
+class DoorThenPayGame(_LetterGame):
     """Two turns. Turn 1 picks a door by the answer's first letter (``A`` or ``B``) and pays
     nothing; turn 2 (any valid answer) opens it and pays 1 only behind door A. ``success`` is set
     at the turn-1 pick of door A, so the run's success rate is the probability of the right
     first-turn choice; the reward that teaches it arrives one turn later."""
 
+    rules = "Pick a door with a line starting A or B, then open it with any line."
+
     def __init__(self):
         self._door: str | None = None
-
-    @property
-    def instruction(self) -> str:
-        return "Pick a door with a line starting A or B, then open it with any line."
-
-    @property
-    def valid_actions(self) -> list[str]:
-        return ["A", "B"]
 
     def reset(self, seed: int) -> str:
         self._door = None
