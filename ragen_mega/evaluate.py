@@ -33,8 +33,7 @@ def run_step_checkpoint(run_dir: Path) -> Path:
     pointer = run_dir / "checkpoints" / "latest_step"
     if not pointer.is_file():
         raise FileNotFoundError(f"{run_dir}: no complete checkpoint ({pointer} is missing)")
-    step_dir = run_dir / "checkpoints" / "actor" / f"step_{pointer.read_text().strip()}"
-    return step_dir
+    return run_dir / "checkpoints" / "actor" / f"step_{pointer.read_text().strip()}"
 
 
 @contextlib.contextmanager
