@@ -2,9 +2,12 @@
 tiny random model over a three-token alphabet (tests/learn_envs.py), seeded rollouts, a few
 steps each; and ``ragen-mega eval`` of the learned checkpoint.
 
-Each learning test fails when the thing it guards is broken (measured by breaking it on
-purpose): a flipped advantage sign, engines left on their start weights (no weight sync),
-credit that does not reach the turn that earned it."""
+Measured (seeded, so every run gives these numbers): one turn, rollout success by step
+0.66 0.78 0.91 0.97 0.91 0.94 1.0 1.0; two turns, first-turn choice of the paying door
+0.44 -> 0.91 0.94 1.0 0.97 with GAE + critic, 0.44 -> 0.91 0.91 1.0 0.97 with GRPO.
+Each learning test fails when the thing it guards is broken (broken on purpose to check): with
+the advantage sign flipped success falls to 0 in all three; further mutations are listed with
+their numbers in the change's notes."""
 from __future__ import annotations
 
 import json
