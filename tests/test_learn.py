@@ -5,9 +5,13 @@ steps each; and ``ragen-mega eval`` of the learned checkpoint.
 Measured (seeded, so every run gives these numbers): one turn, rollout success by step
 0.66 0.78 0.91 0.97 0.91 0.94 1.0 1.0; two turns, first-turn choice of the paying door
 0.44 -> 0.91 0.94 1.0 0.97 with GAE + critic, 0.44 -> 0.91 0.91 1.0 0.97 with GRPO.
-Each learning test fails when the thing it guards is broken (broken on purpose to check): with
-the advantage sign flipped success falls to 0 in all three; further mutations are listed with
-their numbers in the change's notes."""
+Each learning test fails when the thing it guards is broken (broken on purpose to check):
+advantage sign flipped: success falls to 0 in all three (one turn 0.66 -> 0.19 -> 0; two turns
+0.44 -> 0 with both estimators); engines never re-synced: success wanders around its start
+(one turn 0.66 -> 0.55, two turns 0.44 -> 0.50). Not caught: zeroing the advantages of every
+turn but the last still taught the first-turn choice (GAE 0.44 -> 1.0, GRPO 0.44 -> 0.77): the
+letter model is nearly context-free, so these tests guard sign, sync and reward plumbing more
+than the cross-turn mask itself."""
 from __future__ import annotations
 
 import json
