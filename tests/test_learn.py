@@ -9,9 +9,10 @@ Each learning test fails when the thing it guards is broken (broken on purpose t
 advantage sign flipped: success falls to 0 in all three (one turn 0.66 -> 0.19 -> 0; two turns
 0.44 -> 0 with both estimators); engines never re-synced: success wanders around its start
 (one turn 0.66 -> 0.55, two turns 0.44 -> 0.50). Not caught: zeroing the advantages of every
-turn but the last still taught the first-turn choice (GAE 0.44 -> 1.0, GRPO 0.44 -> 0.77): the
-letter model is nearly context-free, so these tests guard sign, sync and reward plumbing more
-than the cross-turn mask itself."""
+turn but the last still taught the first-turn choice (GAE 0.44 -> 1.0, GRPO 0.44 -> 0.77), as
+did the loss mask shifted one token right (one turn 0.66 -> 1.0) and the reward moved onto turn
+1 (GAE 0.44 -> 0.97; that one only shortens the path): the letter model is nearly
+context-free, so these tests guard sign, sync and reward plumbing more than masks."""
 from __future__ import annotations
 
 import json
