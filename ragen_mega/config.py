@@ -105,6 +105,8 @@ class EnvConfig:
     val_name: Optional[str] = None
     val_kwargs: dict = dataclasses.field(default_factory=dict)
     val_groups: int = 16
+    #: episodes per held-out seed: > 1 logs pass@k (a seed counts if any of its k episodes won)
+    val_group_size: int = 1
     val_seed: int = 1_000_000
     mix: list[EnvMixEntry] = dataclasses.field(default_factory=list)
 
@@ -118,7 +120,7 @@ class EnvConfig:
                 if m.env_groups > 0]
 
     def val_parts(self):
-        """The envs of the held-out evaluation (groups of one episode each), in order."""
+        """The envs of the held-out evaluation (groups of ``val_group_size`` episodes), in order."""
         from ragen_mega.rollout.episode import EnvPart
 
         if not self.mix:
@@ -131,7 +133,7 @@ class EnvConfig:
                 for m, g in zip(self.mix, groups) if g]
 
     def validate(self):
-        for key in ("env_groups", "group_size", "max_turns", "val_groups"):
+        for key in ("env_groups", "group_size", "max_turns", "val_groups", "val_group_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if not self.mix:

@@ -84,7 +84,8 @@ class Run:
         """Play one step's episodes (training seeds, or the held-out seeds at eval temperature)."""
         env, r = self.cfg.env, self.cfg.rollout
         if evaluate:
-            specs = mix_specs(env.val_parts(), group_size=1, first_seed=env.val_seed)
+            specs = mix_specs(env.val_parts(), group_size=env.val_group_size,
+                              first_seed=env.val_seed)
             temperature = r.val_temperature
         else:
             specs = train_step_specs(env.train_parts(), group_size=env.group_size,
@@ -175,9 +176,10 @@ class Run:
 
 
 @contextlib.contextmanager
-def build_run(cfg: RunConfig) -> Iterator[Run]:
+def build_run(cfg: RunConfig, *, with_trainers: bool = True) -> Iterator[Run]:
     """Start Ray (or join it), place engines, trainers and env workers, connect the weight sync;
-    on leaving the block (also when building fails halfway) stop whatever was started."""
+    on leaving the block (also when building fails halfway) stop whatever was started.
+    ``with_trainers=False``: engines and env workers only, serving ``model.path`` as it is."""
     from transformers import AutoTokenizer
 
     from ragen_mega.ray.cluster import init_ray
@@ -189,10 +191,11 @@ def build_run(cfg: RunConfig) -> Iterator[Run]:
     import ray
 
     resources = plan_resources(cfg, cluster_cpus=ray.cluster_resources().get("CPU", 1),
-                               host_cpus=os.cpu_count() or 1, use_gpu=torch.cuda.is_available())
+                               host_cpus=os.cpu_count() or 1, use_gpu=torch.cuda.is_available(),
+                               with_trainers=with_trainers)
     run = Run(cfg, model_dir, tokenizer, resources, create_placement_group(resources.placement))
     try:
-        _place(run)
+        _place(run, with_trainers)
         yield run
     except BaseException:
         try:  # the error that stopped the run is the one to report, not a teardown's
@@ -203,7 +206,7 @@ def build_run(cfg: RunConfig) -> Iterator[Run]:
     run.shutdown()
 
 
-def _place(run: Run) -> None:
+def _place(run: Run, with_trainers: bool) -> None:
     """Start the run's processes one at a time, each kept in ``run`` as soon as it exists."""
     from ragen_mega.ray.engine_group import EngineGroup
     from ragen_mega.ray.env_workers import EnvWorkerGroup
@@ -217,6 +220,11 @@ def _place(run: Run) -> None:
                               log_dir=str(log_dir.resolve()), num_cpus=res.engine_cpus,
                               seeded_sampling=cfg.rollout.seeded, memory_saver=t.colocate,
                               mem_fraction=cfg.rollout.mem_fraction)
+    if res.placement.env_worker_bundles:
+        run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
+                                         num_cpus=res.env_worker_cpus)
+    if not with_trainers:
+        return
     if t.colocate:  # the trainer ranks about to be built need the shared devices
         run.engines.release_memory()
     place = dict(num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
@@ -231,9 +239,6 @@ def _place(run: Run) -> None:
     run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
                               mode="tensor" if t.colocate else "distributed",
                               bucket_bytes=t.sync_bucket_mb << 20)
-    if res.placement.env_worker_bundles:
-        run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
-                                         num_cpus=res.env_worker_cpus)
 
 
 def train(cfg: RunConfig) -> list[dict[str, float]]:

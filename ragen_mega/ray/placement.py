@@ -94,17 +94,18 @@ class ResourcePlan:
         return self.placement.trainer_bundles[self.actor_world:]
 
 
-def plan_resources(cfg: RunConfig, *, cluster_cpus: float, host_cpus: int,
-                   use_gpu: bool) -> ResourcePlan:
+def plan_resources(cfg: RunConfig, *, cluster_cpus: float, host_cpus: int, use_gpu: bool,
+                   with_trainers: bool = True) -> ResourcePlan:
     """The run's bundles and per-process reservations from its config and the cluster's size.
 
     Colocated, an engine and a trainer rank share a bundle, so each takes half its CPUs (and, on
     GPU, half the device). Ray gives an actor with a fractional CPU one OpenMP thread; on CPU the
     phases (rollout, critic, actor) run one after another, so each trainer rank may use the
-    ``host_cpus`` it shares with the ranks of the other role."""
-    dp, colocate = cfg.trainer.data_parallel, cfg.trainer.colocate
-    actor_world = cfg.actor.tp * cfg.actor.pp * dp
-    critic_world = cfg.critic.tp * cfg.critic.pp * dp if cfg.critic.enable else 0
+    ``host_cpus`` it shares with the ranks of the other role. ``with_trainers=False``: engines
+    and env workers only (``ragen-mega eval``)."""
+    dp, colocate = cfg.trainer.data_parallel, cfg.trainer.colocate and with_trainers
+    actor_world = cfg.actor.tp * cfg.actor.pp * dp if with_trainers else 0
+    critic_world = cfg.critic.tp * cfg.critic.pp * dp if cfg.critic.enable and with_trainers else 0
     engine_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp
     n_bundles = actor_world + critic_world + (0 if colocate else engine_devices)
     n_env = cfg.rollout.env_workers
@@ -118,7 +119,7 @@ def plan_resources(cfg: RunConfig, *, cluster_cpus: float, host_cpus: int,
     return ResourcePlan(
         placement, actor_world, critic_world, engine_cpus=shared, trainer_cpus=shared,
         trainer_gpus=(0.5 if colocate else 1.0) if use_gpu else 0.0, env_worker_cpus=env_cpus,
-        trainer_threads=None if use_gpu else max(1, host_cpus // max(actor_world, critic_world)))
+        trainer_threads=None if use_gpu else max(1, host_cpus // max(actor_world, critic_world, 1)))
 
 
 def create_placement_group(plan: PlacementPlan, strategy: Literal["PACK", "SPREAD", "STRICT_PACK",

@@ -1,0 +1,141 @@
+"""``ragen-mega eval CONFIG [key=value ...] --checkpoint PATH [--out FILE.json]``.
+
+Plays the config's held-out evaluation (``env.val_*`` or ``env.mix`` entries, ``env.val_groups``
+seeds from ``env.val_seed``, ``env.val_group_size`` episodes each, ``rollout.val_temperature``)
+with the weights at ``PATH`` on SGLang engines only, no trainer, through the training loop's own
+evaluation (:meth:`Run.rollout` with ``evaluate=True`` and :func:`summarize`), so the numbers
+are those a run logs under ``val/``. It prints one row per env tag and, with ``--out``, writes
+them as JSON: ``success``, ``valid_action_rate``, ``episodes``, ``mean_turns``,
+``response_length``, ``pass@k`` where k > 1, and ``per_tag`` (tag -> the same keys).
+
+``PATH`` is ``smollm2``, a Hugging Face model directory, a run directory (``trainer.run_dir``:
+its newest complete step) or one step's actor checkpoint (``.../checkpoints/actor/step_N``).
+Megatron checkpoints are converted to a temporary Hugging Face directory first.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from ragen_mega.config import RunConfig, load_run_config
+from ragen_mega.ray import checkpoints
+from ragen_mega.rollout.metrics import summarize
+
+#: summary keys of one tag (from ``summarize``'s ``val/...`` names) -> the names printed / written
+_KEYS = {"success": "success", "valid_action_rate": "valid_action_rate",
+         "num_turns": "mean_turns", "response_length": "response_length"}
+
+
+def run_step_checkpoint(run_dir: Path) -> Path:
+    """The actor checkpoint of a run directory's newest complete step (the one its
+    ``checkpoints/latest_step`` pointer names, as a resumed run would load)."""
+    step = checkpoints.latest_complete_step(run_dir)
+    if step is None:
+        raise FileNotFoundError(f"{run_dir}: no complete checkpoint "
+                                f"({checkpoints.checkpoint_root(run_dir) / checkpoints.LATEST} "
+                                f"is missing)")
+    return checkpoints.checkpoint_root(run_dir) / "actor" / f"step_{step}"
+
+
+@contextlib.contextmanager
+def hf_weights(path: str):
+    """Yield a Hugging Face directory holding the weights at ``path`` (see the module docstring);
+    a Megatron checkpoint is exported into a temporary directory removed afterwards."""
+    from ragen_mega.backends.megatron import checkpoint as ckpt
+    from ragen_mega.models.prepare import resolve_model
+
+    p = Path(path)
+    if not (path == "smollm2" or p.is_dir()):
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist")
+    # a run dir holds the run's config.json too: look for checkpoints before an HF config
+    is_run, is_step = (p / "checkpoints").is_dir(), (p / ckpt.STATE_FILE).exists()
+    if path == "smollm2" or (p / "config.json").is_file() and not (is_run or is_step):
+        yield resolve_model(path)
+        return
+    step_dir = run_step_checkpoint(p) if is_run else p
+    if not (step_dir / ckpt.STATE_FILE).is_file():
+        raise FileNotFoundError(f"--checkpoint: {step_dir} is not a complete checkpoint (no "
+                                f"{ckpt.STATE_FILE}) nor a Hugging Face model dir (no config.json)")
+    from ragen_mega.backends.megatron.convert import megatron_to_hf
+
+    with tempfile.TemporaryDirectory(prefix="ragen_eval_") as tmp:
+        yield str(megatron_to_hf(step_dir, Path(tmp) / "hf"))
+
+
+def evaluate(cfg: RunConfig, checkpoint: str) -> dict:
+    """The held-out evaluation of ``checkpoint`` under ``cfg``: the JSON report (module doc)."""
+    with hf_weights(checkpoint) as model_dir:
+        episodes = play(cfg, model_dir)
+    metrics = summarize(episodes, "val")
+    tags = sorted({e.samples[0].env_tag for e in episodes})
+    counts = {tag: sum(e.samples[0].env_tag == tag for e in episodes) for tag in tags}
+    report = {**pick(metrics, "val"), "episodes": len(episodes), "per_tag": {
+        tag: {**pick(metrics, f"val/{tag}"), "episodes": counts[tag]} for tag in tags}}
+    return report
+
+
+def pick(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """The report's keys of one ``summarize`` prefix (pass@k kept under its own name)."""
+    out = {name: metrics[f"{prefix}/{key}"] for key, name in _KEYS.items()}
+    out.update({key.rsplit("/", 1)[1]: value for key, value in metrics.items()
+                if key.startswith(f"{prefix}/pass@")})
+    return out
+
+
+def play(cfg: RunConfig, model_dir: str) -> list:
+    """Start the config's engines (and env workers) on ``model_dir``, no trainer, and play the
+    held-out episodes on them; the engines' logs go to a temporary directory, not the run's."""
+    from ragen_mega.ray.driver import build_run
+
+    with tempfile.TemporaryDirectory(prefix="ragen_eval_run_") as tmp:
+        cfg = dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, path=model_dir),
+            trainer=dataclasses.replace(cfg.trainer, run_dir=tmp, colocate=False))
+        with build_run(cfg, with_trainers=False) as run:
+            episodes, _ = run.rollout(0, evaluate=True)
+    return episodes
+
+
+def format_table(report: dict) -> str:
+    """One row per env tag, then the total."""
+    ks = sorted({k for row in [report, *report["per_tag"].values()] for k in row
+                 if k.startswith("pass@")})
+    cols = ["episodes", "success", *ks, "valid_action_rate", "mean_turns", "response_length"]
+    rows = [(tag, report["per_tag"][tag]) for tag in report["per_tag"]] + [("all", report)]
+    width = max(len(t) for t, _ in rows)
+    lines = [f"{'env':<{width}}  " + "  ".join(f"{c:>17}" for c in cols)]
+    for tag, row in rows:
+        cells = [f"{row[c]:>17d}" if c == "episodes" else
+                 (f"{row[c]:>17.3f}" if c in row else f"{'-':>17}") for c in cols]
+        lines.append(f"{tag:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ragen-mega eval CONFIG [key=value ...] --checkpoint PATH [--out FILE.json]``"""
+    import argparse
+
+    from ragen_mega.config_tree import ConfigError
+
+    parser = argparse.ArgumentParser(prog="ragen-mega eval", description=main.__doc__)
+    parser.add_argument("config", help="the run's YAML config (its env.val_* / env.mix entries)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. env.val_groups=64")
+    parser.add_argument("--checkpoint", required=True,
+                        help="smollm2, an HF model dir, a run dir or a step_N checkpoint dir")
+    parser.add_argument("--out", default=None, help="also write the numbers to this JSON file")
+    args = parser.parse_args(argv)
+    try:  # a bad config or checkpoint fails before any engine starts
+        report = evaluate(load_run_config(args.config, args.overrides), args.checkpoint)
+    except (ConfigError, FileNotFoundError) as e:
+        kind = "config error: " if isinstance(e, ConfigError) else ""
+        print(f"ragen-mega eval: {kind}{e}", file=sys.stderr)
+        return 2
+    print(format_table(report))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
