@@ -27,8 +27,13 @@ def test_disaggregated_and_colocated_plans():
     assert colo.bundles[0] == {"CPU": 0.5}
     with pytest.raises(ValueError, match="colocate: 3 engines x engine_tp 2 need 6 devices"):
         plan_placement(num_trainer_ranks=4, num_engines=3, engine_tp=2, colocate=True)
-    with pytest.raises(ValueError, match="num_trainer_ranks must be >= 1"):
-        plan_placement(num_trainer_ranks=0, num_engines=1)
+    with pytest.raises(ValueError, match="num_trainer_ranks must be >= 0"):
+        plan_placement(num_trainer_ranks=-1, num_engines=1)
+    with pytest.raises(ValueError, match="colocate: 1 engines x engine_tp 1 need 1 devices"):
+        plan_placement(num_trainer_ranks=0, num_engines=1, colocate=True)
+    engines_only = plan_placement(num_trainer_ranks=0, num_engines=2, num_env_workers=1)
+    assert engines_only.trainer_bundles == [] and engines_only.engine_bundles == [[0], [1]]
+    assert engines_only.env_worker_bundles == [2]
 
 
 def test_resource_plans_from_the_config_by_hand():
@@ -60,6 +65,13 @@ def test_resource_plans_from_the_config_by_hand():
     res = plan_resources(cfg, cluster_cpus=64, host_cpus=64, use_gpu=True)
     assert res.placement.bundles == [{"CPU": 1.0, "GPU": 1.0}] * 2
     assert (res.trainer_cpus, res.trainer_gpus, res.trainer_threads) == (0.5, 0.5, None)
+    # engines only (ragen-mega eval): the colocate setting is moot without trainer ranks, and one
+    # engine of TP 2 takes both cores as 2 bundles of 1 CPU
+    cfg = load_run_config(None, ["trainer.colocate=true", "rollout.engine_tp=2"])
+    res = plan_resources(cfg, cluster_cpus=2, host_cpus=2, use_gpu=False, with_trainers=False)
+    assert (res.actor_world, res.critic_world) == (0, 0)
+    assert res.placement.bundles == [{"CPU": 1.0}] * 2
+    assert res.placement.engine_bundles == [[0, 1]] and res.engine_cpus == 1.0
 
 
 class _Where:

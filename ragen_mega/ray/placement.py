@@ -34,9 +34,10 @@ class PlacementPlan:
 def plan_placement(*, num_trainer_ranks: int, num_engines: int, engine_tp: int = 1,
                    num_env_workers: int = 0, colocate: bool = False, use_gpu: bool = False,
                    cpus_per_bundle: float = 1.0, cpus_per_env_worker: float = 0.1) -> PlacementPlan:
-    """Lay out bundles for a run; impossible layouts raise ``ValueError`` naming the knob."""
-    if num_trainer_ranks < 1:
-        raise ValueError(f"num_trainer_ranks must be >= 1, got {num_trainer_ranks}")
+    """Lay out bundles for a run; impossible layouts raise ``ValueError`` naming the knob.
+    ``num_trainer_ranks=0``: engines (and env workers) only, as ``ragen-mega eval`` places them."""
+    if num_trainer_ranks < 0:
+        raise ValueError(f"num_trainer_ranks must be >= 0, got {num_trainer_ranks}")
     if num_engines < 1 or engine_tp < 1:
         raise ValueError(f"num_engines and engine_tp must be >= 1, got {num_engines}, {engine_tp}")
     if cpus_per_bundle <= 0:
