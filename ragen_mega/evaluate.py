@@ -38,7 +38,7 @@ def run_step_checkpoint(run_dir: Path) -> Path:
         raise FileNotFoundError(f"{run_dir}: no complete checkpoint "
                                 f"({checkpoints.checkpoint_root(run_dir) / checkpoints.LATEST} "
                                 f"is missing)")
-    return checkpoints.checkpoint_root(run_dir) / "actor" / f"step_{step}"
+    return checkpoints.step_dir(run_dir, "actor", step)
 
 
 @contextlib.contextmanager

@@ -38,6 +38,12 @@ def checkpoint_root(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def step_dir(run_dir: str | Path, role: str, step: int) -> Path:
+    """``RUN_DIR/checkpoints/<role>/step_<step>``: where the trainer's ``save_checkpoint`` puts
+    ``role``'s checkpoint of the loop's ``step``."""
+    return checkpoint_root(run_dir) / role / f"step_{step}"
+
+
 def latest_complete_step(run_dir: str | Path) -> int | None:
     """The newest step whose actor (and critic) checkpoints are all written, or None."""
     pointer = checkpoint_root(run_dir) / LATEST
@@ -104,8 +110,8 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None) -> 
         step = latest_complete_step(cfg.trainer.run_dir)
         if step is None:
             return 0
-        root = checkpoint_root(cfg.trainer.run_dir)
-        actor_dir, critic_dir = root / "actor" / f"step_{step}", root / "critic" / f"step_{step}"
+        actor_dir, critic_dir = (step_dir(cfg.trainer.run_dir, role, step)
+                                 for role in ("actor", "critic"))
     else:
         actor_dir, critic_dir = Path(mode) / "actor", Path(mode) / "critic"
     extra = actor.load_checkpoint(str(actor_dir))
