@@ -5,6 +5,8 @@ rollout tests, and the Megatron actor step's independent reference (transformers
 from __future__ import annotations
 
 import asyncio
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -230,3 +232,11 @@ def training_grads(chunks, ids, mask, rank):
         p.data = p.grad
     grads = dict(export_hf_state(chunks))
     return (grads if rank == 0 else None), metrics
+
+
+def readme_scalars() -> set[str]:
+    """The scalar names of README.md's "TensorBoard scalars" table (first column)."""
+    text = (Path(__file__).parents[1] / "README.md").read_text()
+    section = text.split("## TensorBoard scalars", 1)[1].split("\n## ", 1)[0]
+    return {name for line in section.splitlines() if line.startswith("| `")
+            for name in re.findall(r"`([^`]+)`", line.split("|")[1])}

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from conftest import readme_scalars
 from ragen_mega import cli
-from ragen_mega.plot import plot_runs
+from ragen_mega.plot import PANELS, plot_runs
 
 
 def write_run(run_dir, rows):
@@ -22,8 +24,8 @@ def test_two_runs_overlaid(tmp_path):
          "val/success": 0.4},
         {"step": 3, "rollout/success": 0.75, "actor/entropy": 1.0, "time/rollout_s": 2.5}])
     b = write_run(tmp_path / "starpo_s", [
-        {"step": 1, "rollout/success": 0.1, "rollout/group_reward_std_before_filter": 0.3,
-         "rollout/group_reward_std_after_filter": 0.45}])
+        {"step": 1, "rollout/success": 0.1, "filter/in_group_std": 0.3,
+         "filter/chosen_in_group_std": 0.45}])
     out = tmp_path / "plots" / "curves.png"
     fig = plot_runs([a, b], out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -53,3 +55,12 @@ def test_missing_and_empty_metrics_name_the_path(tmp_path, capsys):
     assert cli.main(["plot", str(empty), "--out", str(tmp_path / "x.png")]) == 2
     assert str(empty / "metrics.jsonl") in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_panels_plot_scalars_the_loop_publishes():
+    """Every curve reads a scalar under the name README's table gives it (held-out ``val/`` names
+    are the ``rollout/`` ones), so a renamed metric cannot leave a panel silently empty."""
+    documented = readme_scalars()
+    for panel, keys in PANELS.items():
+        for key, _ in keys:
+            assert re.sub(r"^val/", "rollout/", key) in documented, (panel, key)

@@ -5,21 +5,13 @@ from __future__ import annotations
 import json
 import math
 import re
-from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from conftest import readme_scalars
 from ragen_mega.config import load_run_config
 from ragen_mega.ray import checkpoints, driver
-
-
-def _readme_scalars() -> set[str]:
-    """The scalar names of README.md's "TensorBoard scalars" table (first column)."""
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    section = text.split("## TensorBoard scalars", 1)[1].split("\n## ", 1)[0]
-    return {name for line in section.splitlines() if line.startswith("| `")
-            for name in re.findall(r"`([^`]+)`", line.split("|")[1])}
 
 
 def test_malformed_config_fails_before_anything_starts(capsys):
@@ -53,7 +45,7 @@ def test_two_steps_then_resume(tiny_run_overrides, tmp_path, private_ray):
     for tag in tags:
         assert all(math.isfinite(e.value) for e in acc.Scalars(tag)), tag
     # README's table names every scalar the loop writes (per-env-tag copies as rollout/<tag>/...)
-    documented = _readme_scalars()
+    documented = readme_scalars()
     for tag in tags:
         generic = re.sub(r"^val/", "rollout/", re.sub(r"pass@\d+", "pass@k", tag))
         generic = re.sub(r"^rollout/bandit/", "rollout/<tag>/", generic)
