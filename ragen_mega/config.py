@@ -394,6 +394,10 @@ class TrainerConfig:
     sync_bucket_mb: int = 512    # weight-sync bucket size (slime's default)
     check_weight_sync: bool = False     # after each sync, compare engine and trainer log-probs
     seed: int = 0
+    #: auto: an episode whose prompts grow by prefix (unbounded memory) trains as ONE sequence
+    #: (actor and critic; same loss, log-probs and advantages as one row per turn), the others
+    #: per turn (counted: train/pack_fallbacks); only with token-mean losses. off: one row per turn
+    pack_trajectories: Literal["auto", "off"] = "auto"
 
     def validate(self):
         if self.total_steps < 1:

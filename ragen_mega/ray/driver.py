@@ -39,6 +39,7 @@ from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_gro
 from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episode,
                                         train_step_specs)
 from ragen_mega.rollout.metrics import summarize
+from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
 from ragen_mega.rollout.seeding import seeded_generate
 
 if TYPE_CHECKING:
@@ -126,36 +127,46 @@ class Run:
                                                 cfg.filter.ratio, cfg.filter.mode)
         metrics.update(filter_metrics)
         batch = build_batch(samples, pad_id=self.tokenizer.pad_token_id)
+        agg_modes = [cfg.actor.loss_agg_mode] + (
+            [cfg.critic.loss_agg_mode] if cfg.critic.enable else [])
+        layout = pack_trajectories(samples, batch, enabled=layouts_agree(
+            cfg.trainer.pack_trajectories, agg_modes))
+        train = layout.batch  # what actor and critic see; the estimators read the per-turn batch
+        metrics.update(layout.metrics)
         t1 = time.perf_counter()
         if cfg.algo.use_rollout_logprobs:
-            batch["old_logprobs"] = batch["rollout_logprobs"]
+            train["old_logprobs"] = train["rollout_logprobs"]
         else:
-            batch["old_logprobs"] = self.actor.compute_logprobs(batch)
-            mask = batch["loss_mask"].bool()
+            train["old_logprobs"] = self.actor.compute_logprobs(train)
+            mask = train["loss_mask"].bool()
             metrics["train/rollout_vs_trainer_logprob_diff"] = float(
-                (batch["old_logprobs"] - batch["rollout_logprobs"])[mask].abs().mean())
+                (train["old_logprobs"] - train["rollout_logprobs"])[mask].abs().mean())
         values = None
         if self.critic is not None:
-            values = self.critic.compute_values(batch)
-            batch["old_values"] = values
+            train["old_values"] = self.critic.compute_values(train)
+            values = layout.to_per_turn(train["old_values"])
         batch = compute_advantages(batch, estimator=cfg.algo.adv_estimator, gamma=cfg.algo.gamma,
                                    lam=cfg.algo.lam, reward_norm=cfg.algo.reward_norm,
                                    grpo_norm_by_std=cfg.algo.grpo_norm_by_std,
                                    token_values=values)
+        for key in ("advantages", "returns"):
+            if key in batch:
+                train[key] = layout.to_train(batch[key])
         if self.critic is not None:
-            metrics.update(self.critic.train(batch))
-        metrics.update(self.actor.train(batch))
+            metrics.update(self.critic.train(train))
+        metrics.update(self.actor.train(train))
         t2 = time.perf_counter()
         metrics.update(self.sync_weights(step))
         t3 = time.perf_counter()
         if cfg.trainer.check_weight_sync:
             metrics["sync/max_logprob_diff"] = max_logprob_diff(self.engines, self.actor,
                                                                 self.tokenizer)
-        tokens = int(batch["attention_mask"].sum())
+        tokens = int(train["attention_mask"].sum())
         metrics.update({"time/rollout_s": rollout_s, "time/train_s": t2 - t1,
                         "time/sync_s": t3 - t2, "time/step_s": t3 - t0,
                         "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
                         "train/batch_samples": float(len(samples)),
+                        "train/batch_tokens": float(tokens),
                         "weight_version": float(step)})
         return metrics
 
