@@ -140,6 +140,8 @@ def test_learn_credit_across_turns(estimator, learn_setup, tiny_run_overrides, t
     overrides = learn_overrides(tiny_run_overrides, learn_setup, tmp_path, "door_then_pay", 5,
                                 "env.max_turns=2", "algo.use_rollout_logprobs=true", *extra)
     history = driver.train(load_run_config(DEMO, overrides))
+    # unbounded memory: each two-turn episode trained as one sequence (trainer.pack_trajectories)
+    assert all(h["train/packed_episodes"] > 0 and h["train/pack_fallbacks"] == 0 for h in history)
     success = curve(history)
     print(f"credit ({estimator}): first-turn door A by step", success)
     assert_learns(success, 0.25)
