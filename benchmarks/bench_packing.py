@@ -110,7 +110,8 @@ def main() -> None:
                          threads_per_worker=os.cpu_count() or 1)[0]
     tokens = {"per turn": int(per_turn["attention_mask"].sum()),
               "packed": int(layout.batch["attention_mask"].sum())}
-    rows = {"per turn": per_turn["input_ids"].shape[0], "packed": layout.batch["input_ids"].shape[0]}
+    rows = {"per turn": per_turn["input_ids"].shape[0],
+            "packed": layout.batch["input_ids"].shape[0]}
     print(f"model={args.model} episodes={args.episodes} turns={len(samples)} "
           f"loss tokens={int(per_turn['loss_mask'].sum())} packed={layout.metrics} "
           f"budget={args.max_tokens_per_micro_batch} steps={args.steps} "

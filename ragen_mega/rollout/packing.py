@@ -69,9 +69,9 @@ class TrainLayout:
 
 
 def layouts_agree(mode: str, loss_agg_modes: Sequence[str]) -> bool:
-    """Packing is on when ``mode`` (``trainer.pack_trajectories``) is ``auto`` and every trained model's loss is a token-mean:
-    the ``seq-mean-*`` modes weigh each SEQUENCE alike, so one row per episode instead of one
-    per turn would change the objective."""
+    """Packing is on when ``mode`` (``trainer.pack_trajectories``) is ``auto`` and every trained
+    model's loss is a token-mean: the ``seq-mean-*`` modes weigh each SEQUENCE alike, so one row
+    per episode instead of one per turn would change the objective."""
     return mode == "auto" and all(m == "token-mean" for m in loss_agg_modes)
 
 
