@@ -106,8 +106,8 @@ def _prime_adam_state(optimizer) -> None:
     Megatron's DistributedOptimizer (without TE/Apex) builds its sharded state dict from the
     current state and asserts one common ``step``; a never-stepped optimizer has none. On load the
     loaded values then overwrite these zeros, and ``_set_optimizer_steps`` the counter. On save it
-    makes a never-stepped optimizer (an actor still in the critic's warm-up) write the state a
-    load asks for; zero moments at step 0 are exactly what Adam's first step starts from."""
+    lets a never-stepped optimizer (an actor still in the critic's warm-up) be written at all;
+    zero moments at step 0 are exactly what Adam's first step starts from."""
     for opt in _inner_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -232,16 +232,22 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCh
         raise ValueError(f"checkpoint {ckpt_dir} holds no optimizer state (weights only); "
                          "load it with optimizer=None")
 
+    # A never-stepped optimizer's checkpoint (zero moments, and no step: Megatron drops a step of
+    # 0) is a fresh optimizer: start from one instead of loading it.
+    never_stepped = optimizer is not None and meta["optimizer_steps"] == 0
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd}
-    if optimizer is not None:
+    if optimizer is not None and not never_stepped:
         _prime_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True,
                                                           metadata=_OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(state, str(ckpt_dir / "dist"))
     for i, chunk in enumerate(_chunks(model)):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"])
-    if optimizer is not None:
+    if never_stepped:
+        for opt in _inner_optimizers(optimizer):
+            opt.state.clear()
+    elif optimizer is not None:
         with torch.no_grad():  # the distributed optimizer copies into views of leaf params
             optimizer.load_state_dict(loaded["optimizer"])
         _set_optimizer_steps(optimizer, meta["optimizer_steps"])
