@@ -1,6 +1,7 @@
 """Multi-turn rollout throughput against the engine's raw throughput on the same token load.
 
   python benchmarks/bench_rollout.py [--env sokoban] [--groups 8] [--group-size 4] [--turns 5]
+  python benchmarks/bench_rollout.py --horizon [--turns 200] [--memory-turns 2] [--context 4096]
 
 One SGLang server (CPU way, ``--cpu-threads`` for its torch) on a small random Qwen2 checkpoint,
 with seeded sampling as the driver uses it (``rollout.seeded``): every request carries the seed
@@ -28,6 +29,16 @@ the 1-minute load average at its start; for the rollout also the gap between a t
 the episode's next request (prompt building, parsing, env step, event-loop latency). ``rollout /
 chained`` is our overhead, ``chained / raw`` the turn dependency. ``--rounds`` repeats all
 phases in a rotated order (the machine's load drifts; the ratios are taken within a round).
+
+``--horizon`` measures something else on the same machinery: the per-turn cost of ONE long
+episode as it ages (one ``run_episode`` over the real engine, ``--model smollm2`` by default,
+Crafter, answer-only, one action a turn, ``--new-tokens`` per turn with ``ignore_eos`` so every
+turn decodes the same), twice: with a bounded memory window (``--memory-turns``, what the
+long-horizon configs and streamed training use) and with the whole chat (unbounded memory,
+RAGEN's growing prompt), each with the same seed and sampling seeds. Per-turn cost is the
+engine round trip of each turn (send to answer) averaged over 10 turns around turn 10 and
+around the last turn; the whole chat stops at the turn whose prompt no longer fits the context
+(``--context``, default: the model's ``max_position_embeddings``, minus the new tokens).
 """
 from __future__ import annotations
 
@@ -74,6 +85,7 @@ class Timed:
 
     def reset(self) -> None:
         self.spans: dict[int, list[tuple[float, float]]] = {}
+        self.prompt_lengths: dict[int, list[int]] = {}
         self.prefilled = 0
 
     async def __call__(self, episode: int, turn: int, prompt_ids: list[int]):
@@ -81,6 +93,7 @@ class Timed:
         sent = time.perf_counter()
         out = await self.client.generate(prompt_ids, params)
         self.spans.setdefault(episode, []).append((sent, time.perf_counter()))
+        self.prompt_lengths.setdefault(episode, []).append(len(prompt_ids))
         self.prefilled += out.prompt_tokens - int(out.meta_info.get("cached_tokens", 0))
         return out
 
@@ -95,7 +108,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--cpu-threads", type=int, default=1,
                         help="the server's OMP_NUM_THREADS; 0: torch's default (one per core)")
+    parser.add_argument("--horizon", action="store_true",
+                        help="per-turn cost of one long episode, memory window vs whole chat")
+    parser.add_argument("--model", default="smollm2", help="--horizon: smollm2 or tiny")
+    parser.add_argument("--memory-turns", type=int, default=2)
+    parser.add_argument("--context", type=int, default=0,
+                        help="--horizon: context limit in tokens; 0: the model's own")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.horizon:
+        horizon(args)
+        return
 
     from transformers import AutoTokenizer
 
@@ -184,6 +207,76 @@ def main() -> None:
 
             episodes, rounds = asyncio.run(run())
     report(args, episodes, rounds)
+
+
+def horizon(args) -> None:
+    """``--horizon``: one episode of ``--turns`` turns with a memory window, then the same
+    episode with the whole chat until its prompt outgrows the context; one JSON line each."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ragen_mega.agent import AgentConfig
+    from ragen_mega.backends.sglang.client import AsyncEngineClient
+    from ragen_mega.backends.sglang.server import launch_server
+    from ragen_mega.models.prepare import make_tiny_model, resolve_model
+    from ragen_mega.rollout.episode import EpisodeSpec, Generation, run_episode
+    from ragen_mega.rollout.seeding import request_seed
+
+    with tempfile.TemporaryDirectory(prefix="bench_horizon_") as tmp:
+        hf_dir = (resolve_model("smollm2") if args.model == "smollm2" else
+                  make_tiny_model(Path(tmp) / "model", "qwen2", hidden_size=128, num_layers=4,
+                                  num_heads=4, num_kv_heads=2, intermediate_size=384))
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        context = args.context or AutoConfig.from_pretrained(hf_dir).max_position_embeddings
+        sampling = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        spec = EpisodeSpec("crafter", {"max_steps": 10_000}, args.seed, 0, 0)
+        with launch_server(hf_dir, dtype="float32", cpu_threads=args.cpu_threads or None,
+                           seeded_sampling=True) as server:
+
+            async def play(memory_turns):
+                agent = AgentConfig(think=False, answer_line=True, max_actions_per_turn=1,
+                                    memory_turns=memory_turns, include_thoughts_in_memory=False,
+                                    max_prompt_tokens=context - args.new_tokens)
+                async with AsyncEngineClient(server.url) as client:
+                    await client.flush_cache()
+                    timed = Timed(client, sampling, request_seed)
+                    turns = itertools.count(1)
+
+                    async def generate(ids, params):
+                        out = await timed(0, next(turns), ids)
+                        return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
+
+                    stop, load = "max_turns", loadavg()
+                    try:
+                        episode = await run_episode(spec, tokenizer=tokenizer, agent=agent,
+                                                    generate=generate, sampling=sampling,
+                                                    max_turns=args.turns,
+                                                    env_steps_in_thread=True)
+                        if episode.samples[-1].done:
+                            stop = "episode ended"
+                    except ValueError as e:  # the whole chat's prompt outgrew the context
+                        stop = f"context: {str(e)[:120]}"
+                spans, lengths = timed.spans[0], timed.prompt_lengths[0]
+                seconds = [b - a for a, b in spans]
+                early = slice(5, 15)  # turns 6-15: turn 10 without the first turns' warm-up
+                late = slice(max(len(seconds) - 10, 15), len(seconds))
+                row = {"memory_turns": memory_turns, "turns_played": len(seconds),
+                       "stopped_by": stop, "load": load, "context": context,
+                       "prompt_tokens_turn_10": lengths[9] if len(lengths) >= 10 else None,
+                       "prompt_tokens_last": lengths[-1],
+                       "s_per_turn_6_15": round(statistics.mean(seconds[early]), 3),
+                       "s_last_turn": round(seconds[-1], 3)}
+                if seconds[late]:
+                    row[f"s_per_turn_{late.start + 1}_{late.stop}"] = round(
+                        statistics.mean(seconds[late]), 3)
+                    row["ratio_late_vs_turn_10"] = round(
+                        statistics.mean(seconds[late]) / statistics.mean(seconds[early]), 3)
+                print(json.dumps(row), flush=True)
+
+            async def run():
+                await play(args.memory_turns)
+                await play(None)
+
+            asyncio.run(run())
 
 
 def report(args, episodes, rounds) -> None:

@@ -261,8 +261,9 @@ class ModelTrainingConfig:
     them): parallel layout, optimizer, LR schedule, loss aggregation. ``validate`` raises
     :class:`ConfigError` naming the field; the run's tree puts the section in front
     (``actor.lr: ...``). The LR schedule's horizon, the log-prob temperature and the seed are
-    not here: the run derives them (``trainer.total_steps``, ``rollout.temperature``,
-    ``trainer.seed``) and hands them to the trainer."""
+    not here: the run derives them (``trainer.total_steps``, for the actor less the critic's
+    ``warmup_steps`` in which it does not train; ``rollout.temperature``, ``trainer.seed``) and
+    hands them to the trainer."""
 
     tp: int = 1
     pp: int = 1
@@ -277,7 +278,8 @@ class ModelTrainingConfig:
                                         # micro_batch_size rows each; None = fixed count
     lr: float = 1e-6
     min_lr: float = 0.0
-    warmup_steps: int = 0               # linear warm-up: step k (1-based) uses lr * k / warmup
+    lr_warmup_steps: int = 0            # linear LR warm-up: update step k (1-based) uses
+                                        # lr * k / lr_warmup_steps
     lr_decay_style: LrDecayStyle = "constant"   # from lr to min_lr over the run's steps
     weight_decay: float = 0.0           # AdamW, never on biases and norm weights (Megatron rule)
     adam_beta1: float = 0.9
@@ -312,8 +314,8 @@ class ModelTrainingConfig:
             bad("lr", "must be > 0")
         if not 0 <= self.min_lr <= self.lr:
             bad("min_lr", f"must be in [0, lr={self.lr}]")
-        if self.warmup_steps < 0:
-            bad("warmup_steps", "must be >= 0")
+        if self.lr_warmup_steps < 0:
+            bad("lr_warmup_steps", "must be >= 0")
         if self.lr_decay_style not in get_args(LrDecayStyle):
             bad("lr_decay_style", f"must be one of {get_args(LrDecayStyle)}")
         if self.weight_decay < 0:
@@ -340,6 +342,8 @@ class ModelTrainingConfig:
 class ActorConfig(ModelTrainingConfig):
     """The ``actor`` section: the policy's training settings plus StarPO-S's policy loss
     (clip 0.2 / 0.28, dual-clip 3, no entropy bonus, no KL)."""
+    #: ``actor.warmup_steps`` meant the LR warm-up once; critic-only steps are critic.warmup_steps
+    RENAMED_KEYS = {"warmup_steps": "lr_warmup_steps"}
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.28
     clip_ratio_c: float | None = 3.0    # dual-clip bound for negative advantages; None = off
@@ -368,15 +372,28 @@ class ActorConfig(ModelTrainingConfig):
 @dataclasses.dataclass
 class CriticConfig(ModelTrainingConfig):
     """The ``critic`` section: its training settings, the clipped value loss, and ``enable``
-    (False: critic-free, e.g. GRPO)."""
+    (False: critic-free, e.g. GRPO).
+
+    ``warmup_steps`` (verl's ``trainer.critic_warmup``, as Verlog's runs use it): the first N
+    training steps update the critic only; the actor, its optimizer and LR schedule stay as they
+    are, so the policy starts moving against a critic that already tracks its returns.
+    ``highlight_first`` (Verlog's option): the value loss at each turn's first response token,
+    where the bi-level GAE reads the turn's value, counts this many times (1.0 = today's loss)."""
     enable: bool = True
     lr: float = 1e-5
     value_clip: float | None = 0.5      # clipped value loss range; None = plain MSE
+    warmup_steps: int = 0               # critic-only training steps before the actor moves
+    highlight_first: float = 1.0        # value-loss weight of each turn's first response token
 
     def validate(self):
         super().validate()
         if self.value_clip is not None and not self.value_clip > 0:
             self._bad("value_clip", "must be > 0 or None")
+        if isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
+            self._bad("warmup_steps", "must be an integer >= 0 (critic-only steps; the LR "
+                                      "warm-up is lr_warmup_steps)")
+        if not self.highlight_first >= 1.0:
+            self._bad("highlight_first", "must be >= 1.0 (1.0 weighs every token alike)")
         return self
 
 
@@ -424,6 +441,13 @@ class RunConfig:
     echo_trap: EchoTrapThresholds = dataclasses.field(default_factory=EchoTrapThresholds)
 
     def validate(self):
+        if self.critic.warmup_steps and not self.critic.enable:
+            raise ConfigError("critic.warmup_steps: critic-only steps need a critic "
+                              "(critic.enable=true), or set critic.warmup_steps=0")
+        if self.critic.warmup_steps >= self.trainer.total_steps:
+            raise ConfigError(f"critic.warmup_steps: must be < trainer.total_steps="
+                              f"{self.trainer.total_steps} (else the actor never trains), got "
+                              f"{self.critic.warmup_steps}")
         if self.algo.adv_estimator == "gae" and not self.critic.enable:
             raise ConfigError(f"algo.adv_estimator: {self.algo.adv_estimator!r} needs a critic; "
                               f"set critic.enable=true or algo.adv_estimator=grpo")

@@ -10,6 +10,9 @@ and checks everything before any process or server starts:
 - each section may define ``validate(self)`` for cross-field rules; it raises ``ConfigError``
   whose message starts with the key relative to the section (``lr: must be > 0``): the section's
   own path is put in front (``actor.lr: ...``), so one section class can serve several places;
+- a key a section has renamed (its ``RENAMED_KEYS`` class attribute, old name -> new name) is
+  refused with the new key's full path, so an old config fails loudly instead of meaning
+  something else;
 - a section whose ``__post_init__`` refuses a value (``ValueError``/``TypeError``) is reported
   under the section's path too.
 
@@ -96,6 +99,10 @@ def _merge(section: Any, values: dict, prefix: str) -> Any:
     updates = {}
     for name, value in values.items():
         key = f"{prefix}.{name}" if prefix else str(name)
+        renamed = getattr(type(section), "RENAMED_KEYS", {}).get(name)
+        if renamed is not None and name not in fields:
+            new_key = f"{prefix}.{renamed}" if prefix else renamed
+            raise ConfigError(f"config key {key!r} was renamed: write {new_key!r}")
         if name not in fields:
             raise ConfigError(f"unknown config key {key!r}; allowed keys here: "
                               f"{', '.join(sorted(fields))}")

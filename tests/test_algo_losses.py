@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from ragen_mega.algo.losses import (AGG_MODES, aggregate, kl_penalty, loss_normalizer,
-                                    policy_loss, value_loss)
+from ragen_mega.algo.losses import (AGG_MODES, aggregate, highlight_first_tokens, kl_penalty,
+                                    loss_normalizer, policy_loss, value_loss)
 
 
 def _one_token(ratio: float, adv: float):
@@ -212,3 +212,32 @@ def test_value_loss_explained_variance():
     _, constant = value_loss(torch.full_like(returns, 2.5), returns, returns, mask,
                              clip_range_value=None)
     assert constant["vf_explained_var"].item() == pytest.approx(0.0, abs=1e-6)
+
+
+def test_highlight_first_weights_each_response_start_hand_values():
+    """Row 0: one response (tokens 2-4); row 1: a whole-chat row with two responses (tokens 1-2
+    and 4). Weight 3 on each response's first token, 1 on the rest of the loss tokens."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 1]], dtype=torch.float32)
+    assert highlight_first_tokens(mask, 3.0).tolist() == [[0, 0, 3, 1, 1], [0, 3, 1, 0, 3]]
+    assert highlight_first_tokens(mask, 1.0) is mask
+    with pytest.raises(ValueError, match="must be >= 1"):
+        highlight_first_tokens(mask, 0.5)
+
+    returns = torch.tensor([[0.0, 0.0, 1.0, 2.0, 0.0], [0.0, 3.0, 1.0, 5.0, 2.0]])
+    values = torch.zeros_like(returns)  # squared errors on loss tokens: 1 4 0 | 9 1 . 4
+    # token-mean, weighted: 0.5 * (3*1 + 4 + 0 + 3*9 + 1 + 3*4) / (3+1+1 + 3+1+3) = 0.5 * 47 / 12
+    weighted = highlight_first_tokens(mask, 3.0)
+    loss, _ = value_loss(values, values, returns, weighted, None)
+    assert loss.item() == pytest.approx(0.5 * 47 / 12)
+    # today's loss with weight 1: 0.5 * (1 + 4 + 0 + 9 + 1 + 4) / 6
+    plain, _ = value_loss(values, values, returns, highlight_first_tokens(mask, 1.0), None)
+    assert plain.item() == pytest.approx(0.5 * 19 / 6)
+    # seq-mean-token-mean: rows 0.5*(3+4+0)/5 = 0.7 and 0.5*(27+1+12)/7 = 20/7, mean of the two
+    seq, _ = value_loss(values, values, returns, weighted, None, agg="seq-mean-token-mean")
+    assert seq.item() == pytest.approx((0.7 + 20 / 7) / 2)
+    # split into one-row micro-batches, the global weighted normaliser gives the same loss
+    total = sum(loss_normalizer(weighted[i:i + 1], "token-mean") for i in range(2))
+    assert total.item() == 12
+    parts = [value_loss(values[i:i + 1], values[i:i + 1], returns[i:i + 1], weighted[i:i + 1],
+                        None, normalizer=total)[0] for i in range(2)]
+    assert sum(parts).item() == pytest.approx(0.5 * 47 / 12)

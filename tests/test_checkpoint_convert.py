@@ -14,7 +14,7 @@ from ragen_mega.backends.megatron import checkpoint as ckpt
 from ragen_mega.backends.megatron.convert import main
 from ragen_mega.backends.megatron.launch import WorkerError, run_workers
 
-TRAIN = dict(micro_batch_size=2, lr=1e-3, warmup_steps=3, lr_decay_style="cosine",
+TRAIN = dict(micro_batch_size=2, lr=1e-3, lr_warmup_steps=3, lr_decay_style="cosine",
              weight_decay=0.1, grad_clip=1.0)
 
 

@@ -11,6 +11,7 @@ from ragen_mega.config_tree import ConfigError, build_config, load_config, parse
 
 @dataclasses.dataclass
 class Optim:
+    RENAMED_KEYS = {"learning_rate": "lr"}
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
     schedule: Literal["constant", "cosine"] = "constant"
@@ -49,6 +50,7 @@ def test_int_widens_to_float_and_tuple_is_typed():
 @pytest.mark.parametrize("overrides, needle", [
     (["optim.lrr=1"], "unknown config key 'optim.lrr'; allowed keys here: betas, lr, schedule"),
     (["stepz=1"], "unknown config key 'stepz'"),
+    (["optim.learning_rate=1"], "config key 'optim.learning_rate' was renamed: write 'optim.lr'"),
     (["steps=ten"], "steps: expected int, got str 'ten'"),
     (["steps=1.5"], "steps: expected int"),
     (["optim.schedule=linear"], "optim.schedule: 'linear' is not allowed; allowed values: 'constant', 'cosine'"),

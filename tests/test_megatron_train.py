@@ -55,6 +55,12 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
     losses = [critic.train_critic({**batch, "old_values": values0})["vf_loss"]
               for _ in range(6)]
     out["critic"] = {"values0": values0, "losses": losses}
+    del critic
+    gc.collect()
+    highlighted = MegatronTrainer(CriticConfig(tp=2, micro_batch_size=2, value_clip=None,
+                                               highlight_first=3.0), hf_dir, role="critic")
+    out["critic"]["highlighted_loss"] = highlighted.train_critic(
+        {**batch, "old_values": values0})["vf_loss"]
     return out
 
 
@@ -131,3 +137,18 @@ def test_critic_learns_fixed_targets(results, batch):
     assert critic["losses"][-1] < 0.7 * critic["losses"][0]
     assert all(math.isfinite(x) for x in critic["losses"])
     assert critic["losses"] == results[1]["critic"]["losses"]
+
+
+def test_critic_highlight_first_loss_is_the_hand_weighted_mean(results, batch):
+    """``highlight_first=3``: each response's first token counts 3 times in the critic's
+    token-mean, across the micro-batches and both TP ranks. By hand from the batch's layout: every
+    row's response starts at token 3, row 0's second response (after the observation at tokens
+    7-8) at token 9; the value head starts at zero, so the loss is 0.5 * sum(w R^2) / sum(w)."""
+    weights = batch["loss_mask"].clone()
+    weights[:, 3] *= 3
+    weights[0, 9] *= 3
+    expected = 0.5 * (weights * batch["returns"].square()).sum() / weights.sum()
+    got = results[0]["critic"]["highlighted_loss"]
+    assert got == pytest.approx(expected.item(), rel=1e-5)
+    assert got != pytest.approx(results[0]["critic"]["losses"][0], rel=1e-3)  # not today's loss
+    assert got == results[1]["critic"]["highlighted_loss"]

@@ -87,10 +87,30 @@ def test_seeded_engine_sample_ignores_batch_composition(tiny_model):
         asyncio.run(check(server.url))
 
 
+def checkpoint_weights(step_dir) -> dict[str, torch.Tensor]:
+    """The model tensors of a trainer checkpoint (torch_dist: global names and shapes), read in
+    this process without Megatron or a process group."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = str(step_dir / "dist")
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+               if isinstance(m, TensorStorageMetadata) and not k.startswith("optimizer")}
+    dcp.load(tensors, checkpoint_id=path, no_dist=True)
+    return tensors
+
+
 def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, private_ray):
     """Run 3 steps straight (checkpoint every step); turn the run directory into what a run
     killed right after step 2's checkpoint leaves; a fresh ``train`` resumes and its step 3
     must equal the straight run's step 3.
+
+    Both runs warm the critic up for 2 steps (``critic.warmup_steps=2``): steps 1-2 train the
+    critic only, so the resumed run restores an actor whose optimizer never stepped and makes
+    its first update in step 3, as the straight run does. The checkpoints show the warm-up: the
+    actor's weights after steps 1 and 2 are bit-identical while the critic's moved, and the
+    actor's move in step 3.
 
     Tolerance: exact equality for everything but wall-clock times and the engine's own
     log-probs. The CPU engine's logits are not batch-invariant (SmolLM2, 16 requests alone vs
@@ -104,14 +124,27 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     actor's entropy, loss and grad norm over them (with ``rollout.seeded=false`` they differed,
     entropy by 1e-6, pg_loss and grad norms by 0.5-2%).
     """
-    straight = driver.train(load_run_config(DEMO, tiny_run_overrides(tmp_path, 3)))
+    overrides = tiny_run_overrides(tmp_path, 3) + ["critic.warmup_steps=2"]
+    straight = driver.train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in straight] == [1, 2, 3]
 
     ckpt = tmp_path / "checkpoints"
+    assert [h["train/actor_frozen"] for h in straight] == [1.0, 1.0, 0.0]
+    assert [any(k.startswith("actor/") for k in h) for h in straight] == [False, False, True]
+    assert all(h["critic/update_successful"] == 1.0 for h in straight)
+    actor, critic = ({s: checkpoint_weights(ckpt / role / f"step_{s}") for s in (1, 2, 3)}
+                     for role in ("actor", "critic"))
+    for name, tensor in actor[1].items():
+        assert torch.equal(tensor, actor[2][name]), name
+    assert any(not torch.equal(t, actor[3][n]) for n, t in actor[2].items())
+    assert any(not torch.equal(t, critic[2][n]) for n, t in critic[1].items())
+    assert [torch.load(ckpt / "actor" / f"step_{s}" / "ragen_state.pt",
+                       weights_only=False)["optimizer_steps"] for s in (1, 2, 3)] == [0, 0, 1]
+
     for role in ("actor", "critic"):
         shutil.rmtree(ckpt / role / "step_3")
     (ckpt / "latest_step").write_text("2")
-    resumed = driver.train(load_run_config(DEMO, tiny_run_overrides(tmp_path, 3)))
+    resumed = driver.train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in resumed] == [3]
 
     want, got = straight[2], resumed[0]
@@ -126,4 +159,4 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
                      if k in engine_logprobs else got[k] == want[k])}
     assert not diffs, json.dumps(diffs, indent=1)
     # the equality is not that of a constant: step 3 is not step 2 over again
-    assert got["actor/pg_loss"] != straight[1]["actor/pg_loss"]
+    assert got["critic/vf_loss"] != straight[1]["critic/vf_loss"]

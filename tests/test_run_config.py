@@ -53,6 +53,15 @@ def test_defaults_are_ragen_starpo_s():
     (["actor.total_steps=5"], "unknown config key 'actor.total_steps'"),
     (["actor.temperature=0.5"], "unknown config key 'actor.temperature'"),
     (["critic.seed=3"], "unknown config key 'critic.seed'"),
+    # the LR warm-up is lr_warmup_steps; warmup_steps is the critic's critic-only steps
+    (["actor.warmup_steps=3"], "'actor.warmup_steps' was renamed: write 'actor.lr_warmup_steps'"),
+    (["actor.lr_warmup_steps=-1"], "actor.lr_warmup_steps: must be >= 0"),
+    (["critic.warmup_steps=-1"], "critic.warmup_steps: must be an integer >= 0"),
+    (["critic.warmup_steps=5", "trainer.total_steps=5"],
+     "critic.warmup_steps: must be < trainer.total_steps=5 (else the actor never trains)"),
+    (["critic.warmup_steps=2", "critic.enable=false", "algo.adv_estimator=grpo"],
+     "critic.warmup_steps: critic-only steps need a critic"),
+    (["critic.highlight_first=0.5"], "critic.highlight_first: must be >= 1.0"),
     (["model.path=/nonexistent/model"],
      "model.path: '/nonexistent/model' is not a Hugging Face model directory (no config.json"),
 ])

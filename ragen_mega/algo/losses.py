@@ -221,6 +221,28 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     raise ValueError(f"unknown KL estimator kind {kind!r}; allowed: {', '.join(KL_KINDS)}")
 
 
+def highlight_first_tokens(mask: torch.Tensor, weight: float) -> torch.Tensor:
+    """``mask`` with every response's first loss token counted ``weight`` times (Verlog's
+    ``highlight_first`` for the critic).
+
+    The turn-level GAE reads a turn's value at its first response token, so that one value
+    decides the turn's credit; weighting its loss term makes the critic fit it first. A response
+    starts where the mask switches on (column 0 or a 0 -> 1 step), so one turn per row and a
+    whole-chat row holding several responses are both covered. Used as the mask of
+    :func:`value_loss` (and of :func:`loss_normalizer` for its global normaliser), the token-mean
+    becomes a weighted mean, ``sum(w * l) / sum(w)``: a weighted token counts as ``weight``
+    tokens in every aggregation mode. ``weight=1`` returns ``mask`` itself.
+    """
+    if not weight >= 1.0:
+        raise ValueError(f"highlight weight must be >= 1, got {weight}")
+    if weight == 1.0:
+        return mask
+    on = mask > 0
+    starts = on.clone()
+    starts[:, 1:] &= ~on[:, :-1]
+    return torch.where(starts, mask * weight, mask.to(torch.result_type(mask, weight)))
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                mask: torch.Tensor, clip_range_value: float | None = 0.5, agg: str = "token-mean",
                normalizer: torch.Tensor | float | None = None,

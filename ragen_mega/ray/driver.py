@@ -6,6 +6,12 @@ One step, as docs/design.md draws it::
       -> StarPO-S filter -> old log-probs (actor) and values (critic) -> advantages
       -> critic update -> actor update -> weight sync into the engines -> log -> checkpoint
 
+In the critic's warm-up (the first ``critic.warmup_steps`` steps) the actor is not trained (its
+optimizer and LR schedule do not move; ``train/actor_frozen`` is 1, no ``actor/*`` scalars). The
+sync still runs and pushes the unchanged weights under the step's version: colocated engines
+drop their weights for the train phase and must get them back, and weight versions stay the
+loop's steps. It costs one sync per warm-up step (under 1% of a CPU demo step).
+
 :func:`build_run` places the pieces (engines, actor, critic, env workers) into a :class:`Run`;
 :func:`train` is the loop. Resuming (``trainer.resume=auto``, ``ray/checkpoints.py``) restarts
 after the newest complete step, and a resumed step replays the uninterrupted run's. SIGUSR1 or
@@ -154,7 +160,10 @@ class Run:
                 train[key] = layout.to_train(batch[key])
         if self.critic is not None:
             metrics.update(self.critic.train(train))
-        metrics.update(self.actor.train(train))
+        actor_frozen = step <= cfg.critic.warmup_steps  # critic warm-up: no actor/* this step
+        if not actor_frozen:
+            metrics.update(self.actor.train(train))
+        metrics["train/actor_frozen"] = float(actor_frozen)
         t2 = time.perf_counter()
         metrics.update(self.sync_weights(step))
         t3 = time.perf_counter()
@@ -241,12 +250,13 @@ def _place(run: Run, with_trainers: bool) -> None:
     place = dict(num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
                  threads=res.trainer_threads, seed=t.seed)
     run.actor = TrainerGroup("actor", run.model_dir, cfg.actor, pg, res.actor_bundles, **place,
-                             total_steps=max(t.total_steps, cfg.actor.warmup_steps + 1),
+                             total_steps=max(t.total_steps - cfg.critic.warmup_steps,
+                                             cfg.actor.lr_warmup_steps + 1),
                              temperature=max(cfg.rollout.temperature, 1e-6))
     if cfg.critic.enable:
         run.critic = TrainerGroup("critic", run.model_dir, cfg.critic, pg, res.critic_bundles,
                                   **place,
-                                  total_steps=max(t.total_steps, cfg.critic.warmup_steps + 1))
+                                  total_steps=max(t.total_steps, cfg.critic.lr_warmup_steps + 1))
     run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
                               mode="tensor" if t.colocate else "distributed",
                               bucket_bytes=t.sync_bucket_mb << 20)

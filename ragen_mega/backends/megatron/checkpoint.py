@@ -100,11 +100,14 @@ def _set_optimizer_steps(optimizer, n: int) -> None:
 
 
 def _prime_adam_state(optimizer) -> None:
-    """Give a fresh optimizer zero Adam state with a step counter before loading into it.
+    """Give a never-stepped optimizer zero Adam state with a step counter before saving or
+    loading it.
 
     Megatron's DistributedOptimizer (without TE/Apex) builds its sharded state dict from the
-    current state and asserts one common ``step``; a never-stepped optimizer has none. The loaded
-    values then overwrite these zeros, and ``_set_optimizer_steps`` the counter."""
+    current state and asserts one common ``step``; a never-stepped optimizer has none. On load the
+    loaded values then overwrite these zeros, and ``_set_optimizer_steps`` the counter. On save it
+    lets a never-stepped optimizer (an actor still in the critic's warm-up) be written at all;
+    zero moments at step 0 are exactly what Adam's first step starts from."""
     for opt in _inner_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -161,6 +164,7 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd}
     if optimizer is not None:
+        _prime_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=_OPTIMIZER_METADATA)
     dist_checkpointing.save(state, str(tmp / "dist"),
                             sharded_strategy=get_default_save_sharded_strategy("torch_dist"))
@@ -228,16 +232,22 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCh
         raise ValueError(f"checkpoint {ckpt_dir} holds no optimizer state (weights only); "
                          "load it with optimizer=None")
 
+    # A never-stepped optimizer's checkpoint (zero moments, and no step: Megatron drops a step of
+    # 0) is a fresh optimizer: start from one instead of loading it.
+    never_stepped = optimizer is not None and meta["optimizer_steps"] == 0
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd}
-    if optimizer is not None:
+    if optimizer is not None and not never_stepped:
         _prime_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True,
                                                           metadata=_OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(state, str(ckpt_dir / "dist"))
     for i, chunk in enumerate(_chunks(model)):
         chunk.load_state_dict(loaded["model"][f"chunk{i}"])
-    if optimizer is not None:
+    if never_stepped:
+        for opt in _inner_optimizers(optimizer):
+            opt.state.clear()
+    elif optimizer is not None:
         with torch.no_grad():  # the distributed optimizer copies into views of leaf params
             optimizer.load_state_dict(loaded["optimizer"])
         _set_optimizer_steps(optimizer, meta["optimizer_steps"])

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ragen_mega.algo.losses import aggregate, kl_penalty, loss_normalizer, policy_loss, value_loss
+from ragen_mega.algo.losses import (aggregate, highlight_first_tokens, kl_penalty,
+                                    loss_normalizer, policy_loss, value_loss)
 from ragen_mega.backends.megatron import checkpoint as ckpt
 from ragen_mega.backends.megatron.cpu_compat import cuda_tensor_type_names
 from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_values,
@@ -135,8 +136,8 @@ class MegatronTrainer:
         if not isinstance(config, expected):
             raise TypeError(f"MegatronTrainer: role {role!r} takes a {expected.__name__}, got "
                             f"{type(config).__name__}")
-        if total_steps <= config.warmup_steps:
-            raise ValueError(f"total_steps: must be > warmup_steps={config.warmup_steps} "
+        if total_steps <= config.lr_warmup_steps:
+            raise ValueError(f"total_steps: must be > lr_warmup_steps={config.lr_warmup_steps} "
                              f"(got {total_steps})")
         if not temperature > 0:
             raise ValueError(f"temperature: must be > 0 (got {temperature})")
@@ -188,8 +189,8 @@ class MegatronTrainer:
         with cuda_tensor_type_names():
             optimizer = get_megatron_optimizer(opt_config, self.model)
         scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if c.warmup_steps else c.lr, max_lr=c.lr, min_lr=c.min_lr,
-            lr_warmup_steps=c.warmup_steps, lr_decay_steps=self.total_steps,
+            optimizer, init_lr=0.0 if c.lr_warmup_steps else c.lr, max_lr=c.lr, min_lr=c.min_lr,
+            lr_warmup_steps=c.lr_warmup_steps, lr_decay_steps=self.total_steps,
             lr_decay_style=c.lr_decay_style, start_wd=c.weight_decay, end_wd=c.weight_decay,
             wd_incr_steps=self.total_steps, wd_incr_style="constant")
         return optimizer, scheduler
@@ -353,7 +354,8 @@ class MegatronTrainer:
 
     def train_critic(self, batch: dict) -> dict:
         """One critic update on this DP rank's rows (one mini-batch): the clipped value loss
-        against ``returns`` (``old_values`` are the critic's values at rollout time). Metrics
+        against ``returns`` (``old_values`` are the critic's values at rollout time), each
+        response's first token counted ``highlight_first`` times. Metrics
         (verl's names): vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr, update_successful,
         ppo_updates, padding_frac."""
         if self.role != "critic":
@@ -364,7 +366,10 @@ class MegatronTrainer:
         c = self.config
         keys = ("returns", "old_values")
         _check_batch(batch, keys, "train_critic")
-        batch = _to_device(batch)
+        # the loss mask counts each response's first token highlight_first times: in the loss,
+        # in the global normaliser and in the token-mean metrics alike
+        batch = _to_device({**batch, "loss_mask": highlight_first_tokens(batch["loss_mask"],
+                                                                         c.highlight_first)})
         microbatches, normalizer, global_tokens, width, padding = self._microbatches(batch, keys)
         scale = self._scale(len(microbatches))
 
