@@ -6,6 +6,10 @@ One step, as docs/design.md draws it::
       -> StarPO-S filter -> old log-probs (actor) and values (critic) -> advantages
       -> critic update -> actor update -> weight sync into the engines -> log -> checkpoint
 
+With ``rollout.mode: turns`` the rollout is every env stream's next ``turns_per_step`` turns
+(``rollout/streams.py``) and an episode cut by the step's end bootstraps from the critic's value
+of its next state (:meth:`Run.cut_values`).
+
 :func:`build_run` places the pieces (engines, actor, critic, env workers) into a :class:`Run`;
 :func:`train` is the loop. Resuming (``trainer.resume=auto``, ``ray/checkpoints.py``) restarts
 after the newest complete step, and a resumed step replays the uninterrupted run's. SIGUSR1 or
@@ -38,8 +42,8 @@ from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
 from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episode,
                                         train_step_specs)
-from ragen_mega.rollout.sample import Sample
 from ragen_mega.rollout.metrics import summarize, summarize_window
+from ragen_mega.rollout.sample import Sample
 from ragen_mega.rollout.seeding import seeded_generate
 from ragen_mega.rollout.streams import EnvStreams, Window
 
@@ -351,7 +355,8 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         last = step == t.total_steps
         if last or stop.requested or (t.save_every and step % t.save_every == 0):
             checkpoints.save(cfg, step, run.actor, run.critic,
-                             streams=None if run.streams is None else run.streams.state_dict())
+                             streams=run.streams.state_dict() if cfg.rollout.mode == "turns"
+                             else None)
         if stop.requested and not last:
             raise preemption.Preempted(stop.signal_name, step)
     return history
