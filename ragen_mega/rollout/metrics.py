@@ -34,12 +34,16 @@ def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
 def summarize_window(samples: list[Sample], finished: list[Episode], prefix: str, *,
                      trained_version: int) -> dict[str, float]:
     """A streamed step (``rollout.mode: turns``): :func:`summarize` of the episodes that finished
-    in it (none finished: no episode scalars this step), and over all and per env tag
+    in it (none finished: no episode scalars this step) but for its group scalars (``pass@k``,
+    ``group_reward_std_before_filter``): the episodes of one group that end in a step may be
+    different seeds' (streams drift apart), and the filter's own ``filter/in_group_std`` is the
+    streams' spread. Over all and per env tag also
     ``samples`` (turn samples played), ``episodes_finished``, ``episode_length`` (mean turns of
     the finished episodes; absent if none finished), ``weight_staleness`` (mean weight versions
     between a sample's sampling and ``trained_version``, the weights being trained) and
     ``response_length`` over every sample of the window, not only the finished episodes'."""
-    out = summarize(finished, prefix) if finished else {}
+    out = {k: v for k, v in (summarize(finished, prefix) if finished else {}).items()
+           if "/pass@" not in k and not k.endswith("/group_reward_std_before_filter")}
     parts = [(prefix, samples, finished)]
     tags = sorted({s.env_tag for s in samples})
     parts += [(f"{prefix}/{tag}", [s for s in samples if s.env_tag == tag],
