@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from ragen_mega.agent import AgentConfig
 from ragen_mega.rollout.episode import EnvPart, Generation, run_episode
 from ragen_mega.rollout.streams import EnvStreams
@@ -109,3 +111,25 @@ def test_resumed_streams_replay_the_uninterrupted_ones(tokenizer):
     assert fields(got) == fields(want)
     assert got.next_prompts == want.next_prompts
     assert [e.metrics for e in got.finished] == [e.metrics for e in want.finished]
+
+
+def test_window_metrics(tokenizer):
+    from ragen_mega.rollout.metrics import summarize_window
+
+    streams = make_streams(tokenizer)
+    windows = [play(streams, tokenizer, version=v) for v in range(3)]
+    w = next(w for w in windows if w.finished)
+    m = summarize_window(w.samples, w.finished, "rollout", trained_version=5)
+    version = w.samples[0].weight_version
+    lengths = [e.samples[-1].turn for e in w.finished]   # each ended at its last turn
+    assert m["rollout/samples"] == m["rollout/lake/samples"] == 12
+    assert m["rollout/episodes_finished"] == len(w.finished)
+    assert m["rollout/episode_length"] == pytest.approx(sum(lengths) / len(lengths))
+    assert m["rollout/weight_staleness"] == m["rollout/lake/weight_staleness"] == 5 - version
+    assert m["rollout/response_length"] == pytest.approx(
+        sum(len(s.response_ids) for s in w.samples) / 12)
+    assert not any("pass@" in k or "before_filter" in k for k in m)
+    # a window where nothing ended has no episode scalars, only the window's
+    quiet = summarize_window(w.samples, [], "rollout", trained_version=5)
+    assert "rollout/episode_length" not in quiet and "rollout/success" not in quiet
+    assert quiet["rollout/episodes_finished"] == 0
