@@ -204,8 +204,19 @@ class RolloutConfig:
     #: KV cache (None: SGLang's default, ~0.9). Colocated runs keep the trainer's weights and
     #: optimizer on the same GPUs during rollout, so give the engines less (e.g. 0.4).
     mem_fraction: Optional[float] = None
+    #: episodes: each step plays every episode to its end (RAGEN). turns: env streams that live
+    #: across steps, each playing exactly ``turns_per_step`` turns a step; an episode cut by the
+    #: step's end goes on in the next one and its advantage bootstraps from the critic (Verlog's
+    #: fixed-turn batches for long horizons; ``rollout/streams.py``). Needs algo.adv_estimator=gae.
+    mode: Literal["episodes", "turns"] = "episodes"
+    #: turns mode: turns every stream (env.env_groups x env.group_size of them) plays per step
+    turns_per_step: Optional[int] = None
 
     def validate(self):
+        if self.mode == "turns" and (self.turns_per_step is None or self.turns_per_step < 1):
+            raise ConfigError(f"turns_per_step: must be an integer >= 1 with rollout.mode=turns "
+                              f"(the turns each env stream plays per step), "
+                              f"got {self.turns_per_step}")
         if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
             raise ConfigError(f"mem_fraction: must be in (0, 1) or null, got {self.mem_fraction}")
         if self.max_new_tokens < 1:
@@ -455,9 +466,25 @@ class RunConfig:
             raise ConfigError("algo.use_rollout_logprobs: needs rollout.temperature=1.0 (engine "
                               "and trainer log-probs are checked equal there only), got "
                               f"{self.rollout.temperature}")
+        if self.rollout.mode == "turns":
+            self._validate_turns_mode()
         if self.algo.adv_estimator == "grpo" and self.env.group_size < 2:
             raise ConfigError("env.group_size: grpo compares episodes within a group, so it "
                               f"needs group_size >= 2, got {self.env.group_size}")
+
+
+    def _validate_turns_mode(self):
+        """What streamed steps rule out: their episodes are mostly unfinished, so no estimator
+        or normalisation that needs an episode's total score applies."""
+        if self.algo.adv_estimator != "gae":
+            raise ConfigError(f"algo.adv_estimator: rollout.mode=turns needs gae (an episode cut "
+                              f"by a step's end bootstraps from the critic's value; "
+                              f"{self.algo.adv_estimator} scores whole episodes only), got "
+                              f"{self.algo.adv_estimator!r}")
+        if self.algo.reward_norm != "identity":
+            raise ConfigError(f"algo.reward_norm: rollout.mode=turns needs identity (the "
+                              f"normalisations compare whole-episode scores within a group), "
+                              f"got {self.algo.reward_norm!r}")
 
 
 def load_run_config(path=None, overrides: list[str] | None = None) -> RunConfig:

@@ -62,6 +62,16 @@ def test_defaults_are_ragen_starpo_s():
     (["critic.warmup_steps=2", "critic.enable=false", "algo.adv_estimator=grpo"],
      "critic.warmup_steps: critic-only steps need a critic"),
     (["critic.highlight_first=0.5"], "critic.highlight_first: must be >= 1.0"),
+    # streamed steps: a turn budget per stream, and only what works on unfinished episodes
+    (["rollout.mode=turns"], "rollout.turns_per_step: must be an integer >= 1 with "
+                             "rollout.mode=turns"),
+    (["rollout.mode=turns", "rollout.turns_per_step=0"], "rollout.turns_per_step: must be"),
+    (["rollout.mode=stream"], "rollout.mode: 'stream' is not allowed; allowed values: "
+                              "'episodes', 'turns'"),
+    (["rollout.mode=turns", "rollout.turns_per_step=4", "algo.adv_estimator=grpo",
+      "critic.enable=false"], "algo.adv_estimator: rollout.mode=turns needs gae"),
+    (["rollout.mode=turns", "rollout.turns_per_step=4", "algo.reward_norm=mean_std"],
+     "algo.reward_norm: rollout.mode=turns needs identity"),
     (["model.path=/nonexistent/model"],
      "model.path: '/nonexistent/model' is not a Hugging Face model directory (no config.json"),
 ])

@@ -13,7 +13,9 @@ the resumed run writes those steps again.
 The loop's step names the directories; each checkpoint's extra state holds that step, the data
 cursor and the driver's RNG states. Env seeds and (``rollout.seeded``) sampling seeds are
 functions of the step, so the data cursor is the step plus the seeds it was derived with, and a
-resumed run replays the uninterrupted one (tests/test_resume_equivalence.py).
+resumed run replays the uninterrupted one (tests/test_resume_equivalence.py). A streamed run
+(``rollout.mode: turns``) also saves where its env streams are (``rollout/streams.py``: each
+stream's episode index and its current episode's responses, replayed on resume).
 """
 from __future__ import annotations
 
@@ -82,13 +84,17 @@ def data_cursor(cfg: RunConfig) -> dict:
     """What, besides the step, decides the episodes and samples of a step (env seeds and
     sampling seeds are functions of these and the step)."""
     return {"env.seed": cfg.env.seed, "trainer.seed": cfg.trainer.seed,
-            "rollout.seeded": cfg.rollout.seeded}
+            "rollout.seeded": cfg.rollout.seeded, "rollout.mode": cfg.rollout.mode,
+            "rollout.turns_per_step": cfg.rollout.turns_per_step}
 
 
-def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | None) -> None:
-    """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete."""
+def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | None,
+         streams: dict | None = None) -> None:
+    """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete.
+    ``streams``: the env streams' state after ``step`` (turns mode), kept in the extra state."""
     root = checkpoint_root(cfg.trainer.run_dir)
-    extra = {"step": step, "data_cursor": data_cursor(cfg), "rng": rng_states()}
+    extra = {"step": step, "data_cursor": data_cursor(cfg), "rng": rng_states(),
+             "streams": streams}
     actor.save_checkpoint(str(root / "actor"), step, extra)
     if critic is not None:
         critic.save_checkpoint(str(root / "critic"), step, extra)
@@ -97,19 +103,21 @@ def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | 
     os.replace(tmp, root / LATEST)
 
 
-def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None) -> int:
-    """The step to continue after (0 = fresh start), loading its checkpoints and RNG states.
+def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
+           ) -> tuple[int, dict | None]:
+    """The step to continue after (0 = fresh start), loading its checkpoints and RNG states,
+    and the env streams' state saved with it (None: a fresh start or an episodes-mode run).
 
     ``trainer.resume``: ``auto`` (the newest complete step, if any), ``never``, or a directory
     holding ``actor/`` (and ``critic/``) checkpoints."""
     mode = cfg.trainer.resume
     if mode == "never":
-        return 0
+        return 0, None
     if mode == "auto":
         discard_incomplete(cfg.trainer.run_dir)
         step = latest_complete_step(cfg.trainer.run_dir)
         if step is None:
-            return 0
+            return 0, None
         actor_dir, critic_dir = (step_dir(cfg.trainer.run_dir, role, step)
                                  for role in ("actor", "critic"))
     else:
@@ -126,4 +134,4 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None) -> 
         warnings.warn(f"trainer.resume: step {step}'s checkpoint was written with "
                       f"{', '.join(changed)}; the resumed steps will not replay the "
                       f"uninterrupted run's")
-    return step
+    return step, extra.get("streams")

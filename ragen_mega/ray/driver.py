@@ -12,6 +12,10 @@ sync still runs and pushes the unchanged weights under the step's version: coloc
 drop their weights for the train phase and must get them back, and weight versions stay the
 loop's steps. It costs one sync per warm-up step (under 1% of a CPU demo step).
 
+With ``rollout.mode: turns`` the rollout is every env stream's next ``turns_per_step`` turns
+(``rollout/streams.py``) and an episode cut by the step's end bootstraps from the critic's value
+of its next state (:meth:`Run.cut_values`).
+
 :func:`build_run` places the pieces (engines, actor, critic, env workers) into a :class:`Run`;
 :func:`train` is the loop. Resuming (``trainer.resume=auto``, ``ray/checkpoints.py``) restarts
 after the newest complete step, and a resumed step replays the uninterrupted run's. SIGUSR1 or
@@ -44,9 +48,11 @@ from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
 from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episode,
                                         train_step_specs)
-from ragen_mega.rollout.metrics import summarize
+from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
+from ragen_mega.rollout.sample import Sample
 from ragen_mega.rollout.seeding import seeded_generate
+from ragen_mega.rollout.streams import EnvStreams, Window
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -69,6 +75,7 @@ class Run:
     actor: TrainerGroup | None = None
     critic: TrainerGroup | None = None
     env_workers: EnvWorkerGroup | None = None   # None: the envs live in the driver
+    streams: EnvStreams | None = None   # rollout.mode=turns: the env streams (open_streams)
 
     def shutdown(self) -> None:
         """Stop what this run started: trainer actors first (the actor closes its weight-update
@@ -98,14 +105,11 @@ class Run:
             specs = train_step_specs(env.train_parts(), group_size=env.group_size,
                                      seed=env.seed, step=step)
             temperature = r.temperature
-        sampling = {"temperature": temperature, "top_p": r.top_p,
-                    "max_new_tokens": r.max_new_tokens, "stop": list(STOP_STRINGS),
-                    "no_stop_trim": True}
-        open_env = None if self.env_workers is None else self.env_workers.open
         episodes = (run_episode(spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
                                 generate=self.episode_generate(step, spec.episode_id, evaluate),
-                                sampling=sampling, max_turns=env.max_turns,
-                                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
+                                sampling=self.sampling(temperature), max_turns=env.max_turns,
+                                env_steps_in_thread=r.env_steps_in_thread,
+                                open_env=self.open_env)
                     for spec in specs)
 
         async def play():  # all episodes at once, each with its own (seeding) generate function
@@ -114,6 +118,63 @@ class Run:
         start = time.perf_counter()
         played = self.engines.run(play())
         return played, time.perf_counter() - start
+
+    def sampling(self, temperature: float) -> dict:
+        r = self.cfg.rollout
+        return {"temperature": temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
+                "stop": list(STOP_STRINGS), "no_stop_trim": True}
+
+    @property
+    def open_env(self):
+        return None if self.env_workers is None else self.env_workers.open
+
+    def open_streams(self, saved: dict | None) -> None:
+        """``rollout.mode=turns``: the run's env streams, where the checkpoint left them."""
+        env, r = self.cfg.env, self.cfg.rollout
+        self.streams = EnvStreams(env.train_parts(), group_size=env.group_size, seed=env.seed,
+                                  turns_per_step=r.turns_per_step, tokenizer=self.tokenizer,
+                                  agent=self.cfg.agent, max_turns=env.max_turns,
+                                  env_steps_in_thread=r.env_steps_in_thread,
+                                  open_env=self.open_env)
+        if saved is not None:
+            self.streams.load_state_dict(saved)
+
+    def stream_rollout(self, step: int) -> tuple[Window, float]:
+        """Every stream's ``turns_per_step`` turns with the weights of step ``step - 1``; stream
+        ``s``'s k-th request of the step is seeded with (trainer.seed, step, s, k)."""
+        def generate_for(stream: int) -> GenerateFn:
+            if not self.cfg.rollout.seeded:
+                return self.engines.generate
+            return seeded_generate(self.engines.generate, self.cfg.trainer.seed, "stream", step,
+                                   stream)
+
+        start = time.perf_counter()
+        window = self.engines.run(self.streams.play(
+            generate_for, self.sampling(self.cfg.rollout.temperature), weight_version=step - 1))
+        return window, time.perf_counter() - start
+
+    def cut_values(self, samples: list[Sample], next_prompts: dict[int, list[int]]
+                   ) -> torch.Tensor:
+        """[B]: at each cut sample the critic's value of the state after the cut (its next
+        prompt, valued and never trained on), 0 elsewhere."""
+        out = torch.zeros(len(samples))
+        rows = [i for i, s in enumerate(samples) if s.cut]
+        if not rows:
+            return out
+        prompts = [next_prompts[samples[i].episode_id] for i in rows]
+        dp = self.cfg.trainer.data_parallel   # the critic shards rows over its DP replicas
+        prompts += [prompts[0]] * (-len(prompts) % dp)
+        # one token after the prompt: column len(prompt) holds V(prompt) (the trainer's layout)
+        seq = max(map(len, prompts)) + 1
+        ids = torch.full((len(prompts), seq), self.tokenizer.pad_token_id, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = torch.tensor(p)
+            attention[i, :len(p) + 1] = 1
+        values = self.critic.compute_values({"input_ids": ids, "attention_mask": attention})
+        out[rows] = values[torch.arange(len(rows)),
+                           torch.tensor([len(p) for p in prompts[:len(rows)]])].float()
+        return out
 
     def episode_generate(self, step: int, episode_id: int, evaluate: bool) -> GenerateFn:
         """The engines' generate function for one episode (``rollout/seeding.py``)."""
@@ -125,12 +186,20 @@ class Run:
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
         t0 = time.perf_counter()
-        episodes, rollout_s = self.rollout(step)
+        window = None
+        if self.streams is None:
+            episodes, rollout_s = self.rollout(step)
+            metrics.update(summarize(episodes, "rollout"))
+            played = [s for e in episodes for s in e.samples]
+        else:
+            window, rollout_s = self.stream_rollout(step)
+            metrics.update(summarize_window(window.samples, window.finished, "rollout",
+                                            trained_version=step - 1))
+            played = window.samples
         if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
             self.engines.release_memory()
-        metrics.update(summarize(episodes, "rollout"))
-        samples, filter_metrics = filter_groups([s for e in episodes for s in e.samples],
-                                                cfg.filter.ratio, cfg.filter.mode)
+        samples, filter_metrics = filter_groups(played, cfg.filter.ratio, cfg.filter.mode,
+                                                by_stream=window is not None)
         metrics.update(filter_metrics)
         batch = build_batch(samples, pad_id=self.tokenizer.pad_token_id)
         agg_modes = [cfg.actor.loss_agg_mode] + (
@@ -154,7 +223,9 @@ class Run:
         batch = compute_advantages(batch, estimator=cfg.algo.adv_estimator, gamma=cfg.algo.gamma,
                                    lam=cfg.algo.lam, reward_norm=cfg.algo.reward_norm,
                                    grpo_norm_by_std=cfg.algo.grpo_norm_by_std,
-                                   token_values=values)
+                                   token_values=values,
+                                   bootstrap_values=None if window is None else
+                                   self.cut_values(samples, window.next_prompts))
         for key in ("advantages", "returns"):
             if key in batch:
                 train[key] = layout.to_train(batch[key])
@@ -286,7 +357,9 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     under way is finished and saved, then :class:`~ragen_mega.ray.preemption.Preempted`."""
     t, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
     history = []
-    start = checkpoints.resume(cfg, run.actor, run.critic)
+    start, saved_streams = checkpoints.resume(cfg, run.actor, run.critic)
+    if cfg.rollout.mode == "turns":
+        run.open_streams(saved_streams)
     run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
     if start == 0 and t.eval_every:
         logger.log(0, run.evaluate())
@@ -302,7 +375,9 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         last = step == t.total_steps
         if last or stop.requested or (t.save_every and step % t.save_every == 0):
-            checkpoints.save(cfg, step, run.actor, run.critic)
+            checkpoints.save(cfg, step, run.actor, run.critic,
+                             streams=run.streams.state_dict() if cfg.rollout.mode == "turns"
+                             else None)
         if stop.requested and not last:
             raise preemption.Preempted(stop.signal_name, step)
     return history

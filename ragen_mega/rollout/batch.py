@@ -9,7 +9,9 @@ records and tensors (the math itself lives in :mod:`ragen_mega.algo`):
    values, then token-level GAE inside each turn (bi-level; for one-turn episodes this is plain
    token-level GAE); ``grpo``: episode score against its group, spread over every token.
 
-An episode cut off by ``max_turns`` is treated as terminal, as RAGEN does.
+An episode cut off by ``max_turns`` is treated as terminal, as RAGEN does; one cut by the end of
+a streamed step's window (``rollout.mode: turns``) bootstraps from the critic's value of its
+next state.
 """
 from __future__ import annotations
 
@@ -36,12 +38,18 @@ def _scores_of(batch: dict[str, torch.Tensor]):
     return episode_scores(batch["episode_id"], batch["group_id"], batch["reward"])
 
 
-def filter_groups(samples: Sequence[Sample], ratio: float, mode: str
+def filter_groups(samples: Sequence[Sample], ratio: float, mode: str, by_stream: bool = False
                   ) -> tuple[list[Sample], dict[str, float]]:
     """StarPO-S: the samples of the kept groups, and the filter's metrics. The filter ranks all
     groups together (as RAGEN does); a mixed-env step also reports how many groups of each env
-    tag it kept (``filter/<tag>/kept_groups``), since one env can crowd out another."""
-    _, group_ids, scores = episode_scores(torch.tensor([s.episode_id for s in samples]),
+    tag it kept (``filter/<tag>/kept_groups``), since one env can crowd out another.
+
+    A group member's score is its episode's total reward; ``by_stream`` (``rollout.mode:
+    turns``) scores each env stream instead by the reward of its turns in this step's window:
+    every stream of a group played the same seeds for the same number of turns, so their window
+    sums are comparable where their episodes are not (docs/design.md, "Long horizons")."""
+    members = [s.stream if by_stream else s.episode_id for s in samples]
+    _, group_ids, scores = episode_scores(torch.tensor(members),
                                           torch.tensor([s.group_id for s in samples]),
                                           torch.tensor([s.reward for s in samples]))
     selection = select_groups(scores, group_ids, ratio=ratio, mode=mode)
@@ -57,26 +65,33 @@ def filter_groups(samples: Sequence[Sample], ratio: float, mode: str
 
 def build_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     """:func:`collate` plus per-sample ``reward``, ``episode_id``, ``group_id``, ``turn``,
-    ``last`` (the episode's final turn, treated as terminal)."""
+    ``last`` (the episode's final turn, treated as terminal), ``cut`` (the step's last turn of
+    an episode that goes on, ``rollout.mode: turns``)."""
     batch = collate(samples, pad_id)
     batch["reward"] = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     batch["episode_id"] = torch.tensor([s.episode_id for s in samples])
     batch["group_id"] = torch.tensor([s.group_id for s in samples])
     batch["turn"] = torch.tensor([s.turn for s in samples])
     batch["last"] = torch.tensor([s.last for s in samples])
+    batch["cut"] = torch.tensor([s.cut for s in samples])
     return batch
 
 
 def compute_advantages(batch: dict[str, torch.Tensor], *, estimator: str, gamma: float = 1.0,
                        lam: float = 1.0, reward_norm: str = "identity",
-                       grpo_norm_by_std: bool = True, token_values: torch.Tensor | None = None
-                       ) -> dict[str, torch.Tensor]:
+                       grpo_norm_by_std: bool = True, token_values: torch.Tensor | None = None,
+                       bootstrap_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Add ``advantages`` (and for ``gae`` ``returns``) [B, S] to ``batch``; return it.
 
     ``token_values`` [B, S] is the critic's value of the state each token is written in (column
     t: V(tokens < t), the trainer's layout); a turn's value is the one at its first response
     token. ``gamma``/``lam``
     discount across turns; inside a turn tokens are undiscounted (Verlog's dual-discount GAE).
+
+    ``bootstrap_values`` [B] (``gae`` only): at each cut sample (``batch["cut"]``: an episode
+    that goes on past this batch) the critic's value of the state after it; the cut turn's TD
+    error reads it in place of a terminal 0. Read nowhere else; None: every episode in the batch
+    ends in it (episodes mode).
     """
     mask = batch["loss_mask"]
     if estimator == "grpo":
@@ -100,7 +115,8 @@ def compute_advantages(batch: dict[str, torch.Tensor], *, estimator: str, gamma:
     first = batch["response_start"]
     turn_values = token_values[torch.arange(mask.shape[0]), first]
     _, turn_returns = turn_level_gae(rewards, turn_values, batch["episode_id"], batch["turn"],
-                                     batch["last"], gamma_turn=gamma, lam_turn=lam)
+                                     batch["last"], gamma_turn=gamma, lam_turn=lam,
+                                     bootstrap_values=bootstrap_values)
     adv, returns = bi_level_token_gae(turn_returns, token_values, mask)
     batch["advantages"], batch["returns"] = adv, returns
     return batch

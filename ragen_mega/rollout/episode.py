@@ -86,6 +86,103 @@ class Episode:
     metrics: dict[str, float]   # success, reward, num_actions, valid/effective action rates
 
 
+@dataclasses.dataclass
+class EpisodeState:
+    """One episode between two of its turns: its env, prompt state and running tallies.
+
+    :func:`play_turn` advances it by one turn; :func:`run_episode` plays it to its end in one go,
+    and the env streams of ``rollout/streams.py`` carry it over training steps, so both play
+    exactly the same turns."""
+    spec: EpisodeSpec
+    env: EnvHandle
+    builder: PromptBuilder
+    history: History
+    obs: str                    # the observation the next turn acts on
+    max_turns: int
+    turn: int = 0               # turns played so far
+    done: bool = False
+    success: bool = False
+    reward: float = 0.0
+    n_actions: int = 0
+    n_valid: int = 0
+    n_effective: int = 0
+    n_format_ok: int = 0
+
+    @property
+    def over(self) -> bool:
+        """Ended by the env, or at its turn limit (truncated: terminal, as RAGEN treats it)."""
+        return self.done or self.turn >= self.max_turns
+
+    def observe(self, history: History, agent: AgentConfig) -> None:
+        """Start the next turn in ``history`` with the current observation."""
+        history.observe(self.obs,
+                        actions_left=(self.max_turns - self.turn) * agent.max_actions_per_turn)
+
+    def next_prompt_ids(self, agent: AgentConfig) -> list[int]:
+        """The prompt the next turn would be given, built without starting that turn (the
+        state after a cut, for the critic to value)."""
+        ahead = History()
+        ahead.turns = list(self.history.turns)
+        self.observe(ahead, agent)
+        return self.builder.build(ahead).ids
+
+    def metrics(self) -> dict[str, float]:
+        n = self.n_actions
+        return {"success": float(self.success), "reward": self.reward,
+                "num_turns": float(self.turn), "num_actions": float(n),
+                "valid_action_rate": self.n_valid / n if n else 0.0,
+                "effective_action_rate": self.n_effective / n if n else 0.0,
+                "format_ok_rate": self.n_format_ok / self.turn if self.turn else 0.0}
+
+
+async def open_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, max_turns: int,
+                       env_steps_in_thread: bool = False,
+                       open_env: OpenEnvFn | None = None) -> EpisodeState:
+    """Open the episode's env (``open_env``, e.g. ``EnvWorkerGroup.open`` for a remote env, or
+    by default made here, stepped in a thread with ``env_steps_in_thread``) and reset it."""
+    env = await open_env(spec) if open_env is not None else \
+        LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
+    builder = PromptBuilder.for_env(tokenizer, agent, env)
+    obs = await env.reset(spec.seed)
+    return EpisodeState(spec, env, builder, History(), obs, spec.max_turns or max_turns)
+
+
+async def play_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, generate: GenerateFn,
+                    sampling: dict[str, Any]) -> Sample:
+    """One turn: prompt from the history, one generation, its actions stepped in the env until
+    one ends the episode; returns the turn's :class:`Sample` (``last`` set if the episode is
+    now over)."""
+    spec = state.spec
+    state.observe(state.history, agent)
+    prompt = state.builder.build(state.history)
+    gen = await generate(prompt.ids, sampling)
+    parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent,
+                            finished=gen.finish_reason == "stop")
+    reward, all_valid = 0.0, True
+    for action in parsed.actions:
+        state.obs, r, state.done, info = await state.env.step(action)
+        reward += float(r)
+        state.n_actions += 1
+        all_valid &= bool(info.get("action_is_valid"))
+        state.n_valid += bool(info.get("action_is_valid"))
+        state.n_effective += bool(info.get("action_is_effective"))
+        state.success = state.success or bool(info.get("success"))
+        if state.done:
+            break
+    if not parsed.format_ok or not all_valid:  # RAGEN: a broken format or an unknown action
+        reward += agent.format_penalty
+    state.turn += 1
+    state.reward += reward
+    state.n_format_ok += parsed.format_ok
+    state.history.record(gen.output_ids, parsed, reward)
+    return Sample(
+        prompt_ids=prompt.ids, response_ids=list(gen.output_ids),
+        rollout_logprobs=list(gen.logprobs), reward=reward, episode_id=spec.episode_id,
+        group_id=spec.group_id, turn=state.turn, done=state.done, last=state.over,
+        env_tag=spec.env_tag or spec.env_name, seed=spec.seed,
+        info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason})
+
+
 async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, generate: GenerateFn,
                       sampling: dict[str, Any], max_turns: int,
                       env_steps_in_thread: bool = False,
@@ -93,53 +190,14 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
     """Play one episode to its end or its turn limit (``spec.max_turns``, else ``max_turns``); one
     :class:`Sample` per turn. The env comes from ``open_env`` (e.g. ``EnvWorkerGroup.open``: a
     remote env), or by default is made here (stepped in a thread with ``env_steps_in_thread``)."""
-    max_turns = spec.max_turns or max_turns
-    env = await open_env(spec) if open_env is not None else \
-        LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
-    builder = PromptBuilder.for_env(tokenizer, agent, env)
-    history = History()
-    obs = await env.reset(spec.seed)
+    state = await open_episode(spec, tokenizer=tokenizer, agent=agent, max_turns=max_turns,
+                               env_steps_in_thread=env_steps_in_thread, open_env=open_env)
     samples: list[Sample] = []
-    done, success = False, False
-    n_actions = n_valid = n_effective = 0
-    total_reward = 0.0
-    for turn in range(1, max_turns + 1):
-        history.observe(obs, actions_left=(max_turns - turn + 1) * agent.max_actions_per_turn)
-        prompt = builder.build(history)
-        gen = await generate(prompt.ids, sampling)
-        parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent,
-                                finished=gen.finish_reason == "stop")
-        reward, all_valid = 0.0, True
-        for action in parsed.actions:
-            obs, r, done, info = await env.step(action)
-            reward += float(r)
-            n_actions += 1
-            all_valid &= bool(info.get("action_is_valid"))
-            n_valid += bool(info.get("action_is_valid"))
-            n_effective += bool(info.get("action_is_effective"))
-            success = success or bool(info.get("success"))
-            if done:
-                break
-        if not parsed.format_ok or not all_valid:  # RAGEN: a broken format or an unknown action
-            reward += agent.format_penalty
-        total_reward += reward
-        history.record(gen.output_ids, parsed, reward)
-        samples.append(Sample(
-            prompt_ids=prompt.ids, response_ids=list(gen.output_ids),
-            rollout_logprobs=list(gen.logprobs), reward=reward, episode_id=spec.episode_id,
-            group_id=spec.group_id, turn=turn, done=done, last=False,
-            env_tag=spec.env_tag or spec.env_name, seed=spec.seed,
-            info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason}))
-        if done:
-            break
-    samples[-1].last = True
-    await env.close()
-    metrics = {"success": float(success), "reward": total_reward, "num_turns": float(len(samples)),
-               "num_actions": float(n_actions),
-               "valid_action_rate": n_valid / n_actions if n_actions else 0.0,
-               "effective_action_rate": n_effective / n_actions if n_actions else 0.0,
-               "format_ok_rate": sum(s.info["format_ok"] for s in samples) / len(samples)}
-    return Episode(samples, metrics)
+    while not state.over:
+        samples.append(await play_turn(state, tokenizer=tokenizer, agent=agent,
+                                       generate=generate, sampling=sampling))
+    await state.env.close()
+    return Episode(samples, state.metrics())
 
 
 def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, group_size: int,

@@ -9,6 +9,7 @@ import torch
 
 from ragen_mega.algo.advantages import group_stats
 from ragen_mega.rollout.episode import Episode
+from ragen_mega.rollout.sample import Sample
 
 
 def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
@@ -27,6 +28,34 @@ def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
             rewards = torch.tensor([e.metrics["reward"] for e in tagged])
             out[f"{prefix}/{tag}/group_reward_std_before_filter"] = float(
                 group_stats(rewards, group_ids).std.mean())
+    return out
+
+
+def summarize_window(samples: list[Sample], finished: list[Episode], prefix: str, *,
+                     trained_version: int) -> dict[str, float]:
+    """A streamed step (``rollout.mode: turns``): :func:`summarize` of the episodes that finished
+    in it (none finished: no episode scalars this step) but for its group scalars (``pass@k``,
+    ``group_reward_std_before_filter``): the episodes of one group that end in a step may be
+    different seeds' (streams drift apart), and the filter's own ``filter/in_group_std`` is the
+    streams' spread. Over all and per env tag also
+    ``samples`` (turn samples played), ``episodes_finished``, ``episode_length`` (mean turns of
+    the finished episodes; absent if none finished), ``weight_staleness`` (mean weight versions
+    between a sample's sampling and ``trained_version``, the weights being trained) and
+    ``response_length`` over every sample of the window, not only the finished episodes'."""
+    out = {k: v for k, v in (summarize(finished, prefix) if finished else {}).items()
+           if "/pass@" not in k and not k.endswith("/group_reward_std_before_filter")}
+    parts = [(prefix, samples, finished)]
+    tags = sorted({s.env_tag for s in samples})
+    parts += [(f"{prefix}/{tag}", [s for s in samples if s.env_tag == tag],
+               [e for e in finished if e.samples[0].env_tag == tag]) for tag in tags]
+    for name, tagged, ended in parts:
+        out[f"{name}/samples"] = float(len(tagged))
+        out[f"{name}/episodes_finished"] = float(len(ended))
+        if ended:
+            out[f"{name}/episode_length"] = sum(e.metrics["num_turns"] for e in ended) / len(ended)
+        out[f"{name}/weight_staleness"] = sum(trained_version - s.weight_version
+                                              for s in tagged) / len(tagged)
+        out[f"{name}/response_length"] = sum(len(s.response_ids) for s in tagged) / len(tagged)
     return out
 
 

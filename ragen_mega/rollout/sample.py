@@ -28,6 +28,12 @@ class Sample:
     env_tag: str
     seed: int
     info: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: ``rollout.mode: turns``: the engines' weights it was sampled with (the trainer step that
+    #: made them), the env stream that played it, and whether it is the step's last turn of an
+    #: episode that goes on (its advantage bootstraps from the next state's value)
+    weight_version: int = 0
+    stream: int | None = None
+    cut: bool = False
 
     def __post_init__(self):
         if len(self.rollout_logprobs) != len(self.response_ids):

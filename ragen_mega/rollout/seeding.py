@@ -3,7 +3,8 @@
 With ``rollout.seeded`` the k-th request of an episode (turn k) carries
 ``sampling_seed = request_seed(trainer.seed, phase, step, episode_id, k)``, so the episode's
 tokens do not depend on what else the engines are running, and a resumed run replays the
-uninterrupted one (its data cursor is the step).
+uninterrupted one (its data cursor is the step). In ``rollout.mode: turns`` the key is
+(trainer.seed, "stream", step, stream, k): the k-th request a stream makes in the step.
 """
 from __future__ import annotations
 

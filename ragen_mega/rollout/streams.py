@@ -1,0 +1,138 @@
+"""Env streams: episodes that run across training steps (``rollout.mode: turns``).
+
+In ``turns`` mode a training step does not play whole episodes: each env stream plays exactly
+``rollout.turns_per_step`` turns, and the stream's episode goes on in the next step where this
+one cut it (Verlog's fixed-turn batches). A finished episode is followed at once by the stream's
+next one, so no stream waits for the slowest episode and every step trains the same number of
+turn samples (docs/design.md, "Long horizons").
+
+Streams keep RAGEN's seed groups: stream ``s`` is the ``s``-th episode of
+:func:`~ragen_mega.rollout.episode.train_step_specs`, and its ``j``-th episode plays what episodes
+mode plays at step ``j + 1``: so the streams of group ``g`` play the same seed sequence, and the
+seed of episode ``j`` of group ``g`` is a function of ``(g, j)`` alone. Episode ids are
+``j * num_streams + s``, unique over the run.
+
+Exact resume: :meth:`EnvStreams.state_dict` holds, per stream, its episode index and the
+responses of the turns its current episode has played; :meth:`EnvStreams.load_state_dict` replays
+them through the same :func:`~ragen_mega.rollout.episode.play_turn` on a freshly reset env (envs
+are deterministic given seed and actions), so the resumed stream is where the saved one was.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any, Callable, Sequence
+
+from ragen_mega.agent import AgentConfig
+from ragen_mega.rollout.episode import (EnvPart, Episode, EpisodeSpec, EpisodeState, GenerateFn,
+                                        Generation, OpenEnvFn, open_episode, play_turn,
+                                        train_step_specs)
+from ragen_mega.rollout.sample import Sample
+
+
+@dataclasses.dataclass
+class Window:
+    """What one step's streams played."""
+    samples: list[Sample]       # num_streams x turns_per_step, stream by stream, turn order
+    finished: list[Episode]     # episodes that ended in this window: this window's samples of
+                                # each, and the metrics of the whole episode
+    #: episode id of each cut episode -> the prompt its next turn will get (the state the critic
+    #: values for the cut bootstrap; valued, never trained on)
+    next_prompts: dict[int, list[int]]
+
+
+class _Stream:
+    """One stream: the episode it is playing and the responses that episode has had so far."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.episode = 0                    # j: the stream's current (or next) episode
+        self.state: EpisodeState | None = None
+        self.responses: list[tuple[list[int], str]] = []   # (output ids, finish reason) per turn
+
+
+class EnvStreams:
+    """The run's env streams; :meth:`play` is one step's window."""
+
+    def __init__(self, parts: Sequence[EnvPart], *, group_size: int, seed: int,
+                 turns_per_step: int, tokenizer, agent: AgentConfig, max_turns: int,
+                 env_steps_in_thread: bool = False, open_env: OpenEnvFn | None = None):
+        self.parts, self.group_size, self.seed = list(parts), group_size, seed
+        self.turns_per_step = turns_per_step
+        self.tokenizer, self.agent = tokenizer, agent
+        self.open_kwargs = dict(tokenizer=tokenizer, agent=agent, max_turns=max_turns,
+                                env_steps_in_thread=env_steps_in_thread, open_env=open_env)
+        self.streams = [_Stream(i) for i in range(len(self.spec_row(0)))]
+
+    def spec_row(self, j: int) -> list[EpisodeSpec]:
+        """Episode ``j`` of every stream (the episodes of step ``j + 1`` in episodes mode)."""
+        return train_step_specs(self.parts, group_size=self.group_size, seed=self.seed, step=j + 1)
+
+    def spec(self, stream: int, j: int) -> EpisodeSpec:
+        return dataclasses.replace(self.spec_row(j)[stream],
+                                   episode_id=j * len(self.streams) + stream)
+
+    async def play(self, generate_for: Callable[[int], GenerateFn], sampling: dict[str, Any],
+                   weight_version: int) -> Window:
+        """Every stream plays ``turns_per_step`` turns concurrently; ``generate_for(s)`` is
+        stream ``s``'s generate function for this step, ``weight_version`` the weights the
+        engines hold (recorded in each sample)."""
+        played = await asyncio.gather(*(self._play_stream(s, generate_for(s.index), sampling)
+                                        for s in self.streams))
+        window = Window([], [], {})
+        for stream, (samples, finished) in zip(self.streams, played):
+            for sample in samples:
+                sample.weight_version, sample.stream = weight_version, stream.index
+            window.samples += samples
+            window.finished += finished
+            if stream.state is not None:   # the episode goes on: its last turn here is a cut
+                samples[-1].cut = True
+                window.next_prompts[samples[-1].episode_id] = stream.state.next_prompt_ids(
+                    self.agent)
+        return window
+
+    async def _play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any]
+                           ) -> tuple[list[Sample], list[Episode]]:
+        samples: list[Sample] = []
+        finished: list[Episode] = []
+        episode_start = 0   # where the current episode's samples begin in ``samples``
+        for _ in range(self.turns_per_step):
+            if stream.state is None:
+                stream.state = await self._open(stream)
+                episode_start = len(samples)
+            sample = await play_turn(stream.state, tokenizer=self.tokenizer, agent=self.agent,
+                                     generate=generate, sampling=sampling)
+            samples.append(sample)
+            stream.responses.append((sample.response_ids, sample.info["finish_reason"]))
+            if stream.state.over:
+                await stream.state.env.close()
+                finished.append(Episode(samples[episode_start:], stream.state.metrics()))
+                stream.state, stream.responses = None, []
+                stream.episode += 1
+        return samples, finished
+
+    async def _open(self, stream: _Stream) -> EpisodeState:
+        """The stream's current episode, reset, with the turns it already played replayed."""
+        state = await open_episode(self.spec(stream.index, stream.episode), **self.open_kwargs)
+        for ids, finish_reason in stream.responses:
+            async def recorded(_prompt, _sampling, ids=ids, finish_reason=finish_reason):
+                return Generation(list(ids), [0.0] * len(ids), finish_reason)
+            await play_turn(state, tokenizer=self.tokenizer, agent=self.agent,
+                            generate=recorded, sampling={})
+        return state
+
+    def state_dict(self) -> dict[str, list]:
+        """Where every stream is: its episode index and its current episode's responses."""
+        return {"episodes": [s.episode for s in self.streams],
+                "responses": [list(s.responses) for s in self.streams]}
+
+    def load_state_dict(self, state: dict[str, list]) -> None:
+        """Continue from :meth:`state_dict`'s streams; each one's episode is replayed (reset,
+        then its recorded turns) when the stream next plays."""
+        if len(state["episodes"]) != len(self.streams):
+            raise ValueError(f"the checkpoint holds {len(state['episodes'])} env streams, this "
+                             f"run has {len(self.streams)} (env.env_groups x env.group_size "
+                             f"changed?); a streamed run resumes only with its own streams")
+        for stream, j, responses in zip(self.streams, state["episodes"], state["responses"]):
+            stream.episode, stream.state = j, None
+            stream.responses = [(list(ids), reason) for ids, reason in responses]

@@ -1,0 +1,135 @@
+"""Env streams (``rollout.mode: turns``): fixed turns per step, episodes across steps, seed groups,
+the cut's next prompt, and resume by replay.
+
+The "engine" is a policy that picks a FrozenLake move from a hash of the prompt, so episodes end
+at different turns (holes, the goal, the turn limit) and every prompt matters; the reference for
+what a stream plays is ``run_episode`` playing the same episodes whole.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ragen_mega.agent import AgentConfig
+from ragen_mega.rollout.episode import EnvPart, Generation, run_episode
+from ragen_mega.rollout.streams import EnvStreams
+
+AGENT = AgentConfig(think=False, max_actions_per_turn=1, memory_turns=1)
+PARTS = [EnvPart("lake", "frozen_lake", {"is_slippery": False}, 2)]
+MOVES = ["Left", "Down", "Right", "Up"]
+
+
+def policy(tokenizer):
+    async def generate(prompt_ids, sampling):
+        ids = tokenizer.encode(f" {MOVES[sum(prompt_ids) * 7 % 31 % 4]} </answer>",
+                               add_special_tokens=False)
+        return Generation(ids, [-0.25] * len(ids), "stop")
+    return generate
+
+
+def make_streams(tokenizer, turns_per_step=3):
+    return EnvStreams(PARTS, group_size=2, seed=5, turns_per_step=turns_per_step,
+                      tokenizer=tokenizer, agent=AGENT, max_turns=4)
+
+
+def play(streams, tokenizer, version=0):
+    gen = policy(tokenizer)
+    return asyncio.run(streams.play(lambda s: gen, {}, weight_version=version))
+
+
+def test_streams_play_fixed_turns_and_continue_episodes(tokenizer):
+    streams = make_streams(tokenizer)
+    windows = [play(streams, tokenizer, version=v) for v in range(4)]
+    for v, w in enumerate(windows):
+        # exactly streams x turns_per_step samples, 3 per stream, every sample of version v
+        assert [s.stream for s in w.samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+        assert {s.weight_version for s in w.samples} == {v}
+    # per stream, the windows' samples are whole episodes one after another: turn numbers run
+    # 1, 2, ... and restart only after an episode's last turn
+    by_episode: dict[int, list] = {}
+    for w in windows:
+        for s in w.samples:
+            by_episode.setdefault(s.episode_id, []).append(s)
+    crossed = 0
+    for eid, samples in by_episode.items():
+        stream, j = eid % 4, eid // 4
+        assert [s.turn for s in samples] == list(range(1, len(samples) + 1))
+        assert all(s.stream == stream for s in samples)
+        # episode j of group g: the seed episodes mode plays in step j + 1 (a function of g, j)
+        assert samples[0].seed == 5 + 2 * j + stream // 2 and samples[0].group_id == stream // 2
+        crossed += len({id(w) for w in windows for s in w.samples if s.episode_id == eid}) > 1
+        finished = samples[-1].last
+        # the reference: the same episode played whole gives the same turns, ends the same way
+        whole = asyncio.run(run_episode(streams.spec(stream, j), tokenizer=tokenizer, agent=AGENT,
+                                        generate=policy(tokenizer), sampling={}, max_turns=4))
+        n = len(samples)
+        assert [s.prompt_ids for s in whole.samples[:n]] == [s.prompt_ids for s in samples]
+        assert [s.reward for s in whole.samples[:n]] == [s.reward for s in samples]
+        assert finished == (n == len(whole.samples))
+    assert crossed > 0
+    # each stream's episodes are j = 0, 1, ..., every one but the newest finished: a finished
+    # episode is followed at once by the stream's next one
+    for stream in range(4):
+        js = sorted(e // 4 for e in by_episode if e % 4 == stream)
+        assert js == list(range(len(js))) and len(js) > 1
+        assert all(by_episode[j * 4 + stream][-1].last for j in js[:-1])
+    # every episode a window reports finished ended in it, with its whole-episode metrics
+    ended = [e for w in windows for e in w.finished]
+    assert ended and all(e.samples[-1].last for e in ended)
+    assert all(e.metrics["num_turns"] == e.samples[-1].turn for e in ended)
+
+
+def test_cut_next_prompt_is_the_next_turns_prompt(tokenizer):
+    streams = make_streams(tokenizer)
+    first = play(streams, tokenizer)
+    second = play(streams, tokenizer)
+    cuts = [s for s in first.samples if s.cut]
+    assert cuts and all(not s.last for s in cuts)
+    assert set(first.next_prompts) == {s.episode_id for s in cuts}
+    for cut in cuts:   # valued at the cut = what the episode's next turn was prompted with
+        [nxt] = [s for s in second.samples
+                 if s.episode_id == cut.episode_id and s.turn == cut.turn + 1]
+        assert first.next_prompts[cut.episode_id] == nxt.prompt_ids
+    # a stream whose episode ended on the window's last turn has no cut
+    assert all(s.cut == (not s.last) for w in (first, second)
+               for s in [w.samples[i * 3 + 2] for i in range(4)])
+
+
+def test_resumed_streams_replay_the_uninterrupted_ones(tokenizer):
+    straight = make_streams(tokenizer)
+    play(straight, tokenizer)
+    saved = straight.state_dict()
+    want = play(straight, tokenizer, version=1)
+    assert any(saved["responses"])    # some stream is mid-episode at the save
+
+    resumed = make_streams(tokenizer)
+    resumed.load_state_dict(saved)
+    got = play(resumed, tokenizer, version=1)
+    fields = lambda w: [(s.episode_id, s.turn, s.prompt_ids, s.response_ids, s.reward, s.cut,
+                         s.last) for s in w.samples]
+    assert fields(got) == fields(want)
+    assert got.next_prompts == want.next_prompts
+    assert [e.metrics for e in got.finished] == [e.metrics for e in want.finished]
+
+
+def test_window_metrics(tokenizer):
+    from ragen_mega.rollout.metrics import summarize_window
+
+    streams = make_streams(tokenizer)
+    windows = [play(streams, tokenizer, version=v) for v in range(3)]
+    w = next(w for w in windows if w.finished)
+    m = summarize_window(w.samples, w.finished, "rollout", trained_version=5)
+    version = w.samples[0].weight_version
+    lengths = [e.samples[-1].turn for e in w.finished]   # each ended at its last turn
+    assert m["rollout/samples"] == m["rollout/lake/samples"] == 12
+    assert m["rollout/episodes_finished"] == len(w.finished)
+    assert m["rollout/episode_length"] == pytest.approx(sum(lengths) / len(lengths))
+    assert m["rollout/weight_staleness"] == m["rollout/lake/weight_staleness"] == 5 - version
+    assert m["rollout/response_length"] == pytest.approx(
+        sum(len(s.response_ids) for s in w.samples) / 12)
+    assert not any("pass@" in k or "before_filter" in k for k in m)
+    # a window where nothing ended has no episode scalars, only the window's
+    quiet = summarize_window(w.samples, [], "rollout", trained_version=5)
+    assert "rollout/episode_length" not in quiet and "rollout/success" not in quiet
+    assert quiet["rollout/episodes_finished"] == 0
