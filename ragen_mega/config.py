@@ -204,8 +204,15 @@ class RolloutConfig:
     #: KV cache (None: SGLang's default, ~0.9). Colocated runs keep the trainer's weights and
     #: optimizer on the same GPUs during rollout, so give the engines less (e.g. 0.4).
     mem_fraction: Optional[float] = None
+    #: an engine whose server dies during a step is restarted on its devices, given the current
+    #: weights, and its episodes are replayed from their start (same seeds, same episodes); this
+    #: many restarts per step, then the run stops with an error naming the engine's log
+    max_engine_restarts_per_step: int = 2
 
     def validate(self):
+        if self.max_engine_restarts_per_step < 0:
+            raise ConfigError(f"max_engine_restarts_per_step: must be >= 0 (0: a dead engine "
+                              f"ends the run), got {self.max_engine_restarts_per_step}")
         if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
             raise ConfigError(f"mem_fraction: must be in (0, 1) or null, got {self.mem_fraction}")
         if self.max_new_tokens < 1:

@@ -62,6 +62,7 @@ class Run:
     actor: TrainerGroup | None = None
     critic: TrainerGroup | None = None
     env_workers: EnvWorkerGroup | None = None   # None: the envs live in the driver
+    weight_version: int = 0   # what the engines serve (a restarted engine is brought to it)
 
     def shutdown(self) -> None:
         """Stop what this run started: trainer actors first (the actor closes its weight-update
@@ -95,11 +96,14 @@ class Run:
                     "max_new_tokens": r.max_new_tokens, "stop": list(STOP_STRINGS),
                     "no_stop_trim": True}
         open_env = None if self.env_workers is None else self.env_workers.open
-        episodes = (run_episode(spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
-                                generate=self.episode_generate(step, spec.episode_id, evaluate),
-                                sampling=sampling, max_turns=env.max_turns,
-                                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
-                    for spec in specs)
+
+        def attempt(spec):  # each call starts the episode afresh: a replay after an engine restart
+            return lambda open_env: run_episode(
+                spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
+                generate=self.episode_generate(step, spec.episode_id, evaluate),
+                sampling=sampling, max_turns=env.max_turns,
+                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
+        episodes = (self.engines.replaying(attempt(spec), open_env) for spec in specs)
 
         async def play():  # all episodes at once, each with its own (seeding) generate function
             return list(await asyncio.gather(*episodes))
@@ -157,6 +161,7 @@ class Run:
                         "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
                         "train/batch_samples": float(len(samples)),
                         "weight_version": float(step)})
+        metrics.update(self.engines.take_fault_counts())  # since the previous step's
         return metrics
 
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -166,9 +171,15 @@ class Run:
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["weights"])
         metrics = self.actor.sync_weights(version)
+        self.weight_version = version
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["kv_cache"])
         return metrics
+
+    def resync_engine(self, engine: int, url: str) -> None:
+        """Engine ``engine`` was restarted at ``url``: the actor's weight-update channel takes
+        it in and the current weights go out again (``EngineGroup.resync``)."""
+        self.actor.replace_engine(engine, url, self.weight_version)
 
     def evaluate(self) -> dict[str, float]:
         episodes, seconds = self.rollout(0, evaluate=True)
@@ -219,7 +230,8 @@ def _place(run: Run, with_trainers: bool) -> None:
                               tp=cfg.rollout.engine_tp, dtype=cfg.model.dtype,
                               log_dir=str(log_dir.resolve()), num_cpus=res.engine_cpus,
                               seeded_sampling=cfg.rollout.seeded, memory_saver=t.colocate,
-                              mem_fraction=cfg.rollout.mem_fraction)
+                              mem_fraction=cfg.rollout.mem_fraction,
+                              max_restarts_per_step=cfg.rollout.max_engine_restarts_per_step)
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)
@@ -239,6 +251,7 @@ def _place(run: Run, with_trainers: bool) -> None:
     run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
                               mode="tensor" if t.colocate else "distributed",
                               bucket_bytes=t.sync_bucket_mb << 20)
+    run.engines.resync = run.resync_engine
 
 
 def train(cfg: RunConfig) -> list[dict[str, float]]:

@@ -3,8 +3,17 @@
 One process group per server (``start_new_session=True``): SGLang forks a scheduler and a
 detokenizer, and killing only the launcher would leave them holding memory and ports, so
 :meth:`EngineServer.shutdown` signals the whole group (SIGTERM, then SIGKILL after a grace
-period). The server's stdout/stderr go to a log file; when start-up fails or times out, the
-error carries the log's tail, because that is where SGLang says why.
+period). The server's stdout/stderr go to a log file, with a line naming the server's pid (a
+restarted engine appends a new one); when start-up fails or times out, the error carries the
+log's tail, because that is where SGLang says why.
+
+A server dies with the process that started it, however that process ends (SIGKILL, Ray's
+memory monitor, Ray ending a dead driver's actors): the launcher is started with
+``PR_SET_PDEATHSIG`` = SIGKILL (Linux), and SGLang's own children do the same towards it. Its
+own session keeps it out of the starter's process-group signals (a terminal's Ctrl-C), so
+without this a killed starter would leave an orphan server holding its memory. The kernel sends
+the signal when the *thread* that started the server ends: start servers from a thread that
+lives as long as they should (the main thread, a Ray actor's task thread).
 
 On GPU clusters the server gets SGLang's defaults, on the GPUs it is given (``gpu_ids``). On a
 machine without CUDA it gets the CPU way (docs/cpu_stack.md): ``SGLANG_USE_CPU_ENGINE=1``,
@@ -21,6 +30,7 @@ CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import signal
 import socket
@@ -79,6 +89,20 @@ def _group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
+
+
+def _die_with_parent(parent: int):
+    """``preexec_fn`` of a server: SIGKILL it when ``parent`` ends (if ``parent`` is already gone,
+    exit now). Linux only; elsewhere only :meth:`EngineServer.shutdown` and ``atexit`` stop it."""
+    if not sys.platform.startswith("linux"):
+        return lambda: None
+
+    def preexec():
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the signal was armed
+            os._exit(1)
+    return preexec
 
 
 def _log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
@@ -301,7 +325,10 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=_die_with_parent(os.getpid()))
+        # O_APPEND: this line and the server's output never overwrite each other
+        log.write(f"[ragen-mega] SGLang server pid {process.pid}: {' '.join(cmd)}\n".encode())
     server = EngineServer(process=process, url=f"http://{host}:{port}", log_file=log_file,
                           command=cmd)
     atexit.register(server.shutdown)  # never leave a server behind when the caller crashes
