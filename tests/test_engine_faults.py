@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import driver
+from ragen_mega.ray import checkpoints, driver
 
 REPO = Path(__file__).resolve().parents[1]
 PID_LINE = re.compile(r"^\[ragen-mega\] SGLang server pid (\d+):", re.M)
@@ -136,12 +136,12 @@ def _descendants(pid: int) -> list:
 
 
 def test_killed_driver_leaves_no_process_behind(tiny_run_overrides, tmp_path):
-    """``ragen-mega train`` starts its own Ray; SIGKILL it once step 1 is logged (step 2 under
-    way). Every process it had started (Ray's, the trainer ranks, the engine worker, the SGLang
-    server and its scheduler) ends within a minute."""
+    """``ragen-mega train`` starts its own Ray; SIGKILL it once step 1 is saved (step 2 under
+    way). Every process it had started (Ray's, the trainer ranks and their checkpoint writer, the
+    engine worker, the SGLang server and its scheduler) ends within a minute."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    overrides = tiny_run_overrides(tmp_path, total_steps=20) + ["trainer.save_every=0"]
+    overrides = tiny_run_overrides(tmp_path, total_steps=20)  # a checkpoint every step
     started = []
     with open(tmp_path / "driver.out", "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "ragen_mega.cli", "train",
@@ -149,16 +149,16 @@ def test_killed_driver_leaves_no_process_behind(tiny_run_overrides, tmp_path):
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
-        while not (tmp_path / "metrics.jsonl").exists():
+        while checkpoints.latest_complete_step(tmp_path) is None:
             assert proc.poll() is None, (tmp_path / "driver.out").read_text()[-4000:]
-            assert time.monotonic() < deadline, "no step logged after 600 s"
+            assert time.monotonic() < deadline, "no step saved after 600 s"
             time.sleep(0.5)
         started = _descendants(proc.pid)
         [server] = server_pids(tmp_path)
         assert server in {p.pid for p in started}
         titles = " ".join(" ".join(p.cmdline()) for p in started if _running(p))
         for part in ("raylet", "gcs_server", "ray::TrainerWorker", "ray::EngineWorker",
-                     "sglang.launch_server"):
+                     "sglang.launch_server", "spawn_main"):  # the last: the checkpoint writer's
             assert part in titles, f"no {part} among the driver's processes: {titles[:2000]}"
     finally:
         proc.kill()

@@ -102,7 +102,7 @@ class EngineGroup:
         self._next = itertools.cycle(range(len(self.clients)))
         self.log_dir, self.max_restarts_per_step = log_dir, max_restarts_per_step
         self._lives = [0] * len(self.urls)  # restarts of each engine so far
-        self._restart_lock: asyncio.Lock | None = None  # one per event loop (see run)
+        self._restart_lock = asyncio.Lock()  # renewed by run: a lock belongs to one event loop
         self._faults = self._no_faults()
 
     @staticmethod

@@ -8,12 +8,10 @@ restarted engine appends a new one); when start-up fails or times out, the error
 log's tail, because that is where SGLang says why.
 
 A server dies with the process that started it, however that process ends (SIGKILL, Ray's
-memory monitor, Ray ending a dead driver's actors): the launcher is started with
-``PR_SET_PDEATHSIG`` = SIGKILL (Linux), and SGLang's own children do the same towards it. Its
-own session keeps it out of the starter's process-group signals (a terminal's Ctrl-C), so
-without this a killed starter would leave an orphan server holding its memory. The kernel sends
-the signal when the *thread* that started the server ends: start servers from a thread that
-lives as long as they should (the main thread, a Ray actor's task thread).
+memory monitor, Ray ending a dead driver's actors): the launcher arms ``PR_SET_PDEATHSIG``
+(``backends/parent_death.py``; so start servers from a long-lived thread), and SGLang's own
+children do the same towards it. Its own session keeps it out of the starter's process-group
+signals, so without this a killed starter would leave an orphan server holding its memory.
 
 On GPU clusters the server gets SGLang's defaults, on the GPUs it is given (``gpu_ids``). On a
 machine without CUDA it gets the CPU way (docs/cpu_stack.md): ``SGLANG_USE_CPU_ENGINE=1``,
@@ -30,7 +28,7 @@ CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also 
 from __future__ import annotations
 
 import atexit
-import ctypes
+import functools
 import os
 import signal
 import socket
@@ -44,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ragen_mega.backends.parent_death import die_with_parent
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
 from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
@@ -89,20 +88,6 @@ def _group_alive(pgid: int) -> bool:
         if int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
-
-
-def _die_with_parent(parent: int):
-    """``preexec_fn`` of a server: SIGKILL it when ``parent`` ends (if ``parent`` is already gone,
-    exit now). Linux only; elsewhere only :meth:`EngineServer.shutdown` and ``atexit`` stop it."""
-    if not sys.platform.startswith("linux"):
-        return lambda: None
-
-    def preexec():
-        pr_set_pdeathsig = 1
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() != parent:  # the parent died before the signal was armed
-            os._exit(1)
-    return preexec
 
 
 def _log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
@@ -326,7 +311,7 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     with open(log_file, "ab") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                    stdin=subprocess.DEVNULL, start_new_session=True,
-                                   preexec_fn=_die_with_parent(os.getpid()))
+                                   preexec_fn=functools.partial(die_with_parent, os.getpid()))
         # O_APPEND: this line and the server's output never overwrite each other
         log.write(f"[ragen-mega] SGLang server pid {process.pid}: {' '.join(cmd)}\n".encode())
     server = EngineServer(process=process, url=f"http://{host}:{port}", log_file=log_file,
