@@ -129,6 +129,47 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
     assert len(pids) == 3 and len(set(pids)) == 3 and pids[0] == seen["killed"]
 
 
+STARTER = """
+import functools, multiprocessing, os, subprocess, time
+from ragen_mega.backends.megatron.checkpoint import _writers_die_with_this_process
+from ragen_mega.backends.parent_death import die_with_parent
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+if __name__ == "__main__":
+    _writers_die_with_this_process()
+    writer = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+    writer.start()
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True,  # as launch_server does
+                              preexec_fn=functools.partial(die_with_parent, os.getpid()))
+    manager = filesystem_async._results_queue._manager._process.pid
+    print(manager, writer.pid, server.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_helpers_die_with_the_process_that_started_them(tmp_path):
+    """What a trainer rank or engine worker starts (the torch_dist writers' queue manager, a
+    forked writer, a server in its own session) is gone soon after the starter is SIGKILLed,
+    though none of them is in the starter's process group."""
+    import psutil
+
+    (tmp_path / "starter.py").write_text(STARTER)
+    starter = subprocess.Popen([sys.executable, str(tmp_path / "starter.py")], cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)},
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        helpers = [psutil.Process(int(p)) for p in starter.stdout.readline().split()]
+        assert len(helpers) == 3 and all(_running(h) for h in helpers)
+    finally:
+        starter.kill()
+        starter.wait()
+    deadline = time.monotonic() + 10
+    while (left := [h for h in helpers if _running(h)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for h in left:
+        h.kill()
+    assert not left, [" ".join(h.cmdline()) for h in left]
+
+
 def _descendants(pid: int) -> list:
     import psutil
 
