@@ -44,6 +44,22 @@ def _running(process) -> bool:
         return False
 
 
+def _outliving(processes, wait_s: float) -> list[str]:
+    """``pid: name`` of those of ``processes`` still running after ``wait_s`` s; they are then
+    killed (this test's own processes: never left to the next test)."""
+    deadline = time.monotonic() + wait_s
+    while (left := [p for p in processes if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    names = []
+    for p in left:
+        try:
+            names.append(f"{p.pid}: {p.name()}")
+            p.kill()
+        except Exception:  # noqa: BLE001 - it ended meanwhile
+            continue
+    return names
+
+
 def _alive(pid: int) -> bool:
     import psutil
 
@@ -162,12 +178,8 @@ def test_helpers_die_with_the_process_that_started_them(tmp_path):
     finally:
         starter.kill()
         starter.wait()
-    deadline = time.monotonic() + 10
-    while (left := [h for h in helpers if _running(h)]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    for h in left:
-        h.kill()
-    assert not left, [" ".join(h.cmdline()) for h in left]
+    left = _outliving(helpers, wait_s=10)
+    assert not left, left
 
 
 def _descendants(pid: int) -> list:
@@ -204,12 +216,7 @@ def test_killed_driver_leaves_no_process_behind(tiny_run_overrides, tmp_path):
     finally:
         proc.kill()
         proc.wait()
-        deadline = time.monotonic() + 60
-        while (left := [p for p in started if _running(p)]) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        left_names = [f"{p.pid}: {p.name()}" for p in left]
-        for p in left:  # this test's own processes: never left to the next test
-            p.kill()
+        left_names = _outliving(started, wait_s=60)
     # Known, not ours to fix here: a local Ray's own dashboard and runtime-env agents outlived a
     # SIGKILLed driver by more than the minute waited (killed above); every process the run
     # itself started is gone.
