@@ -211,8 +211,15 @@ class RolloutConfig:
     mode: Literal["episodes", "turns"] = "episodes"
     #: turns mode: turns every stream (env.env_groups x env.group_size of them) plays per step
     turns_per_step: Optional[int] = None
+    #: an engine whose server dies during a step is restarted on its devices, given the current
+    #: weights, and its episodes are replayed from their start (same seeds, same episodes); this
+    #: many restarts per step, then the run stops with an error naming the engine's log
+    max_engine_restarts_per_step: int = 2
 
     def validate(self):
+        if self.max_engine_restarts_per_step < 0:
+            raise ConfigError(f"max_engine_restarts_per_step: must be >= 0 (0: a dead engine "
+                              f"ends the run), got {self.max_engine_restarts_per_step}")
         if self.mode == "turns" and (self.turns_per_step is None or self.turns_per_step < 1):
             raise ConfigError(f"turns_per_step: must be an integer >= 1 with rollout.mode=turns "
                               f"(the turns each env stream plays per step), "

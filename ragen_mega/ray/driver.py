@@ -76,6 +76,7 @@ class Run:
     critic: TrainerGroup | None = None
     env_workers: EnvWorkerGroup | None = None   # None: the envs live in the driver
     streams: EnvStreams | None = None   # rollout.mode=turns: the env streams (open_streams)
+    weight_version: int = 0   # what the engines serve (a restarted engine is brought to it)
 
     def shutdown(self) -> None:
         """Stop what this run started: trainer actors first (the actor closes its weight-update
@@ -105,12 +106,14 @@ class Run:
             specs = train_step_specs(env.train_parts(), group_size=env.group_size,
                                      seed=env.seed, step=step)
             temperature = r.temperature
-        episodes = (run_episode(spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
-                                generate=self.episode_generate(step, spec.episode_id, evaluate),
-                                sampling=self.sampling(temperature), max_turns=env.max_turns,
-                                env_steps_in_thread=r.env_steps_in_thread,
-                                open_env=self.open_env)
-                    for spec in specs)
+
+        def attempt(spec):  # each call starts the episode afresh: a replay after an engine restart
+            return lambda open_env: run_episode(
+                spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
+                generate=self.episode_generate(step, spec.episode_id, evaluate),
+                sampling=self.sampling(temperature), max_turns=env.max_turns,
+                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
+        episodes = (self.engines.replaying(attempt(spec), self.open_env) for spec in specs)
 
         async def play():  # all episodes at once, each with its own (seeding) generate function
             return list(await asyncio.gather(*episodes))
@@ -248,6 +251,7 @@ class Run:
                         "train/batch_samples": float(len(samples)),
                         "train/batch_tokens": float(tokens),
                         "weight_version": float(step)})
+        metrics.update(self.engines.take_fault_counts())  # since the previous step's
         return metrics
 
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -257,9 +261,15 @@ class Run:
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["weights"])
         metrics = self.actor.sync_weights(version)
+        self.weight_version = version
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["kv_cache"])
         return metrics
+
+    def resync_engine(self, engine: int, url: str) -> None:
+        """Engine ``engine`` was restarted at ``url``: the actor's weight-update channel takes
+        it in and the current weights go out again (``EngineGroup.resync``)."""
+        self.actor.replace_engine(engine, url, self.weight_version)
 
     def evaluate(self) -> dict[str, float]:
         episodes, seconds = self.rollout(0, evaluate=True)
@@ -310,7 +320,8 @@ def _place(run: Run, with_trainers: bool) -> None:
                               tp=cfg.rollout.engine_tp, dtype=cfg.model.dtype,
                               log_dir=str(log_dir.resolve()), num_cpus=res.engine_cpus,
                               seeded_sampling=cfg.rollout.seeded, memory_saver=t.colocate,
-                              mem_fraction=cfg.rollout.mem_fraction)
+                              mem_fraction=cfg.rollout.mem_fraction,
+                              max_restarts_per_step=cfg.rollout.max_engine_restarts_per_step)
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)
@@ -331,6 +342,7 @@ def _place(run: Run, with_trainers: bool) -> None:
     run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
                               mode="tensor" if t.colocate else "distributed",
                               bucket_bytes=t.sync_bucket_mb << 20)
+    run.engines.resync = run.resync_engine
 
 
 def train(cfg: RunConfig) -> list[dict[str, float]]:

@@ -9,16 +9,25 @@ An engine with ``tp`` devices spans ``tp`` bundles, but a Ray actor can only tak
 the one bundle it sits in, so the worker asks for no GPU and Ray gives it no
 ``CUDA_VISIBLE_DEVICES``. The group therefore finds each engine's GPUs first
 (``ray/devices.py``) and the worker starts its server on exactly those.
+
+An engine whose server dies during a rollout costs a retry, not the run: the request that meets
+the dead server finds out (the worker says its server exited), the worker starts a new server on
+the same bundle and devices, ``resync`` loads the current weights into it, and every episode
+that was using it is played again from its start (:meth:`EngineGroup.replaying`). With seeded
+sampling (``rollout/seeding.py``) the replay gives the same tokens, so the step's samples are
+those of a run without the fault. At most ``max_restarts_per_step`` restarts between two
+:meth:`EngineGroup.take_fault_counts`, then a clear error.
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ragen_mega.ray.actor_group import ActorGroup
-from ragen_mega.rollout.episode import Generation
+from ragen_mega.rollout.episode import Episode, EpisodeSpec, Generation, OpenEnvFn
 
 T = TypeVar("T")
 
@@ -33,15 +42,31 @@ class EngineWorker:
         from ragen_mega.backends.sglang.server import launch_server
 
         host = ray.util.get_node_ip_address()
-        self.server = launch_server(model_path, host=host, log_file=f"{log_dir}/engine_{rank}.log",
-                                    startup_timeout=startup_timeout, gpu_ids=gpu_ids[rank],
-                                    **server_kwargs)
+        self.launch = functools.partial(
+            launch_server, model_path, host=host, log_file=f"{log_dir}/engine_{rank}.log",
+            startup_timeout=startup_timeout, gpu_ids=gpu_ids[rank], **server_kwargs)
+        self.server = self.launch()
 
     def url(self) -> str:
         return self.server.url
 
+    def server_exited(self) -> bool:
+        return self.server.process.poll() is not None
+
+    def restart(self) -> str:
+        """Stop what is left of the server's process group, start a new server with the same
+        settings (same devices, same log file); return its URL."""
+        self.server.shutdown(grace=5.0)
+        self.server = self.launch()
+        return self.server.url
+
     def shutdown(self) -> None:
         self.server.shutdown()
+
+
+class EngineRestarted(RuntimeError):
+    """The engine serving a request died and was restarted (with the current weights): the
+    episode that sent it is played again from its start."""
 
 
 class EngineGroup:
@@ -49,12 +74,18 @@ class EngineGroup:
     bundles hold GPUs); :meth:`generate` spreads requests over them.
     ``seeded_sampling``: the servers honour ``sampling_seed``; ``memory_saver`` (colocated runs):
     :meth:`release_memory` frees their GPU memory; ``mem_fraction``: SGLang's
-    ``--mem-fraction-static`` (see ``backends/sglang/server.py``)."""
+    ``--mem-fraction-static`` (see ``backends/sglang/server.py``); ``max_restarts_per_step``:
+    restarts of dead engines allowed between two :meth:`take_fault_counts`.
+    ``resync(engine, url)``: loads the current weights into a restarted engine (None: the
+    engines serve ``model_path`` as it is, so a new server already has them)."""
+
+    resync: Callable[[int, str], Any] | None = None
 
     def __init__(self, model_path: str, pg, bundles: list[list[int]], *, tp: int,
                  dtype: str | None, log_dir: str, num_cpus: float,
                  startup_timeout: float = 600.0, seeded_sampling: bool = False,
-                 memory_saver: bool = False, mem_fraction: float | None = None):
+                 memory_saver: bool = False, mem_fraction: float | None = None,
+                 max_restarts_per_step: int = 0):
         from ragen_mega.backends.sglang.client import AsyncEngineClient
         from ragen_mega.ray.devices import bundle_gpu_ids
 
@@ -69,19 +100,92 @@ class EngineGroup:
         self.tp_sizes = [tp] * len(self.urls)
         self.clients = [AsyncEngineClient(u) for u in self.urls]
         self._next = itertools.cycle(range(len(self.clients)))
+        self.log_dir, self.max_restarts_per_step = log_dir, max_restarts_per_step
+        self._lives = [0] * len(self.urls)  # restarts of each engine so far
+        self._restart_lock = asyncio.Lock()  # renewed by run: a lock belongs to one event loop
+        self._faults = self._no_faults()
+
+    @staticmethod
+    def _no_faults() -> dict[str, float]:
+        return {"fault/engine_restarts": 0.0, "fault/episodes_retried": 0.0}
+
+    def take_fault_counts(self) -> dict[str, float]:
+        """Engine restarts and replayed episodes since the last call (which also renews the
+        restart allowance): the step's ``fault/*`` metrics."""
+        faults, self._faults = self._faults, self._no_faults()
+        return faults
 
     async def generate(self, prompt_ids: list[int], sampling: dict[str, Any],
                        engine: int | None = None) -> Generation:
-        """One completion (token ids and log-probs) from ``engine``, or the next one in turn."""
-        client = self.clients[next(self._next) if engine is None else engine]
-        out = await client.generate(prompt_ids, sampling, return_logprob=True)
+        """One completion (token ids and log-probs) from ``engine``, or the next one in turn.
+        Raises :class:`EngineRestarted` if that engine died under the request and is back."""
+        from ragen_mega.backends.sglang.client import EngineError
+
+        engine = next(self._next) if engine is None else engine
+        life = self._lives[engine]
+        try:
+            out = await self.clients[engine].generate(prompt_ids, sampling, return_logprob=True)
+        except EngineError as e:
+            await self._restart_if_dead(engine, life, e)
+            raise EngineRestarted(f"engine {engine} died under a request and was restarted: "
+                                  f"{e}") from e
         return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
+
+    async def _restart_if_dead(self, engine: int, life: int, error: Exception) -> None:
+        """Return once ``engine`` (which failed ``error`` in its ``life``-th life) is up again;
+        re-raise ``error`` if its server is alive (the request itself was refused). The first
+        request to fail restarts it, the others wait for that and find it restarted."""
+        from ragen_mega.backends.sglang.client import AsyncEngineClient
+
+        async with self._restart_lock:
+            if self._lives[engine] != life:
+                return
+            worker = self.group.actors[engine]
+            if not await worker.server_exited.remote():
+                raise error
+            done = self._faults["fault/engine_restarts"]
+            log = f"{self.log_dir}/engine_{engine}.log"
+            if done >= self.max_restarts_per_step:
+                raise RuntimeError(
+                    f"engine {engine}'s SGLang server died (log {log}) and this step has already "
+                    f"restarted {done:.0f} engine(s), the limit "
+                    f"(rollout.max_engine_restarts_per_step={self.max_restarts_per_step})") \
+                    from error
+            self._faults["fault/engine_restarts"] += 1
+            url = await worker.restart.remote()
+            if self.resync is not None:  # blocking Ray calls: off the loop the episodes run on
+                await asyncio.to_thread(self.resync, engine, url)
+            old, self.clients[engine] = self.clients[engine], AsyncEngineClient(url)
+            self.urls[engine] = url
+            self._lives[engine] += 1
+            await old.close()
+
+    async def replaying(self, play: Callable[[OpenEnvFn | None], Awaitable[Episode]],
+                        open_env: OpenEnvFn | None) -> Episode:
+        """``await play(open_env)`` (one episode, its generate function made afresh each call),
+        again from the start whenever an engine it used died and was restarted. The envs the
+        abandoned attempt opened through ``open_env`` are closed first (the replay opens them
+        anew; an env in the driver is simply dropped)."""
+        while True:
+            opened: list = []
+
+            async def open_kept(spec: EpisodeSpec):
+                opened.append(await open_env(spec))
+                return opened[-1]
+
+            try:
+                return await play(None if open_env is None else open_kept)
+            except EngineRestarted:
+                self._faults["fault/episodes_retried"] += 1
+                for env in opened:
+                    await env.close()
 
     def run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` (which talks to the engines, e.g. through :meth:`generate`) in a fresh
         event loop and return its result. The HTTP clients belong to the loop they were first
         used in, so they are closed before it ends, and the next call opens new ones."""
         async def run_then_close():
+            self._restart_lock = asyncio.Lock()
             try:
                 return await work
             finally:

@@ -120,6 +120,16 @@ class TrainerWorker:
         return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes),
                 "sync/buckets": float(stats.num_buckets)}
 
+    def replace_engine(self, index: int, url: str, version: int) -> dict[str, float]:
+        """Engine ``index`` was restarted at ``url``: rank 0's channel takes it in place of the
+        dead one, then every rank syncs ``version`` (the weights the engines serve) again, so the
+        new engine has them (the others receive the same values again, which changes nothing)."""
+        if self.rank == 0:
+            from ragen_mega.backends.sglang.client import EngineClient
+
+            self.sender.replace_engine(index, EngineClient(url))
+        return self.sync_weights(version)
+
     def close(self) -> None:
         """Tear down the weight-update channel (its process group and HTTP sessions)."""
         if self.sender is not None:
@@ -187,6 +197,9 @@ class TrainerGroup:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         return self._first("sync_weights", version)
+
+    def replace_engine(self, index: int, url: str, version: int) -> dict[str, float]:
+        return self._first("replace_engine", index, url, version)
 
     def kill(self) -> None:
         """Close the weight-update channel, then end every rank. A rank that failed to start

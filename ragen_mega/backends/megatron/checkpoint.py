@@ -138,6 +138,32 @@ def _commit(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
 
 
+_WRITERS: dict = {}  # this process's torch_dist writer queue, once made
+
+
+def _writers_die_with_this_process() -> None:
+    """Megatron's torch_dist save forks writer processes and collects their results through a
+    queue served by a spawned ``multiprocessing`` manager, made on the first save and kept for
+    the process's life. Both would outlive a killed trainer rank (the manager as an orphan, for
+    good), so both are tied to this process (``backends/parent_death.py``): the manager is made
+    here, ahead of Megatron, and every process this one forks from now on arms the signal."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+    from multiprocessing.util import register_after_fork
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from ragen_mega.backends.parent_death import die_with_parent
+
+    if _WRITERS or filesystem_async._results_queue is not None:
+        return
+    parent = os.getpid()
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(parent,))
+    filesystem_async._results_queue = _WRITERS["queue"] = manager.Queue()
+    register_after_fork(_writers_die_with_this_process, lambda _: die_with_parent(parent))
+
+
 def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
                     extra: dict | None = None, hf_dir=None) -> Path:
     """Write ``<root>/step_<step>`` atomically from every rank; return its path.
@@ -161,6 +187,7 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
         (tmp / "dist").mkdir(parents=True)
     _barrier()
 
+    _writers_die_with_this_process()
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd}
     if optimizer is not None:
@@ -232,6 +259,7 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCh
         raise ValueError(f"checkpoint {ckpt_dir} holds no optimizer state (weights only); "
                          "load it with optimizer=None")
 
+    _writers_die_with_this_process()
     # A never-stepped optimizer's checkpoint (zero moments, and no step: Megatron drops a step of
     # 0) is a fresh optimizer: start from one instead of loading it.
     never_stepped = optimizer is not None and meta["optimizer_steps"] == 0

