@@ -204,8 +204,15 @@ class RolloutConfig:
     #: KV cache (None: SGLang's default, ~0.9). Colocated runs keep the trainer's weights and
     #: optimizer on the same GPUs during rollout, so give the engines less (e.g. 0.4).
     mem_fraction: Optional[float] = None
+    #: an episode whose env raises (at make, reset, step or close) is dropped and the step goes
+    #: on with the others; more than this fraction of a step's episodes dropped so ends the run,
+    #: naming the env, seed and exception (a broken env, not bad luck)
+    max_env_failure_rate: float = 0.1
 
     def validate(self):
+        if not 0.0 <= self.max_env_failure_rate <= 1.0:
+            raise ConfigError(f"max_env_failure_rate: must be in [0, 1], "
+                              f"got {self.max_env_failure_rate}")
         if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
             raise ConfigError(f"mem_fraction: must be in (0, 1) or null, got {self.mem_fraction}")
         if self.max_new_tokens < 1:
@@ -394,11 +401,14 @@ class TrainerConfig:
     sync_bucket_mb: int = 512    # weight-sync bucket size (slime's default)
     check_weight_sync: bool = False     # after each sync, compare engine and trainer log-probs
     seed: int = 0
+    #: an update with a NaN/inf loss or gradient is skipped (weights and optimizer untouched);
+    #: this many skipped in a row (actor or critic) ends the run before that step is saved
+    max_skipped_updates_in_row: int = 3
 
     def validate(self):
         if self.total_steps < 1:
             raise ConfigError(f"total_steps: must be >= 1, got {self.total_steps}")
-        for key in ("data_parallel", "sync_bucket_mb"):
+        for key in ("data_parallel", "sync_bucket_mb", "max_skipped_updates_in_row"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
         for key in ("save_every", "eval_every"):

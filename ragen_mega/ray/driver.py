@@ -38,6 +38,8 @@ from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
 from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episode,
                                         train_step_specs)
+from ragen_mega.rollout.faults import FaultCounters, check_skipped_updates, play_or_drop, \
+    count_rollout_faults
 from ragen_mega.rollout.metrics import summarize
 from ragen_mega.rollout.seeding import seeded_generate
 
@@ -80,8 +82,14 @@ class Run:
             if self.actor is not None:
                 stack.callback(self.actor.kill)
 
-    def rollout(self, step: int, *, evaluate: bool = False) -> tuple[list[Episode], float]:
-        """Play one step's episodes (training seeds, or the held-out seeds at eval temperature)."""
+    def fault_counters(self, step: int) -> FaultCounters:
+        """A fresh step's fault counters, describing each fault in ``RUN_DIR/faults.jsonl``."""
+        return FaultCounters(step, Path(self.cfg.trainer.run_dir) / "faults.jsonl")
+
+    def rollout(self, step: int, *, evaluate: bool = False, faults: FaultCounters | None = None
+                ) -> tuple[list[Episode], float]:
+        """Play one step's episodes (training seeds, or the held-out seeds at eval temperature).
+        Episodes whose env raised are left out, counted in ``faults`` (``rollout/faults.py``)."""
         env, r = self.cfg.env, self.cfg.rollout
         if evaluate:
             specs = mix_specs(env.val_parts(), group_size=env.val_group_size,
@@ -95,10 +103,11 @@ class Run:
                     "max_new_tokens": r.max_new_tokens, "stop": list(STOP_STRINGS),
                     "no_stop_trim": True}
         open_env = None if self.env_workers is None else self.env_workers.open
-        episodes = (run_episode(spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
-                                generate=self.episode_generate(step, spec.episode_id, evaluate),
-                                sampling=sampling, max_turns=env.max_turns,
-                                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
+        episodes = (play_or_drop(spec, run_episode(
+                        spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
+                        generate=self.episode_generate(step, spec.episode_id, evaluate),
+                        sampling=sampling, max_turns=env.max_turns,
+                        env_steps_in_thread=r.env_steps_in_thread, open_env=open_env))
                     for spec in specs)
 
         async def play():  # all episodes at once, each with its own (seeding) generate function
@@ -106,7 +115,9 @@ class Run:
 
         start = time.perf_counter()
         played = self.engines.run(play())
-        return played, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        return count_rollout_faults(played, faults or self.fault_counters(step),
+                                    r.max_env_failure_rate), seconds
 
     def episode_generate(self, step: int, episode_id: int, evaluate: bool) -> GenerateFn:
         """The engines' generate function for one episode (``rollout/seeding.py``)."""
@@ -118,7 +129,8 @@ class Run:
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
         t0 = time.perf_counter()
-        episodes, rollout_s = self.rollout(step)
+        faults = self.fault_counters(step)
+        episodes, rollout_s = self.rollout(step, faults=faults)
         if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
             self.engines.release_memory()
         metrics.update(summarize(episodes, "rollout"))
@@ -145,6 +157,10 @@ class Run:
         if self.critic is not None:
             metrics.update(self.critic.train(batch))
         metrics.update(self.actor.train(batch))
+        for role in ("actor", "critic"):
+            if metrics.get(f"{role}/updates_skipped"):
+                faults.record("updates_skipped", int(metrics[f"{role}/updates_skipped"]),
+                              role=role, reason="NaN or inf in the loss or the gradients")
         t2 = time.perf_counter()
         metrics.update(self.sync_weights(step))
         t3 = time.perf_counter()
@@ -156,7 +172,7 @@ class Run:
                         "time/sync_s": t3 - t2, "time/step_s": t3 - t0,
                         "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
                         "train/batch_samples": float(len(samples)),
-                        "weight_version": float(step)})
+                        "weight_version": float(step), **faults.metrics()})
         return metrics
 
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -279,6 +295,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         history.append({"step": step, **metrics})
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        check_skipped_updates(metrics, t.max_skipped_updates_in_row)  # before saving this step
         last = step == t.total_steps
         if last or stop.requested or (t.save_every and step % t.save_every == 0):
             checkpoints.save(cfg, step, run.actor, run.critic)

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from ragen_mega.ray.actor_group import ActorGroup
 from ragen_mega.rollout.episode import Generation
+from ragen_mega.rollout.faults import PromptTooLong
 
 T = TypeVar("T")
 
@@ -72,9 +73,16 @@ class EngineGroup:
 
     async def generate(self, prompt_ids: list[int], sampling: dict[str, Any],
                        engine: int | None = None) -> Generation:
-        """One completion (token ids and log-probs) from ``engine``, or the next one in turn."""
+        """One completion (token ids and log-probs) from ``engine``, or the next one in turn.
+        A prompt the engine refuses as longer than its context raises
+        :class:`~ragen_mega.rollout.faults.PromptTooLong` (the episode ends there)."""
+        from ragen_mega.backends.sglang.client import ContextLengthExceeded
+
         client = self.clients[next(self._next) if engine is None else engine]
-        out = await client.generate(prompt_ids, sampling, return_logprob=True)
+        try:
+            out = await client.generate(prompt_ids, sampling, return_logprob=True)
+        except ContextLengthExceeded as e:
+            raise PromptTooLong(str(e)) from e
         return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
 
     def run(self, work: Coroutine[Any, Any, T]) -> T:

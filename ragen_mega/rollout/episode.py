@@ -10,11 +10,13 @@ feeding the engines) or in a Ray actor elsewhere in the cluster (``ray.env_worke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
 from ragen_mega.envs import env_class, make
+from ragen_mega.rollout.faults import EnvFailed, PromptTooLong
 from ragen_mega.rollout.sample import Sample
 
 
@@ -83,7 +85,9 @@ class LocalEnv:
 @dataclasses.dataclass
 class Episode:
     samples: list[Sample]
-    metrics: dict[str, float]   # success, reward, num_actions, valid/effective action rates
+    #: success, reward, num_actions, valid/effective action rates, prompt_too_long (1: ended
+    #: early because a prompt outgrew the engine's context)
+    metrics: dict[str, float]
 
 
 async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, generate: GenerateFn,
@@ -92,26 +96,56 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
                       open_env: OpenEnvFn | None = None) -> Episode:
     """Play one episode to its end or its turn limit (``spec.max_turns``, else ``max_turns``); one
     :class:`Sample` per turn. The env comes from ``open_env`` (e.g. ``EnvWorkerGroup.open``: a
-    remote env), or by default is made here (stepped in a thread with ``env_steps_in_thread``)."""
+    remote env), or by default is made here (stepped in a thread with ``env_steps_in_thread``).
+    An env that raises raises :class:`EnvFailed`; a prompt the engine refuses as too long
+    (``generate`` raises :class:`PromptTooLong`) ends the episode before that turn."""
     max_turns = spec.max_turns or max_turns
-    env = await open_env(spec) if open_env is not None else \
-        LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
+
+    async def open_local(spec):
+        return LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
+
+    env = await _env_call(spec, "make", open_env or open_local, spec)
+    try:
+        episode = await _play(spec, env, tokenizer, agent, generate, sampling, max_turns)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error that ended the episode is the one to see
+            await env.close()
+        raise
+    await _env_call(spec, "close", env.close)
+    return episode
+
+
+async def _env_call(spec: EpisodeSpec, call: str, fn, *args):
+    """``await fn(*args)``, an env's exception raised as :class:`EnvFailed` (the episode is
+    dropped, the step goes on: ``rollout/faults.py``)."""
+    try:
+        return await fn(*args)
+    except Exception as e:  # noqa: BLE001 - a user's env may raise anything
+        raise EnvFailed(spec, call, e) from e
+
+
+async def _play(spec: EpisodeSpec, env: EnvHandle, tokenizer, agent: AgentConfig,
+                generate: GenerateFn, sampling: dict[str, Any], max_turns: int) -> Episode:
     builder = PromptBuilder.for_env(tokenizer, agent, env)
     history = History()
-    obs = await env.reset(spec.seed)
+    obs = await _env_call(spec, "reset", env.reset, spec.seed)
     samples: list[Sample] = []
-    done, success = False, False
+    done, success, too_long = False, False, False
     n_actions = n_valid = n_effective = 0
     total_reward = 0.0
     for turn in range(1, max_turns + 1):
         history.observe(obs, actions_left=(max_turns - turn + 1) * agent.max_actions_per_turn)
         prompt = builder.build(history)
-        gen = await generate(prompt.ids, sampling)
+        try:
+            gen = await generate(prompt.ids, sampling)
+        except PromptTooLong:  # truncated here, like a turn limit (no samples: dropped)
+            too_long = True
+            break
         parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent,
                                 finished=gen.finish_reason == "stop")
         reward, all_valid = 0.0, True
         for action in parsed.actions:
-            obs, r, done, info = await env.step(action)
+            obs, r, done, info = await _env_call(spec, "step", env.step, action)
             reward += float(r)
             n_actions += 1
             all_valid &= bool(info.get("action_is_valid"))
@@ -132,13 +166,15 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
             info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason}))
         if done:
             break
+    if not samples:
+        return Episode([], {"prompt_too_long": 1.0})
     samples[-1].last = True
-    await env.close()
     metrics = {"success": float(success), "reward": total_reward, "num_turns": float(len(samples)),
                "num_actions": float(n_actions),
                "valid_action_rate": n_valid / n_actions if n_actions else 0.0,
                "effective_action_rate": n_effective / n_actions if n_actions else 0.0,
-               "format_ok_rate": sum(s.info["format_ok"] for s in samples) / len(samples)}
+               "format_ok_rate": sum(s.info["format_ok"] for s in samples) / len(samples),
+               "prompt_too_long": float(too_long)}
     return Episode(samples, metrics)
 
 
