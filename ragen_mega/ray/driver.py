@@ -38,8 +38,8 @@ from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
 from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episode,
                                         train_step_specs)
-from ragen_mega.rollout.faults import FaultCounters, check_skipped_updates, play_or_drop, \
-    count_rollout_faults
+from ragen_mega.rollout.faults import (FaultCounters, check_skipped_updates, count_rollout_faults,
+                                       play_or_drop)
 from ragen_mega.rollout.metrics import summarize
 from ragen_mega.rollout.seeding import seeded_generate
 
