@@ -215,8 +215,15 @@ class RolloutConfig:
     #: weights, and its episodes are replayed from their start (same seeds, same episodes); this
     #: many restarts per step, then the run stops with an error naming the engine's log
     max_engine_restarts_per_step: int = 2
+    #: an episode whose env raises (at make, reset, step or close) is dropped and the step goes
+    #: on with the others; more than this fraction of a step's episodes dropped so ends the run,
+    #: naming the env, seed and exception (a broken env, not bad luck)
+    max_env_failure_rate: float = 0.1
 
     def validate(self):
+        if not 0.0 <= self.max_env_failure_rate <= 1.0:
+            raise ConfigError(f"max_env_failure_rate: must be in [0, 1], "
+                              f"got {self.max_env_failure_rate}")
         if self.max_engine_restarts_per_step < 0:
             raise ConfigError(f"max_engine_restarts_per_step: must be >= 0 (0: a dead engine "
                               f"ends the run), got {self.max_engine_restarts_per_step}")
@@ -433,11 +440,14 @@ class TrainerConfig:
     #: (actor and critic; same loss, log-probs and advantages as one row per turn), the others
     #: per turn (counted: train/pack_fallbacks); only with token-mean losses. off: one row per turn
     pack_trajectories: Literal["auto", "off"] = "auto"
+    #: an update with a NaN/inf loss or gradient is skipped (weights and optimizer untouched);
+    #: this many skipped in a row (actor or critic) ends the run before that step is saved
+    max_skipped_updates_in_row: int = 3
 
     def validate(self):
         if self.total_steps < 1:
             raise ConfigError(f"total_steps: must be >= 1, got {self.total_steps}")
-        for key in ("data_parallel", "sync_bucket_mb"):
+        for key in ("data_parallel", "sync_bucket_mb", "max_skipped_updates_in_row"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
         for key in ("save_every", "eval_every"):

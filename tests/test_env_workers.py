@@ -1,5 +1,6 @@
 """Envs in Ray actors: the same episodes as envs in the driver, spread over the workers, closed
-afterwards, and a worker that dies mid-episode named in the error. One real Ray for all of it."""
+afterwards, an env raising in a worker dropping only its episode, and a worker that dies
+mid-episode named in the error. One real Ray for all of it."""
 from __future__ import annotations
 
 import asyncio
@@ -8,11 +9,13 @@ import signal
 
 import pytest
 
+import faulty_envs
 from ragen_mega.agent import AgentConfig
 from ragen_mega.ray.cluster import init_ray
 from ragen_mega.ray.env_workers import EnvWorkerError, EnvWorkerGroup
 from ragen_mega.ray.placement import bundle_cpus, create_placement_group, plan_placement
-from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, mix_specs
+from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, Generation, mix_specs, run_episode
+from ragen_mega.rollout.faults import DroppedEpisode, EnvFailed, play_or_drop
 
 ANSWERS = [" go </think><answer> Up || Left </answer>", " hmm </think><answer> Down </answer>",
            " so </think><answer> Right || Down </answer>", "no tags at all"]
@@ -71,6 +74,33 @@ def test_remote_envs_play_the_local_episodes(private_ray, tokenizer, scripted, r
                                              r"env 'sokoban' got unknown kwarg\(s\) \['dim'\]"):
         asyncio.run(workers.open(bad))
 
+    # a user's env raising in a worker: the episode is dropped (EnvFailed, naming the worker's
+    # error), the others play, and the failed env is closed like the rest
+    ray.cloudpickle.register_pickle_by_value(faulty_envs)  # the workers cannot import tests/
+    ray.get([a.__ray_call__.remote(lambda self, register: register(), faulty_envs.register)
+             for a in actors])
+
+    async def pull_dragon(ids, sampling):
+        out = tokenizer.encode(" ok </think><answer> Dragon </answer>", add_special_tokens=False)
+        return Generation(out, [-0.5] * len(out), "stop")
+
+    faulty = [EpisodeSpec(faulty_envs.NAME, {"raise_at_step": [11]}, seed, seed, 0)
+              for seed in (10, 11)]
+
+    async def play_both():
+        return await asyncio.gather(*(
+            play_or_drop(s, run_episode(s, tokenizer=tokenizer, agent=agent, sampling={},
+                                        max_turns=1, open_env=workers.open, generate=pull_dragon))
+            for s in faulty))
+
+    ok, failed = asyncio.run(asyncio.wait_for(play_both(), 120))
+    assert ok.samples[0].seed == 10 and isinstance(failed, DroppedEpisode)
+    assert failed.reason.startswith(
+        "env 'faulty_bandit' (seed 11, episode 11) raised during step: EnvWorkerError: env "
+        "worker 1 raised during step of episode 11 ")
+    assert failed.reason.endswith("RuntimeError: faulty_bandit: broken step at seed 11")
+    assert ray.get([a.hosted.remote() for a in actors]) == [[], []]
+
     # worker 1 crashes (SIGKILL) while episode 1 waits for its turn-2 generation
     pid = ray.get(actors[1].__ray_call__.remote(lambda self: os.getpid()))
     crash_gen = scripted(tokenizer, ANSWERS)
@@ -83,7 +113,7 @@ def test_remote_envs_play_the_local_episodes(private_ray, tokenizer, scripted, r
             os.kill(pid, signal.SIGKILL)
         return await crash_gen(ids, sampling)
 
-    with pytest.raises(EnvWorkerError, match=r"env worker 1 died during step of episode 1 "
+    with pytest.raises(EnvFailed, match=r"env worker 1 died during step of episode 1 "
                                              r"\(env 'sokoban', seed 3\)"):
         asyncio.run(asyncio.wait_for(run_episodes_keyed(
             specs[:2], tokenizer, agent, crashing_generate, max_turns=4, open_env=workers.open),

@@ -66,6 +66,50 @@ def discard_incomplete(run_dir: str | Path) -> list[Path]:
     return stale
 
 
+def newest_intact_step(run_dir: str | Path, with_critic: bool) -> int | None:
+    """The newest complete step whose files are all whole (``verify_checkpoint``), or None.
+
+    A newer step with a truncated or missing file is refused with a warning naming the file
+    and moved aside to ``corrupt-step_N`` (kept for inspection; the resumed run writes step N
+    again), and ``latest_step`` is set back to the step resumed from."""
+    from ragen_mega.backends.megatron.checkpoint import CorruptCheckpoint, verify_checkpoint
+
+    newest = latest_complete_step(run_dir)
+    if newest is None:
+        return None
+    roles = ("actor", "critic") if with_critic else ("actor",)
+    root = checkpoint_root(run_dir)
+    saved = sorted({int(d.name[5:]) for d in (root / "actor").glob("step_*")
+                    if d.name[5:].isdigit() and int(d.name[5:]) <= newest}, reverse=True)
+    for step in saved:
+        try:
+            for role in roles:
+                verify_checkpoint(step_dir(run_dir, role, step))
+        except (CorruptCheckpoint, FileNotFoundError) as e:
+            warnings.warn(f"trainer.resume: refusing step {step}: {e}; falling back to the "
+                          f"previous checkpoint")
+            for role in ("actor", "critic"):
+                bad = step_dir(run_dir, role, step)
+                aside = bad.with_name(f"corrupt-{bad.name}")
+                if bad.exists():
+                    shutil.rmtree(aside, ignore_errors=True)  # an older refusal of this step
+                    os.replace(bad, aside)
+            continue
+        if step != newest:
+            _write_latest(root, step)
+        return step
+    raise RuntimeError(f"trainer.resume=auto: no intact checkpoint under {root} (latest_step "
+                       f"names {newest}; every step was refused, see the warnings); set "
+                       f"trainer.resume=never to start afresh")
+
+
+def _write_latest(root: Path, step: int) -> None:
+    """Point ``latest_step`` at ``step`` (one atomic rename)."""
+    tmp = root / f".{LATEST}.tmp"
+    tmp.write_text(str(step))
+    os.replace(tmp, root / LATEST)
+
+
 def rng_states() -> dict:
     """The driver's Python, NumPy and torch RNG states. The loop itself draws from none of them
     (env and sampling seeds are functions of the step, the filter breaks no ties at random, the
@@ -98,9 +142,7 @@ def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | 
     actor.save_checkpoint(str(root / "actor"), step, extra)
     if critic is not None:
         critic.save_checkpoint(str(root / "critic"), step, extra)
-    tmp = root / f".{LATEST}.tmp"
-    tmp.write_text(str(step))
-    os.replace(tmp, root / LATEST)
+    _write_latest(root, step)
 
 
 def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
@@ -115,7 +157,7 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
         return 0, None
     if mode == "auto":
         discard_incomplete(cfg.trainer.run_dir)
-        step = latest_complete_step(cfg.trainer.run_dir)
+        step = newest_intact_step(cfg.trainer.run_dir, critic is not None)
         if step is None:
             return 0, None
         actor_dir, critic_dir = (step_dir(cfg.trainer.run_dir, role, step)

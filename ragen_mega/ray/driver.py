@@ -48,6 +48,8 @@ from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
 from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episode,
                                         train_step_specs)
+from ragen_mega.rollout.faults import (FaultCounters, check_skipped_updates, count_rollout_faults,
+                                       play_or_drop)
 from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
 from ragen_mega.rollout.sample import Sample
@@ -95,8 +97,14 @@ class Run:
             if self.actor is not None:
                 stack.callback(self.actor.kill)
 
-    def rollout(self, step: int, *, evaluate: bool = False) -> tuple[list[Episode], float]:
-        """Play one step's episodes (training seeds, or the held-out seeds at eval temperature)."""
+    def fault_counters(self, step: int) -> FaultCounters:
+        """A fresh step's fault counters, describing each fault in ``RUN_DIR/faults.jsonl``."""
+        return FaultCounters(step, Path(self.cfg.trainer.run_dir) / "faults.jsonl")
+
+    def rollout(self, step: int, *, evaluate: bool = False, faults: FaultCounters | None = None
+                ) -> tuple[list[Episode], float]:
+        """Play one step's episodes (training seeds, or the held-out seeds at eval temperature).
+        Episodes whose env raised are left out, counted in ``faults`` (``rollout/faults.py``)."""
         env, r = self.cfg.env, self.cfg.rollout
         if evaluate:
             specs = mix_specs(env.val_parts(), group_size=env.val_group_size,
@@ -113,14 +121,17 @@ class Run:
                 generate=self.episode_generate(step, spec.episode_id, evaluate),
                 sampling=self.sampling(temperature), max_turns=env.max_turns,
                 env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
-        episodes = (self.engines.replaying(attempt(spec), self.open_env) for spec in specs)
+        episodes = (play_or_drop(spec, self.engines.replaying(attempt(spec), self.open_env))
+                    for spec in specs)
 
         async def play():  # all episodes at once, each with its own (seeding) generate function
             return list(await asyncio.gather(*episodes))
 
         start = time.perf_counter()
         played = self.engines.run(play())
-        return played, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        return count_rollout_faults(played, faults or self.fault_counters(step),
+                                    r.max_env_failure_rate), seconds
 
     def sampling(self, temperature: float) -> dict:
         r = self.cfg.rollout
@@ -189,9 +200,10 @@ class Run:
     def train_step(self, step: int) -> dict[str, float]:
         cfg, metrics = self.cfg, {}
         t0 = time.perf_counter()
+        faults = self.fault_counters(step)
         window = None
         if self.streams is None:
-            episodes, rollout_s = self.rollout(step)
+            episodes, rollout_s = self.rollout(step, faults=faults)
             metrics.update(summarize(episodes, "rollout"))
             played = [s for e in episodes for s in e.samples]
         else:
@@ -238,6 +250,10 @@ class Run:
         if not actor_frozen:
             metrics.update(self.actor.train(train))
         metrics["train/actor_frozen"] = float(actor_frozen)
+        for role in ("actor", "critic"):
+            if metrics.get(f"{role}/updates_skipped"):
+                faults.record("updates_skipped", int(metrics[f"{role}/updates_skipped"]),
+                              role=role, reason="NaN or inf in the loss or the gradients")
         t2 = time.perf_counter()
         metrics.update(self.sync_weights(step))
         t3 = time.perf_counter()
@@ -250,7 +266,7 @@ class Run:
                         "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
                         "train/batch_samples": float(len(samples)),
                         "train/batch_tokens": float(tokens),
-                        "weight_version": float(step)})
+                        "weight_version": float(step), **faults.metrics()})
         metrics.update(self.engines.take_fault_counts())  # since the previous step's
         return metrics
 
@@ -385,6 +401,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         history.append({"step": step, **metrics})
         with open(run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
+        check_skipped_updates(metrics, t.max_skipped_updates_in_row)  # before saving this step
         last = step == t.total_steps
         if last or stop.requested or (t.save_every and step % t.save_every == 0):
             checkpoints.save(cfg, step, run.actor, run.critic,

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from ragen_mega.ray.actor_group import ActorGroup
 from ragen_mega.rollout.episode import Episode, EpisodeSpec, Generation, OpenEnvFn
+from ragen_mega.rollout.faults import PromptTooLong
 
 T = TypeVar("T")
 
@@ -118,13 +119,17 @@ class EngineGroup:
     async def generate(self, prompt_ids: list[int], sampling: dict[str, Any],
                        engine: int | None = None) -> Generation:
         """One completion (token ids and log-probs) from ``engine``, or the next one in turn.
-        Raises :class:`EngineRestarted` if that engine died under the request and is back."""
-        from ragen_mega.backends.sglang.client import EngineError
+        Raises :class:`EngineRestarted` if that engine died under the request and is back; a
+        prompt the engine refuses as longer than its context raises
+        :class:`~ragen_mega.rollout.faults.PromptTooLong` (the episode ends there)."""
+        from ragen_mega.backends.sglang.client import ContextLengthExceeded, EngineError
 
         engine = next(self._next) if engine is None else engine
         life = self._lives[engine]
         try:
             out = await self.clients[engine].generate(prompt_ids, sampling, return_logprob=True)
+        except ContextLengthExceeded as e:
+            raise PromptTooLong(str(e)) from e
         except EngineError as e:
             await self._restart_if_dead(engine, life, e)
             raise EngineRestarted(f"engine {engine} died under a request and was restarted: "

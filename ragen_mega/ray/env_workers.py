@@ -48,8 +48,9 @@ class EnvWorker:
         return self._env(episode_id).step(action)
 
     def close(self, episode_id: int) -> None:
-        self._env(episode_id).close()
-        del self.envs[episode_id]
+        env = self._env(episode_id)
+        del self.envs[episode_id]  # first: an env whose close raises is gone all the same
+        env.close()
 
     def hosted(self) -> list[int]:
         """Episode ids of the envs open here (an empty list once a rollout is over)."""

@@ -10,11 +10,13 @@ feeding the engines) or in a Ray actor elsewhere in the cluster (``ray.env_worke
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
 from ragen_mega.envs import env_class, make
+from ragen_mega.rollout.faults import EnvFailed, PromptTooLong
 from ragen_mega.rollout.sample import Sample
 
 
@@ -83,7 +85,9 @@ class LocalEnv:
 @dataclasses.dataclass
 class Episode:
     samples: list[Sample]
-    metrics: dict[str, float]   # success, reward, num_actions, valid/effective action rates
+    #: success, reward, num_actions, valid/effective action rates, prompt_too_long (1: ended
+    #: early because a prompt outgrew the engine's context)
+    metrics: dict[str, float]
 
 
 @dataclasses.dataclass
@@ -107,11 +111,13 @@ class EpisodeState:
     n_valid: int = 0
     n_effective: int = 0
     n_format_ok: int = 0
+    too_long: bool = False      # ended because the next prompt outgrew the engine's context
 
     @property
     def over(self) -> bool:
-        """Ended by the env, or at its turn limit (truncated: terminal, as RAGEN treats it)."""
-        return self.done or self.turn >= self.max_turns
+        """Ended by the env, at its turn limit or by a prompt too long for the engine (both
+        truncations: terminal, as RAGEN treats a turn limit)."""
+        return self.done or self.too_long or self.turn >= self.max_turns
 
     def observe(self, history: History, agent: AgentConfig) -> None:
         """Start the next turn in ``history`` with the current observation."""
@@ -132,7 +138,8 @@ class EpisodeState:
                 "num_turns": float(self.turn), "num_actions": float(n),
                 "valid_action_rate": self.n_valid / n if n else 0.0,
                 "effective_action_rate": self.n_effective / n if n else 0.0,
-                "format_ok_rate": self.n_format_ok / self.turn if self.turn else 0.0}
+                "format_ok_rate": self.n_format_ok / self.turn if self.turn else 0.0,
+                "prompt_too_long": float(self.too_long)}
 
 
 async def open_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, max_turns: int,
@@ -140,10 +147,17 @@ async def open_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, max_
                        open_env: OpenEnvFn | None = None) -> EpisodeState:
     """Open the episode's env (``open_env``, e.g. ``EnvWorkerGroup.open`` for a remote env, or
     by default made here, stepped in a thread with ``env_steps_in_thread``) and reset it."""
-    env = await open_env(spec) if open_env is not None else \
-        LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
-    builder = PromptBuilder.for_env(tokenizer, agent, env)
-    obs = await env.reset(spec.seed)
+    async def open_local(spec):
+        return LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
+
+    env = await _env_call(spec, "make", open_env or open_local, spec)
+    try:
+        builder = PromptBuilder.for_env(tokenizer, agent, env)
+        obs = await _env_call(spec, "reset", env.reset, spec.seed)
+    except BaseException:
+        with contextlib.suppress(Exception):  # the reset's error is the one to see
+            await env.close()
+        raise
     return EpisodeState(spec, env, builder, History(), obs, spec.max_turns or max_turns)
 
 
@@ -160,7 +174,7 @@ async def play_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
                             finished=gen.finish_reason == "stop")
     reward, all_valid = 0.0, True
     for action in parsed.actions:
-        state.obs, r, state.done, info = await state.env.step(action)
+        state.obs, r, state.done, info = await _env_call(spec, "step", state.env.step, action)
         reward += float(r)
         state.n_actions += 1
         all_valid &= bool(info.get("action_is_valid"))
@@ -189,15 +203,38 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
                       open_env: OpenEnvFn | None = None) -> Episode:
     """Play one episode to its end or its turn limit (``spec.max_turns``, else ``max_turns``); one
     :class:`Sample` per turn. The env comes from ``open_env`` (e.g. ``EnvWorkerGroup.open``: a
-    remote env), or by default is made here (stepped in a thread with ``env_steps_in_thread``)."""
+    remote env), or by default is made here (stepped in a thread with ``env_steps_in_thread``).
+    An env that raises raises :class:`EnvFailed`; a prompt the engine refuses as too long
+    (``generate`` raises :class:`PromptTooLong`) ends the episode before that turn (no turn at
+    all: an episode without samples, which the step drops)."""
     state = await open_episode(spec, tokenizer=tokenizer, agent=agent, max_turns=max_turns,
                                env_steps_in_thread=env_steps_in_thread, open_env=open_env)
     samples: list[Sample] = []
-    while not state.over:
-        samples.append(await play_turn(state, tokenizer=tokenizer, agent=agent,
-                                       generate=generate, sampling=sampling))
-    await state.env.close()
+    try:
+        while not state.over:
+            try:
+                samples.append(await play_turn(state, tokenizer=tokenizer, agent=agent,
+                                               generate=generate, sampling=sampling))
+            except PromptTooLong:  # truncated here, like a turn limit
+                state.too_long = True
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error that ended the episode is the one to see
+            await state.env.close()
+        raise
+    await _env_call(spec, "close", state.env.close)
+    if not samples:
+        return Episode([], {"prompt_too_long": 1.0})
+    samples[-1].last = True
     return Episode(samples, state.metrics())
+
+
+async def _env_call(spec: EpisodeSpec, call: str, fn, *args):
+    """``await fn(*args)``, an env's exception raised as :class:`EnvFailed` (the episode is
+    dropped, the step goes on: ``rollout/faults.py``)."""
+    try:
+        return await fn(*args)
+    except Exception as e:  # noqa: BLE001 - a user's env may raise anything
+        raise EnvFailed(spec, call, e) from e
 
 
 def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, group_size: int,

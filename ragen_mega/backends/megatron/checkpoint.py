@@ -247,12 +247,55 @@ def read_checkpoint_state(ckpt_dir) -> dict:
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint directory with a missing, truncated or unreadable file (named)."""
+
+
+def verify_checkpoint(ckpt_dir) -> None:
+    """Check, without loading a tensor, that every file of a checkpoint is there and whole:
+    the state file unpickles, and each torch_dist shard file named by ``dist/.metadata`` exists
+    and reaches the end of the last tensor stored in it. Raises :class:`CorruptCheckpoint`
+    naming the first bad file (a disk that filled up, a copy cut short, a deleted shard)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ckpt_dir = Path(ckpt_dir)
+    try:
+        read_checkpoint_state(ckpt_dir)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever a cut-off pickle raises
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: {ckpt_dir / STATE_FILE} is unreadable "
+                                f"({type(e).__name__}: {e})") from e
+    dist_dir = ckpt_dir / "dist"
+    for name in (".metadata", "common.pt", "metadata.json"):
+        if not (dist_dir / name).is_file():
+            raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: {dist_dir / name} is missing")
+    try:
+        storage = FileSystemReader(str(dist_dir)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001
+        raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: {dist_dir / '.metadata'} is unreadable "
+                                f"({type(e).__name__}: {e})") from e
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, end in sorted(needed.items()):
+        shard = dist_dir / name
+        if not shard.is_file():
+            raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: shard {shard} is missing")
+        if shard.stat().st_size < end:
+            raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: shard {shard} is truncated "
+                                    f"({shard.stat().st_size} bytes; its tensors end at {end})")
+
+
 def load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCheckpoint:
     """Load into already-built ``model`` chunks (any TP x PP layout) and, if given, the optimizer
-    and LR scheduler. Refuses a checkpoint of another architecture, naming the field."""
+    and LR scheduler. Refuses a checkpoint of another architecture, naming the field, and an
+    incomplete one, naming the file (:func:`verify_checkpoint`)."""
     from megatron.core import dist_checkpointing
 
     ckpt_dir = Path(ckpt_dir)
+    verify_checkpoint(ckpt_dir)
     meta = read_checkpoint_state(ckpt_dir)
     _check_signature(ckpt_dir, meta["signature"], model_signature(model))
     if optimizer is not None and not meta["has_optimizer"]:

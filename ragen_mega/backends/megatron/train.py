@@ -24,9 +24,17 @@ mini-batch.
 
 A training step advances the LR schedule and ``steps`` once, however many updates it makes (as
 verl's LR schedule counts training steps), so checkpoints stay named by the run's step.
+
+An update whose loss or gradients hold a NaN or inf on any rank is skipped on every rank (one
+all-reduced flag, so the ranks never disagree about their weights): no optimizer step, so the
+weights and the Adam state stay exactly as they were; the metrics count it
+(``updates_skipped``, ``updates_skipped_in_row``) and the driver ends a run that skips too many
+in a row. ``RAGEN_MEGA_INJECT_NAN_LOSS=ROLE:STEP[,STEP...]`` (e.g. ``actor:2``) turns the
+loss of every update of those training steps into NaN: the way tests reach this path for real.
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,6 +121,27 @@ def _check_batch(batch: dict, keys: tuple[str, ...], fn: str) -> None:
                              f"input_ids has {shape} (per-token values are aligned with tokens)")
 
 
+def _nan_injection(role: str) -> set[int]:
+    """The training steps whose loss ``RAGEN_MEGA_INJECT_NAN_LOSS`` makes NaN for ``role``."""
+    spec = os.environ.get("RAGEN_MEGA_INJECT_NAN_LOSS", "")
+    target, _, steps = spec.partition(":")
+    if target != role:
+        return set()
+    try:
+        return {int(s) for s in steps.split(",")}
+    except ValueError:
+        raise ValueError(f"RAGEN_MEGA_INJECT_NAN_LOSS: expected ROLE:STEP[,STEP...], e.g. "
+                         f"'actor:2', got {spec!r}") from None
+
+
+def _nan_loss(loss_fn):
+    """``loss_fn`` with its loss times NaN: the gradients of every parameter become NaN."""
+    def poisoned(outputs, mb):
+        loss, extra = loss_fn(outputs, mb)
+        return loss * float("nan"), extra
+    return poisoned
+
+
 class MegatronTrainer:
     """Model chunks in Megatron DDP, Megatron's (distributed) Adam, LR schedule, grad clipping."""
 
@@ -145,6 +174,8 @@ class MegatronTrainer:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.role, self.hf_dir, self.steps = role, hf_dir, 0
+        self.skipped_in_row = 0
+        self.nan_loss_steps = _nan_injection(role)
         self.dtype = torch.bfloat16 if config.bf16 else torch.float32
         self.model = self._wrap_ddp(self._load(role))
         self.optimizer, self.scheduler = self._build_optimizer()
@@ -266,9 +297,27 @@ class MegatronTrainer:
         results = [update(b) for b in local_batches]
         if any(r["update_successful"] for r in results):
             self.steps += 1
+        for r in results:
+            self.skipped_in_row = 0 if r["update_successful"] else self.skipped_in_row + 1
         metrics = {k: sum(r[k] for r in results) / len(results) for k in results[0]}
-        metrics["ppo_updates"] = float(len(results))
+        metrics.update(ppo_updates=float(len(results)),
+                       updates_skipped=float(sum(not r["update_successful"] for r in results)),
+                       updates_skipped_in_row=float(self.skipped_in_row))
         return metrics
+
+    def _all_finite(self, results: list) -> bool:
+        """Whether the loss statistics and every gradient are finite on EVERY rank of this
+        trainer (a MAX all-reduce of one flag over the whole world: TP, PP and DP)."""
+        bad = torch.zeros((), device=_device())
+        for r in results:  # last pipeline stage only
+            bad = torch.maximum(bad, (~torch.isfinite(r["stats"])).any().float())
+        for chunk in self.model:
+            for p in chunk.parameters():
+                grad = getattr(p, "main_grad", None)
+                if grad is not None:
+                    bad = torch.maximum(bad, (~torch.isfinite(grad)).any().float())
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bool(bad)
 
     def _step(self, microbatches: list, loss_fn, stat_names: tuple[str, ...]) -> dict:
         """Forward/backward over all micro-batches, optimizer update; global metrics on every
@@ -278,12 +327,16 @@ class MegatronTrainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        if self.scheduler.num_steps in self.nan_loss_steps:
+            loss_fn = _nan_loss(loss_fn)
         results = run_schedule(self.model, microbatches,
                                make_forward_step(temperature=self.temperature,
                                                  loss_fn=loss_fn), forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
-        with cuda_tensor_type_names():
-            updated, grad_norm, _ = self.optimizer.step()
+        updated, grad_norm = False, None
+        if self._all_finite(results):  # else skipped: weights and Adam state untouched
+            with cuda_tensor_type_names():
+                updated, grad_norm, _ = self.optimizer.step()
         stats = torch.zeros(len(stat_names), device=_device())
         for r in results:  # last pipeline stage only; summed shares of the global means
             stats += r["stats"]
@@ -308,7 +361,7 @@ class MegatronTrainer:
         quantity: loss, pg_loss, entropy (token-mean), kl_loss, pg_clipfrac (either ratio clip
         active), pg_clipfrac_ratio_high / _ratio_low (each side alone), pg_clipfrac_lower (the
         dual clip active: verl's name), ppo_kl (k1 KL old -> new), grad_norm, lr,
-        update_successful, ppo_updates, padding_frac."""
+        update_successful, ppo_updates, updates_skipped, updates_skipped_in_row, padding_frac."""
         if self.role != "actor":
             raise RuntimeError("train_actor needs role='actor'")
         return self._phase(self._actor_update, [batch])
@@ -357,7 +410,7 @@ class MegatronTrainer:
         against ``returns`` (``old_values`` are the critic's values at rollout time), each
         response's first token counted ``highlight_first`` times. Metrics
         (verl's names): vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr, update_successful,
-        ppo_updates, padding_frac."""
+        ppo_updates, updates_skipped, updates_skipped_in_row, padding_frac."""
         if self.role != "critic":
             raise RuntimeError("train_critic needs role='critic'")
         return self._phase(self._critic_update, [batch])

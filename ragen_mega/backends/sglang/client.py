@@ -37,6 +37,11 @@ class EngineError(RuntimeError):
     """A request to an SGLang engine failed; the message names the URL and endpoint."""
 
 
+class ContextLengthExceeded(EngineError):
+    """The engine refused a prompt (plus its ``max_new_tokens``) longer than its context: SGLang
+    answers HTTP 400 naming "the model's context length" / "maximum context length"."""
+
+
 @dataclass(frozen=True)
 class Completion:
     """One sampled completion, in token ids (never text).
@@ -145,7 +150,9 @@ class AsyncEngineClient:
                 last = f"HTTP {status}: {text[:500]}"
                 continue
             if status >= 400:
-                raise EngineError(f"{where} was refused: HTTP {status}: {text[:1000]}")
+                error = (ContextLengthExceeded if status == 400 and "context length" in text
+                         else EngineError)
+                raise error(f"{where} was refused: HTTP {status}: {text[:1000]}")
             if not expect_json:
                 return text
             try:

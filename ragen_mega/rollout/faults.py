@@ -1,0 +1,130 @@
+"""Faults a run survives, and the per-step counters that say how many it met.
+
+A long agent run meets a user's env that raises, a prompt that outgrows the engine's context,
+a NaN update: each costs one episode or one update, not the run. Every fault is counted in the
+step's :class:`FaultCounters` (logged every step as ``fault/<name>``, 0 when nothing happened, so
+a dashboard shows a flat line rather than a missing one) and described, one JSON line each, in
+``RUN_DIR/faults.jsonl`` and on stderr, so a user learns which env, seed and exception it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # episode.py raises this module's errors, so it is imported only for types
+    from ragen_mega.rollout.episode import Episode, EpisodeSpec
+
+#: The counters of a step, each logged as ``fault/<name>``.
+COUNTERS = (
+    "episodes_dropped",   # episodes that gave no samples: their env raised, or turn 1 was too long
+    "prompts_too_long",   # episodes ended early because a prompt outgrew the engine's context
+    "updates_skipped",    # optimizer updates skipped for a NaN/inf loss or gradient
+)
+
+
+class FaultCounters:
+    """One step's fault counts, plus the record of each fault (``faults.jsonl``)."""
+
+    def __init__(self, step: int, log_path: str | Path | None = None):
+        self.step, self.log_path = step, log_path
+        self.counts = dict.fromkeys(COUNTERS, 0)
+
+    def record(self, name: str, count: int = 1, **detail: Any) -> None:
+        """Count ``count`` faults of kind ``name`` and describe them (if ``detail`` is given)."""
+        if name not in self.counts:
+            raise KeyError(f"unknown fault counter {name!r}; known: {', '.join(self.counts)}")
+        self.counts[name] += count
+        if detail:
+            line = json.dumps({"step": self.step, "fault": name, **detail}, default=str)
+            print(f"fault: {line}", file=sys.stderr)
+            if self.log_path is not None:
+                with open(self.log_path, "a") as f:
+                    f.write(line + "\n")
+
+    def metrics(self) -> dict[str, float]:
+        return {f"fault/{name}": float(n) for name, n in self.counts.items()}
+
+
+class PromptTooLong(RuntimeError):
+    """The engine refused a prompt longer than its context (a ``GenerateFn`` raises this; the
+    episode then ends at that turn, truncated)."""
+
+
+class EnvFailed(RuntimeError):
+    """A user's env raised (at make, reset, step or close) while playing ``spec``'s episode."""
+
+    def __init__(self, spec: EpisodeSpec, call: str, error: BaseException):
+        self.spec, self.call, self.error = spec, call, error
+        super().__init__(f"env {spec.env_name!r} (seed {spec.seed}, episode {spec.episode_id}) "
+                         f"raised during {call}: {type(error).__name__}: {error}")
+
+
+@dataclasses.dataclass
+class DroppedEpisode:
+    """An episode that gave nothing to train on: its env raised (``env_failed``), or its very
+    first prompt was longer than the engine's context (``prompt_too_long``)."""
+    spec: EpisodeSpec
+    kind: str
+    reason: str
+
+
+async def play_or_drop(spec: EpisodeSpec, play) -> Episode | DroppedEpisode:
+    """Await ``play`` (a ``run_episode`` coroutine for ``spec``); an env failure, or an episode
+    without a single turn, becomes a :class:`DroppedEpisode` instead of ending the step. Any
+    other error (an engine's, a bug) still propagates."""
+    try:
+        episode = await play
+    except EnvFailed as e:
+        return DroppedEpisode(spec, "env_failed", str(e))
+    if not episode.samples:
+        return DroppedEpisode(spec, "prompt_too_long",
+                              f"env {spec.env_name!r} (seed {spec.seed}, episode "
+                              f"{spec.episode_id}): its first prompt is longer than the "
+                              f"engine's context")
+    return episode
+
+
+def count_rollout_faults(played: list[Episode | DroppedEpisode], counters: FaultCounters,
+                         max_failure_rate: float) -> list[Episode]:
+    """Count and describe the step's dropped and truncated episodes; return the played ones.
+
+    Raises RuntimeError (naming the first failure's env, seed and exception) when more than
+    ``max_failure_rate`` of the step's episodes had an env that raised, or none is left."""
+    dropped = [p for p in played if isinstance(p, DroppedEpisode)]
+    episodes = [p for p in played if not isinstance(p, DroppedEpisode)]
+    for d in dropped:
+        counters.record("episodes_dropped", env=d.spec.env_name, seed=d.spec.seed,
+                        episode=d.spec.episode_id, group=d.spec.group_id, reason=d.reason)
+        if d.kind == "prompt_too_long":
+            counters.record("prompts_too_long")
+    for e in episodes:
+        if e.metrics["prompt_too_long"]:
+            s = e.samples[-1]
+            counters.record("prompts_too_long", env=s.env_tag, seed=s.seed, episode=s.episode_id,
+                            reason=f"the prompt of turn {s.turn + 1} is longer than the "
+                                   f"engine's context: the episode ends after turn {s.turn}")
+    failed = [d for d in dropped if d.kind == "env_failed"]
+    rate = len(failed) / len(played) if played else 0.0
+    if (failed and rate > max_failure_rate) or not episodes:
+        first = (failed or dropped)[0].reason if dropped else "no episodes were played"
+        raise RuntimeError(
+            f"rollout: {len(failed)} of {len(played)} episodes of step {counters.step} had an "
+            f"env that raised ({rate:.0%}; rollout.max_env_failure_rate={max_failure_rate}), "
+            f"{len(episodes)} gave samples; the first failure: {first}")
+    return episodes
+
+
+def check_skipped_updates(metrics: dict[str, float], limit: int) -> None:
+    """End the run (RuntimeError) once the actor or the critic has skipped ``limit`` updates in
+    a row (``trainer.max_skipped_updates_in_row``): the caller raises it before saving the step,
+    so the newest checkpoint is the last good one."""
+    for role in ("actor", "critic"):
+        in_row = metrics.get(f"{role}/updates_skipped_in_row", 0)
+        if in_row >= limit:
+            raise RuntimeError(
+                f"{role}: {int(in_row)} updates in a row had a NaN or inf loss or gradient "
+                f"(trainer.max_skipped_updates_in_row={limit}); the run stops, its newest "
+                f"checkpoint is the last good one")
