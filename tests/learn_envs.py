@@ -5,9 +5,12 @@ would be the format penalty and nothing could be learned in a few steps. :func:`
 therefore builds a tiny random Qwen2 whose output is confined to a three-token alphabet
 ``A``, ``B`` and newline: a constant direction in every token embedding meets large output
 weights of those three rows only, so they hold all but ~1e-6 of the probability, while the
-rest of the network stays random. With ``agent.answer_line`` the answer is the text up to the
-first newline, so within 8 tokens a random policy writes a valid one-line answer ~95% of the
-time and starts it with ``A`` half of those: the games below pay on that first letter.
+rest of the network stays random. The first token after the prompt is never a newline and
+later ones mostly are, so with ``agent.answer_line`` (the answer is the text up to the first
+newline) a random policy writes a valid one-letter line almost always, starting with ``A`` or
+``B`` at even odds: the games below pay on that first letter, which is the response's first
+token (so a loss mask shifted by one token no longer trains it). Marker words in the prompt
+steer one attention head, so the model can learn a different letter for each turn.
 
 These envs are registered by the tests themselves, never in the package's registry.
 """
@@ -31,10 +34,11 @@ def make_letter_model(out_dir: str | Path, base_dir: str | Path) -> Path:
     that can tell the door-picking turn from the paying turn.
 
     Every token embedding gets 10.0 in dimension 0 (the others stay ~N(0, 0.02)), so after the
-    final RMSNorm (its dimension-0 weight set to 1) each position's hidden state is ~8 along
-    dimension 0. The output matrix is zero except three rows: 3.0 (A, B) and 3.04 (newline) in
-    dimension 0, i.e. logits ~24 for the alphabet against 0 for the rest, newline a little more
-    likely (0.39 vs 0.31 each) so answers end soon. With ``adam_eps`` ~1e-2 the near-zero
+    final RMSNorm (its dimension-0 weight set to 1) each position's hidden state is ~7 along
+    dimension 0. The output matrix is zero except three rows: 3.0 (A, B) and 3.43 (newline) in
+    dimension 0, i.e. logits ~21-24 for the alphabet against 0 for the rest, newline 0.91 after
+    a letter so answers end soon. The prompt's last token ``>`` (of ``<answer>``) also has 5.0
+    in dimension 4, where the newline row has -4.5: the first token is A or B (~1e-5 newline). With ``adam_eps`` ~1e-2 the near-zero
     gradients of the random rest stay near-zero updates (Adam would otherwise blow them up to
     full-size steps that drown the constant direction).
 
