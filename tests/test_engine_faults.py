@@ -92,9 +92,9 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
     real_rollout = driver.Run.rollout
     seen = {}
 
-    def faulted_rollout(run, step, *, evaluate=False):
+    def faulted_rollout(run, step, *, evaluate=False, faults=None):
         if step != 2 or evaluate:
-            return real_rollout(run, step, evaluate=evaluate)
+            return real_rollout(run, step, evaluate=evaluate, faults=faults)
         reference, _ = real_rollout(run, step)
         seen["reference"] = reference
         first_pid = server_pids(tmp_path)[-1]
@@ -120,7 +120,7 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
                                                r"step=1\)"):
             real_rollout(run, step)
         run.engines.max_restarts_per_step = 2
-        seen["after_error"], seconds = real_rollout(run, step)
+        seen["after_error"], seconds = real_rollout(run, step, faults=faults)
         return seen["after_error"], seconds
 
     monkeypatch.setattr(driver.Run, "rollout", faulted_rollout)

@@ -134,12 +134,14 @@ def test_fault_config_keys_are_checked():
                                "critic/updates_skipped_in_row": 2.0}, limit=2)
 
 
-def _dist_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+def _dist_tensors(step_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint's torch_dist files (model and optimizer), read back with
-    torch's own DCP reader, independent of the trainer's loading code."""
+    torch's own DCP reader, independent of the trainer's loading code (converted under
+    ``scratch``, outside the run's checkpoint directory, which the test lists)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    out = step_dir.parent / f"{step_dir.name}.pt"
+    scratch.mkdir(exist_ok=True)
+    out = scratch / f"{step_dir.name}.pt"
     dcp_to_torch_save(step_dir / "dist", out)
     flat = {}
 
@@ -194,7 +196,7 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
     # weights AND optimizer state after the skipped step 2 are bit-identical to step 1's; the
     # normal step 3 changes both (so the comparison can tell)
     ckpt = tmp_path / "checkpoints" / "actor"
-    t1, t2, t3 = (_dist_tensors(ckpt / f"step_{s}") for s in (1, 2, 3))
+    t1, t2, t3 = (_dist_tensors(ckpt / f"step_{s}", tmp_path / "dcp") for s in (1, 2, 3))
     assert t1.keys() == t2.keys() and any("optimizer" in k for k in t1)
     assert all(torch.equal(t1[k], t2[k]) for k in t1), [k for k in t1
                                                          if not torch.equal(t1[k], t2[k])]

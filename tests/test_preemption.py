@@ -63,9 +63,17 @@ def _loop(cfg, run):
         return run_loop(cfg, run, logger, stop)
 
 
-def test_signal_finishes_the_step_saves_and_the_rerun_resumes(tmp_path, capsys):
+def test_signal_finishes_the_step_saves_and_the_rerun_resumes(tmp_path, capsys, monkeypatch):
     cfg = _cfg(tmp_path)
     run = Loop({2: [signal.SIGUSR1, signal.SIGTERM]})  # a second signal during the same step
+    # resume checks the newest step's files are whole; the stand-ins write no Megatron files, so
+    # a step directory is whole here when its trainer recorded the save
+    from ragen_mega.backends.megatron import checkpoint as megatron_checkpoint
+
+    def recorded(ckpt_dir):
+        if not any(str(ckpt_dir) in t.saved for t in (run.actor, run.critic)):
+            raise FileNotFoundError(f"{ckpt_dir}: never saved")
+    monkeypatch.setattr(megatron_checkpoint, "verify_checkpoint", recorded)
     with pytest.raises(preemption.Preempted) as stopped:
         _loop(cfg, run)
     assert (stopped.value.signal_name, stopped.value.step) == ("SIGUSR1", 2)
