@@ -264,6 +264,11 @@ class AlgoConfig:
     gamma: float = 1.0           # across turns (RAGEN uses 1.0)
     lam: float = 1.0
     grpo_norm_by_std: bool = True
+    #: gae: whiten the advantages over the batch's response tokens (zero mean, unit variance),
+    #: as verl's GAE (and so RAGEN's and Verlog's) always does. An untrained critic biases
+    #: every advantage one way (all samples pushed up or all down, the answer format with
+    #: them); centring leaves the ranking the returns make. False: raw returns minus values.
+    whiten_advantages: bool = True
     #: RAGEN's episode-score normalisation within a group (same seed) before advantages
     reward_norm: Literal["identity", "mean", "mean_std", "asym_clip"] = "identity"
     #: take the engine's sampled log-probs as the PPO "old" log-probs instead of recomputing

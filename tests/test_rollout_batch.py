@@ -66,6 +66,25 @@ def test_bi_level_gae_gamma_lambda_one_is_return_minus_value():
         assert batch["returns"][i][m].tolist() == pytest.approx([ret] * int(m.sum()))
 
 
+def test_whitened_gae_advantages_are_centred_over_response_tokens():
+    """``whiten=True`` (algo.whiten_advantages, verl's GAE): the same return-minus-value
+    advantages, standardised over the response tokens only (unbiased variance, worked out by
+    hand here); returns stay raw, padding stays 0."""
+    samples = [turn(0, 0, 1, 0.25, False), turn(0, 0, 2, 1.0, True, prompt=(1, 2, 3, 4, 5))]
+    batch = build_batch(samples, pad_id=0)
+    values = torch.arange(batch["loss_mask"].numel(), dtype=torch.float32).view_as(
+        batch["loss_mask"]) / 10
+    out = compute_advantages(dict(batch), estimator="gae", token_values=values, whiten=True)
+    m = batch["loss_mask"].bool()
+    raw = [ret - v for i, ret in enumerate([1.25, 1.0]) for v in values[i][m[i]].tolist()]
+    mean = sum(raw) / len(raw)
+    std = (sum((a - mean) ** 2 for a in raw) / (len(raw) - 1)) ** 0.5
+    assert out["advantages"][m].tolist() == pytest.approx([(a - mean) / std for a in raw],
+                                                          rel=1e-5)
+    assert out["advantages"][~m].abs().sum() == 0
+    assert out["returns"][0][m[0]].tolist() == pytest.approx([1.25] * int(m[0].sum()))
+
+
 def test_gae_needs_values():
     batch = build_batch([turn(0, 0, 1, 1.0, True)], pad_id=0)
     with pytest.raises(ValueError, match="gae needs critic token_values"):

@@ -238,7 +238,7 @@ class Run:
         batch = compute_advantages(batch, estimator=cfg.algo.adv_estimator, gamma=cfg.algo.gamma,
                                    lam=cfg.algo.lam, reward_norm=cfg.algo.reward_norm,
                                    grpo_norm_by_std=cfg.algo.grpo_norm_by_std,
-                                   token_values=values,
+                                   whiten=cfg.algo.whiten_advantages, token_values=values,
                                    bootstrap_values=None if window is None else
                                    self.cut_values(samples, window.next_prompts))
         for key in ("advantages", "returns"):

@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, grpo,
-                                        normalize_scores, turn_level_gae)
+                                        masked_whiten, normalize_scores, turn_level_gae)
 from ragen_mega.algo.filter import select_groups
 from ragen_mega.rollout.sample import Sample, collate
 
@@ -79,7 +79,8 @@ def build_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tenso
 
 def compute_advantages(batch: dict[str, torch.Tensor], *, estimator: str, gamma: float = 1.0,
                        lam: float = 1.0, reward_norm: str = "identity",
-                       grpo_norm_by_std: bool = True, token_values: torch.Tensor | None = None,
+                       grpo_norm_by_std: bool = True, whiten: bool = False,
+                       token_values: torch.Tensor | None = None,
                        bootstrap_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Add ``advantages`` (and for ``gae`` ``returns``) [B, S] to ``batch``; return it.
 
@@ -92,6 +93,10 @@ def compute_advantages(batch: dict[str, torch.Tensor], *, estimator: str, gamma:
     that goes on past this batch) the critic's value of the state after it; the cut turn's TD
     error reads it in place of a terminal 0. Read nowhere else; None: every episode in the batch
     ends in it (episodes mode).
+
+    ``whiten`` (``gae`` only; ``algo.whiten_advantages``): the advantages are whitened over all
+    of the batch's response tokens (:func:`masked_whiten`); the returns, the critic's targets,
+    are not.
     """
     mask = batch["loss_mask"]
     if estimator == "grpo":
@@ -118,6 +123,7 @@ def compute_advantages(batch: dict[str, torch.Tensor], *, estimator: str, gamma:
                                      batch["last"], gamma_turn=gamma, lam_turn=lam,
                                      bootstrap_values=bootstrap_values)
     adv, returns = bi_level_token_gae(turn_returns, token_values, mask)
-    batch["advantages"], batch["returns"] = adv, returns
+    batch["advantages"] = masked_whiten(adv, mask) if whiten else adv
+    batch["returns"] = returns
     return batch
 
