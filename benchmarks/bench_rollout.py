@@ -2,6 +2,7 @@
 
   python benchmarks/bench_rollout.py [--env sokoban] [--groups 8] [--group-size 4] [--turns 5]
   python benchmarks/bench_rollout.py --horizon [--turns 200] [--memory-turns 2] [--context 4096]
+  python benchmarks/bench_rollout.py --streamed [--steps 3] [--turn-limits 4,8,16]
 
 One SGLang server (CPU way, ``--cpu-threads`` for its torch) on a small random Qwen2 checkpoint,
 with seeded sampling as the driver uses it (``rollout.seeded``): every request carries the seed
@@ -39,6 +40,16 @@ RAGEN's growing prompt), each with the same seed and sampling seeds. Per-turn co
 engine round trip of each turn (send to answer) averaged over 10 turns around turn 10 and
 around the last turn; the whole chat stops at the turn whose prompt no longer fits the context
 (``--context``, default: the model's ``max_position_embeddings``, minus the new tokens).
+
+``--streamed`` compares the two rollout modes on one load whose episode lengths vary: Sokoban
+episodes in three tags with turn limits ``--turn-limits`` (4, 8, 16 by default: the random
+model never solves a puzzle, so each plays to its limit, and the longest is 4x the shortest),
+``--groups`` groups of ``--group-size`` per tag. Episodes mode is ``Run.rollout``'s shape (all of
+a step's episodes at once, the step over when its longest is); streamed mode is
+``EnvStreams.play`` with ``turns_per_step`` = the episodes-mode turns per step / streams, rounded
+down, so both modes play about as many turns a step. ``--steps`` steps each, after an untimed
+one, alternating modes; per mode turns/s, the engine's time-weighted mean requests in flight and
+seconds per step. Rollout only (no training between steps).
 """
 from __future__ import annotations
 
@@ -115,9 +126,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0,
                         help="--horizon: context limit in tokens; 0: the model's own")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--streamed", action="store_true",
+                        help="streamed (turns) vs episodes mode on episodes of varied lengths")
+    parser.add_argument("--steps", type=int, default=3, help="--streamed: timed steps per mode")
+    parser.add_argument("--turn-limits", default="4,8,16",
+                        help="--streamed: turn limit of each tag's episodes")
     args = parser.parse_args()
     if args.horizon:
         horizon(args)
+        return
+    if args.streamed:
+        streamed(args)
         return
 
     from transformers import AutoTokenizer
@@ -277,6 +296,95 @@ def horizon(args) -> None:
                 await play(None)
 
             asyncio.run(run())
+
+
+def streamed(args) -> None:
+    """``--streamed``: the same varied-length load in episodes mode and in streamed mode; one
+    JSON line per mode."""
+    from transformers import AutoTokenizer
+
+    from ragen_mega.agent import AgentConfig
+    from ragen_mega.backends.sglang.client import AsyncEngineClient
+    from ragen_mega.backends.sglang.server import launch_server
+    from ragen_mega.models.prepare import make_tiny_model
+    from ragen_mega.rollout.episode import EnvPart, Generation, run_episode, train_step_specs
+    from ragen_mega.rollout.seeding import request_seed
+    from ragen_mega.rollout.streams import EnvStreams
+
+    limits = [int(t) for t in args.turn_limits.split(",")]
+    parts = [EnvPart(f"limit_{t}", "sokoban", {}, args.groups, t) for t in limits]
+    n_streams = len(limits) * args.groups * args.group_size
+    turns_per_step = sum(limits) * args.groups * args.group_size // n_streams
+    with tempfile.TemporaryDirectory(prefix="bench_streamed_") as tmp:
+        hf_dir = make_tiny_model(Path(tmp) / "model", "qwen2", hidden_size=128, num_layers=4,
+                                 num_heads=4, num_kv_heads=2, intermediate_size=384)
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+        sampling = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
+        agent = AgentConfig(think=False, answer_line=True, max_actions_per_turn=1,
+                            memory_turns=args.memory_turns)
+        streams = EnvStreams(parts, group_size=args.group_size, seed=args.seed,
+                             turns_per_step=turns_per_step, tokenizer=tokenizer, agent=agent,
+                             max_turns=max(limits))
+        with launch_server(hf_dir, dtype="float32", cpu_threads=args.cpu_threads or None,
+                           seeded_sampling=True) as server:
+
+            async def run():
+                client = AsyncEngineClient(server.url)
+                timed = Timed(client, sampling, request_seed)
+
+                def generate_for(key):
+                    turns = itertools.count(1)
+
+                    async def generate(ids, params):
+                        out = await timed(key, next(turns), ids)
+                        return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
+                    return generate
+
+                async def episodes_step(step):
+                    specs = train_step_specs(parts, group_size=args.group_size, seed=args.seed,
+                                             step=step)
+                    played = await asyncio.gather(*(run_episode(
+                        spec, tokenizer=tokenizer, agent=agent,
+                        generate=generate_for((step, spec.episode_id)), sampling=sampling,
+                        max_turns=max(limits)) for spec in specs))
+                    return sum(len(e.samples) for e in played)
+
+                async def streamed_step(step):
+                    window = await streams.play(lambda s: generate_for((step, s)), sampling,
+                                                weight_version=step)
+                    return len(window.samples)
+
+                modes = {"episodes": episodes_step, "streamed": streamed_step}
+                totals = {m: {"turns": 0, "s": 0.0, "in_flight": [], "load": []} for m in modes}
+                for mode in modes:  # untimed: warms the engine and both code paths
+                    await modes[mode](0)
+                for step in range(1, args.steps + 1):
+                    for mode in (list(modes) if step % 2 else list(modes)[::-1]):
+                        await client.flush_cache()
+                        timed.reset()
+                        load, start = loadavg(), time.perf_counter()
+                        turns = await modes[mode](step)
+                        totals[mode]["s"] += time.perf_counter() - start
+                        totals[mode]["turns"] += turns
+                        totals[mode]["load"].append(load)
+                        totals[mode]["in_flight"].append(in_flight_mean(
+                            [span for spans in timed.spans.values() for span in spans]))
+                await client.close()
+                return totals
+
+            totals = asyncio.run(run())
+    for mode, t in totals.items():
+        print(json.dumps({"mode": mode, "streams_or_episodes": n_streams,
+                          "turn_limits": limits, "turns_per_step": turns_per_step
+                          if mode == "streamed" else "to the end", "steps": args.steps,
+                          "turns": t["turns"], "s": round(t["s"], 2),
+                          "turns_per_s": round(t["turns"] / t["s"], 2),
+                          "s_per_step": round(t["s"] / args.steps, 2),
+                          "mean_in_flight": round(statistics.mean(t["in_flight"]), 2),
+                          "load": t["load"]}), flush=True)
+    ratio = (totals["streamed"]["turns"] / totals["streamed"]["s"]) / (
+        totals["episodes"]["turns"] / totals["episodes"]["s"])
+    print(json.dumps({"streamed_vs_episodes_turns_per_s": round(ratio, 3)}), flush=True)
 
 
 def report(args, episodes, rounds) -> None:

@@ -5,7 +5,10 @@ rollout tests, and the Megatron actor step's independent reference (transformers
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import re
+import signal
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -232,6 +235,37 @@ def training_grads(chunks, ids, mask, rank):
         p.data = p.grad
     grads = dict(export_hf_state(chunks))
     return (grads if rank == 0 else None), metrics
+
+
+PID_LINE = re.compile(r"^\[ragen-mega\] SGLang server pid (\d+):", re.M)
+
+
+def server_pids(run_dir: Path) -> list[int]:
+    """The pids engine 0's log records, oldest first (one per start of its server)."""
+    log = run_dir / "logs" / "engine_0.log"
+    return [int(p) for p in PID_LINE.findall(log.read_text())] if log.exists() else []
+
+
+@contextlib.contextmanager
+def server_killed_under_first_request(engines, pid: int):
+    """Within the block, the first request sent through ``engines.generate`` has the SGLang
+    server ``pid`` SIGKILLed while it is in flight (the engine dies under a real request)."""
+    real_generate, killed = engines.generate, []
+
+    async def kill_during_first_request(prompt_ids, sampling, engine=None):
+        if killed:
+            return await real_generate(prompt_ids, sampling, engine)
+        killed.append(pid)
+        request = asyncio.ensure_future(real_generate(prompt_ids, sampling, engine))
+        await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        return await request
+
+    engines.generate = kill_during_first_request
+    try:
+        yield
+    finally:
+        del engines.generate
 
 
 def readme_scalars() -> set[str]:

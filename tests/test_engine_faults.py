@@ -10,9 +10,7 @@ the tiny-model loop (real Ray, Megatron, SGLang):
 """
 from __future__ import annotations
 
-import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -21,19 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import server_killed_under_first_request, server_pids
 from ragen_mega.config import load_run_config
 from ragen_mega.ray import checkpoints, driver
 
 REPO = Path(__file__).resolve().parents[1]
-PID_LINE = re.compile(r"^\[ragen-mega\] SGLang server pid (\d+):", re.M)
-
-
-def server_pids(run_dir: Path) -> list[int]:
-    """The pids engine 0's log records, oldest first (one per start of its server)."""
-    log = run_dir / "logs" / "engine_0.log"
-    return [int(p) for p in PID_LINE.findall(log.read_text())] if log.exists() else []
-
-
 def _running(process) -> bool:
     """``process`` (a ``psutil.Process``) still runs: neither gone nor a zombie."""
     import psutil
@@ -98,20 +88,8 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
         reference, _ = real_rollout(run, step)
         seen["reference"] = reference
         first_pid = server_pids(tmp_path)[-1]
-        real_generate = run.engines.generate
-
-        async def kill_during_first_request(prompt_ids, sampling, engine=None):
-            if "killed" not in seen:
-                seen["killed"] = first_pid
-                request = asyncio.ensure_future(real_generate(prompt_ids, sampling, engine))
-                await asyncio.sleep(0.01)
-                os.kill(first_pid, signal.SIGKILL)
-                return await request
-            return await real_generate(prompt_ids, sampling, engine)
-
-        run.engines.generate = kill_during_first_request
-        seen["replayed"], seconds = real_rollout(run, step)
-        del run.engines.generate
+        with server_killed_under_first_request(run.engines, first_pid):
+            seen["replayed"], seconds = real_rollout(run, step)
         assert not _alive(first_pid)
 
         os.kill(server_pids(tmp_path)[-1], signal.SIGKILL)  # the one restart of this step is used

@@ -123,6 +123,63 @@ def test_prompt_too_long_ends_the_episode_there(tokenizer, tmp_path):
     assert "the prompt of turn 2" in reasons[1]
 
 
+def test_streamed_faults_cost_an_episode_not_the_window(tokenizer, tmp_path):
+    """``rollout.mode: turns``: 2 groups x 2 streams of the faulty bandit, 3 turns per stream;
+    stream s's episode j plays seed 4j + s (the bandit's seeds are not shared in a group).
+    Seed 2 (stream 2's first episode) raises at its step: dropped, and stream 2 goes on with
+    seeds 6, 10, 14. Seed 1 does not end at the pull (two turns); stream 1's 2nd request, its
+    turn-2 prompt, is refused as too long: the episode ends after turn 1 (last, truncated), and
+    its 3rd, the first prompt of seed 5, too: no turn, dropped. Every stream still gives 3."""
+    from ragen_mega.rollout.episode import EnvPart
+    from ragen_mega.rollout.faults import count_window_faults
+    from ragen_mega.rollout.streams import EnvStreams
+
+    part = EnvPart("b", faulty_envs.NAME, {"raise_at_step": [2], "long_seeds": [1]}, 2)
+    streams = EnvStreams([part], group_size=2, seed=0, turns_per_step=3, tokenizer=tokenizer,
+                         agent=AGENT, max_turns=2)
+    calls: dict[int, int] = {}
+
+    def generate_for(stream):
+        async def generate(prompt_ids, sampling):
+            calls[stream] = calls.get(stream, 0) + 1
+            if stream == 1 and calls[stream] in (2, 3):
+                raise PromptTooLong("refused: longer than the model's context length")
+            ids = tokenizer.encode(" ok </think><answer> Dragon </answer>",
+                                   add_special_tokens=False)
+            return Generation(ids, [-0.5] * len(ids), "stop")
+        return generate
+
+    window = asyncio.run(streams.play(generate_for, {}, weight_version=0))
+    by_stream = [[(s.seed, s.turn, s.last) for s in window.samples[3 * i:3 * i + 3]]
+                 for i in range(4)]
+    assert by_stream == [[(0, 1, True), (4, 1, True), (8, 1, True)],
+                         [(1, 1, True), (9, 1, True), (13, 1, True)],
+                         [(6, 1, True), (10, 1, True), (14, 1, True)],
+                         [(3, 1, True), (7, 1, True), (11, 1, True)]]
+    assert [(d.spec.seed, d.kind) for d in window.dropped] == [
+        (5, "prompt_too_long"), (2, "env_failed")]
+    truncated = next(e for e in window.finished if e.samples[0].seed == 1)
+    assert truncated.metrics["prompt_too_long"] == 1.0 and not truncated.samples[-1].done
+    assert streams.state_dict()["episodes"] == [3, 4, 4, 3]
+
+    counters = FaultCounters(4, tmp_path / "faults.jsonl")
+    count_window_faults(window, counters, max_failure_rate=0.1)  # 1 failure of 14 played
+    assert counters.counts == {"episodes_dropped": 2, "prompts_too_long": 2,
+                               "updates_skipped": 0}
+    with pytest.raises(RuntimeError, match=r"1 of 14 episodes of step 4 had an env that raised "
+                                           r".*12 turn samples were played; the first failure: "
+                                           r"env 'faulty_bandit' \(seed 2, episode 2\)"):
+        count_window_faults(window, FaultCounters(4), max_failure_rate=0.05)
+
+    # a stream whose every episode fails ends the window, naming the first failure
+    broken = EnvStreams([EnvPart("b", faulty_envs.NAME, {"raise_at_reset": list(range(99))}, 1)],
+                        group_size=2, seed=0, turns_per_step=2, tokenizer=tokenizer,
+                        agent=AGENT, max_turns=2)
+    with pytest.raises(RuntimeError, match=r"env stream 0: 3 episodes in one window gave no "
+                                           r"sample; the first: .*seed 0.*broken reset"):
+        asyncio.run(broken.play(generate_for, {}, weight_version=0))
+
+
 def test_fault_config_keys_are_checked():
     with pytest.raises(ConfigError, match="max_env_failure_rate: must be in"):
         load_run_config("examples/bandit_cpu_demo.yaml", ["rollout.max_env_failure_rate=1.5"])

@@ -113,6 +113,41 @@ def test_resumed_streams_replay_the_uninterrupted_ones(tokenizer):
     assert [e.metrics for e in got.finished] == [e.metrics for e in want.finished]
 
 
+def test_a_window_cut_short_is_played_again_from_its_start(tokenizer):
+    """A window abandoned mid-way (an engine died under stream 2's second request: the driver
+    restarts it and calls ``restore``) is played again and gives exactly the window an
+    uninterrupted run plays; the other streams were cancelled mid-turn, not left running."""
+    straight = make_streams(tokenizer)
+    play(straight, tokenizer)
+    want = play(straight, tokenizer, version=1)
+
+    class Died(RuntimeError):
+        pass
+
+    streams = make_streams(tokenizer)
+    play(streams, tokenizer)
+    start = streams.state_dict()
+    gen, calls = policy(tokenizer), []
+
+    def generate_for(stream):
+        async def generate(prompt_ids, sampling):
+            calls.append(stream)
+            if stream == 2 and calls.count(2) == 2:
+                raise Died("engine 0 died under a request and was restarted")
+            await asyncio.sleep(0)
+            return await gen(prompt_ids, sampling)
+        return generate
+
+    with pytest.raises(Died):
+        asyncio.run(streams.play(generate_for, {}, weight_version=1))
+    asyncio.run(streams.restore(start))
+    got = play(streams, tokenizer, version=1)
+    fields = lambda w: [(s.episode_id, s.turn, s.prompt_ids, s.response_ids, s.reward, s.cut,
+                         s.last) for s in w.samples]
+    assert fields(got) == fields(want) and got.next_prompts == want.next_prompts
+    assert streams.state_dict() == straight.state_dict()
+
+
 def test_window_metrics(tokenizer):
     from ragen_mega.rollout.metrics import summarize_window
 

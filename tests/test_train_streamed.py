@@ -5,7 +5,9 @@ Crafter, two seed groups of two streams, 4 turns per stream per step: group 0 pl
 up to 300 turns (they go on across all steps), group 1 the same env with a 3-turn limit (its
 episodes end inside steps and are followed by the next). The tiny random model never writes a
 valid action, so every turn is a format penalty and the crafter world does not move; what is
-checked is the streams' bookkeeping and the resume.
+checked is the streams' bookkeeping and the resume. The resumed step also loses its SGLang
+server under its first request: the engine is restarted and resynced and the window played again
+from its start, and the step still equals the uninterrupted run's.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import math
 import re
 import shutil
 
-from conftest import readme_scalars
+from conftest import readme_scalars, server_killed_under_first_request, server_pids
 from ragen_mega.backends.megatron.checkpoint import read_checkpoint_state
 from ragen_mega.config import load_run_config
 from ragen_mega.ray import checkpoints, driver
@@ -30,7 +32,8 @@ def streamed_overrides(tiny_run_overrides, run_dir, total_steps):
         "rollout.env_workers=2", "agent.memory_turns=1", "algo.gamma=0.99", "algo.lam=0.95"]
 
 
-def test_streamed_steps_then_exact_resume(tiny_run_overrides, tmp_path, private_ray):
+def test_streamed_steps_then_exact_resume(tiny_run_overrides, tmp_path, private_ray,
+                                          monkeypatch):
     straight = driver.train(load_run_config(DEMO, streamed_overrides(tiny_run_overrides,
                                                                      tmp_path, 3)))
     assert [h["step"] for h in straight] == [1, 2, 3]
@@ -65,11 +68,25 @@ def test_streamed_steps_then_exact_resume(tiny_run_overrides, tmp_path, private_
     for role in ("actor", "critic"):
         shutil.rmtree(ckpt / role / "step_3")
     (ckpt / "latest_step").write_text("2")
+    real_rollout, killed = driver.Run.stream_rollout, []
+
+    def engine_dies(run, step, faults):
+        killed.append(server_pids(tmp_path)[-1])
+        with server_killed_under_first_request(run.engines, killed[-1]):
+            return real_rollout(run, step, faults)
+
+    monkeypatch.setattr(driver.Run, "stream_rollout", engine_dies)
     resumed = driver.train(load_run_config(DEMO, streamed_overrides(tiny_run_overrides,
                                                                     tmp_path, 3)))
     assert [h["step"] for h in resumed] == [3]
     want, got = straight[2], resumed[0]
     assert set(got) == set(want)
+    # the resumed run's server died under step 3's first request: restarted once, all 4
+    # streams' windows played again (the restarted server's pid is the next one logged)
+    assert server_pids(tmp_path)[-2] == killed[0]
+    assert (got["fault/engine_restarts"], got["fault/episodes_retried"]) == (1.0, 4.0)
+    assert want["fault/engine_restarts"] == want["fault/episodes_retried"] == 0.0
+    got = {**got, "fault/engine_restarts": 0.0, "fault/episodes_retried": 0.0}
     engine_logprobs = {"train/rollout_vs_trainer_logprob_diff", "sync/max_logprob_diff"}
     compared = [k for k in want if not k.startswith("time/") and k != "sync/seconds"]
     diffs = {k: (want[k], got[k]) for k in compared

@@ -49,7 +49,7 @@ from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_gro
 from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_episode,
                                         train_step_specs)
 from ragen_mega.rollout.faults import (FaultCounters, check_skipped_updates, count_rollout_faults,
-                                       play_or_drop)
+                                       count_window_faults, play_or_drop)
 from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
 from ragen_mega.rollout.sample import Sample
@@ -153,18 +153,33 @@ class Run:
         if saved is not None:
             self.streams.load_state_dict(saved)
 
-    def stream_rollout(self, step: int) -> tuple[Window, float]:
+    def stream_rollout(self, step: int, faults: FaultCounters) -> tuple[Window, float]:
         """Every stream's ``turns_per_step`` turns with the weights of step ``step - 1``; stream
-        ``s``'s k-th request of the step is seeded with (trainer.seed, step, s, k)."""
+        ``s``'s k-th request of the step is seeded with (trainer.seed, step, s, k). Faults are
+        counted in ``faults``; a window an engine restart cut short is played again from its
+        start (each stream's episodes then replay from their resets, as on resume)."""
+        from ragen_mega.ray.engine_group import EngineRestarted
+
         def generate_for(stream: int) -> GenerateFn:
             if not self.cfg.rollout.seeded:
                 return self.engines.generate
             return seeded_generate(self.engines.generate, self.cfg.trainer.seed, "stream", step,
                                    stream)
 
+        async def play_window() -> Window:
+            start_state = self.streams.state_dict()
+            while True:
+                try:
+                    return await self.streams.play(
+                        generate_for, self.sampling(self.cfg.rollout.temperature),
+                        weight_version=step - 1)
+                except EngineRestarted:
+                    self.engines.count_retried(len(self.streams.streams))
+                    await self.streams.restore(start_state)
+
         start = time.perf_counter()
-        window = self.engines.run(self.streams.play(
-            generate_for, self.sampling(self.cfg.rollout.temperature), weight_version=step - 1))
+        window = self.engines.run(play_window())
+        count_window_faults(window, faults, self.cfg.rollout.max_env_failure_rate)
         return window, time.perf_counter() - start
 
     def cut_values(self, samples: list[Sample], next_prompts: dict[int, list[int]]
@@ -207,7 +222,7 @@ class Run:
             metrics.update(summarize(episodes, "rollout"))
             played = [s for e in episodes for s in e.samples]
         else:
-            window, rollout_s = self.stream_rollout(step)
+            window, rollout_s = self.stream_rollout(step, faults)
             metrics.update(summarize_window(window.samples, window.finished, "rollout",
                                             trained_version=step - 1))
             played = window.samples

@@ -165,6 +165,10 @@ class EngineGroup:
             self._lives[engine] += 1
             await old.close()
 
+    def count_retried(self, episodes: int) -> None:
+        """``episodes`` are played again after an engine restart (``fault/episodes_retried``)."""
+        self._faults["fault/episodes_retried"] += episodes
+
     async def replaying(self, play: Callable[[OpenEnvFn | None], Awaitable[Episode]],
                         open_env: OpenEnvFn | None) -> Episode:
         """``await play(open_env)`` (one episode, its generate function made afresh each call),
@@ -181,7 +185,7 @@ class EngineGroup:
             try:
                 return await play(None if open_env is None else open_kept)
             except EngineRestarted:
-                self._faults["fault/episodes_retried"] += 1
+                self.count_retried(1)
                 for env in opened:
                     await env.close()
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # episode.py raises this module's errors, so it is imported only for types
     from ragen_mega.rollout.episode import Episode, EpisodeSpec
+    from ragen_mega.rollout.streams import Window
 
 #: The counters of a step, each logged as ``fault/<name>``.
 COUNTERS = (
@@ -95,26 +96,58 @@ def count_rollout_faults(played: list[Episode | DroppedEpisode], counters: Fault
     ``max_failure_rate`` of the step's episodes had an env that raised, or none is left."""
     dropped = [p for p in played if isinstance(p, DroppedEpisode)]
     episodes = [p for p in played if not isinstance(p, DroppedEpisode)]
+    _record_dropped(dropped, counters)
+    for e in episodes:
+        if e.metrics["prompt_too_long"]:
+            s = e.samples[-1]
+            _record_too_long(counters, s.env_tag, s.seed, s.episode_id, s.turn)
+    _check_failure_rate(dropped, len(played), counters.step, max_failure_rate,
+                        len(episodes), "gave samples")
+    return episodes
+
+
+def count_window_faults(window: Window, counters: FaultCounters, max_failure_rate: float
+                        ) -> None:
+    """:func:`count_rollout_faults` for a streamed step's window (``rollout/streams.py``): its
+    dropped episodes and the episodes its too-long prompts ended. The failure rate is over the
+    episodes the window played in: those dropped, finished, or cut to go on next step."""
+    _record_dropped(window.dropped, counters)
+    for spec, turns in window.too_long:
+        if turns:  # one without a turn is a dropped episode, recorded above
+            _record_too_long(counters, spec.env_tag or spec.env_name, spec.seed,
+                             spec.episode_id, turns)
+    played = len(window.dropped) + len(window.finished) + len(window.next_prompts)
+    _check_failure_rate(window.dropped, played, counters.step, max_failure_rate,
+                        len(window.samples), "turn samples were played")
+
+
+def _record_dropped(dropped: list[DroppedEpisode], counters: FaultCounters) -> None:
     for d in dropped:
         counters.record("episodes_dropped", env=d.spec.env_name, seed=d.spec.seed,
                         episode=d.spec.episode_id, group=d.spec.group_id, reason=d.reason)
         if d.kind == "prompt_too_long":
             counters.record("prompts_too_long")
-    for e in episodes:
-        if e.metrics["prompt_too_long"]:
-            s = e.samples[-1]
-            counters.record("prompts_too_long", env=s.env_tag, seed=s.seed, episode=s.episode_id,
-                            reason=f"the prompt of turn {s.turn + 1} is longer than the "
-                                   f"engine's context: the episode ends after turn {s.turn}")
+
+
+def _record_too_long(counters: FaultCounters, env: str, seed: int, episode: int, turns: int
+                     ) -> None:
+    counters.record("prompts_too_long", env=env, seed=seed, episode=episode,
+                    reason=f"the prompt of turn {turns + 1} is longer than the engine's context: "
+                           f"the episode ends after turn {turns}")
+
+
+def _check_failure_rate(dropped: list[DroppedEpisode], played: int, step: int,
+                        max_failure_rate: float, kept: int, kept_what: str) -> None:
+    """RuntimeError when more than ``max_failure_rate`` of ``played`` episodes had an env that
+    raised, or nothing is left to train on (``kept`` is 0)."""
     failed = [d for d in dropped if d.kind == "env_failed"]
-    rate = len(failed) / len(played) if played else 0.0
-    if (failed and rate > max_failure_rate) or not episodes:
+    rate = len(failed) / played if played else 0.0
+    if (failed and rate > max_failure_rate) or not kept:
         first = (failed or dropped)[0].reason if dropped else "no episodes were played"
         raise RuntimeError(
-            f"rollout: {len(failed)} of {len(played)} episodes of step {counters.step} had an "
-            f"env that raised ({rate:.0%}; rollout.max_env_failure_rate={max_failure_rate}), "
-            f"{len(episodes)} gave samples; the first failure: {first}")
-    return episodes
+            f"rollout: {len(failed)} of {played} episodes of step {step} had an env that raised "
+            f"({rate:.0%}; rollout.max_env_failure_rate={max_failure_rate}), "
+            f"{kept} {kept_what}; the first failure: {first}")
 
 
 def check_skipped_updates(metrics: dict[str, float], limit: int) -> None:

@@ -16,17 +16,27 @@ Exact resume: :meth:`EnvStreams.state_dict` holds, per stream, its episode index
 responses of the turns its current episode has played; :meth:`EnvStreams.load_state_dict` replays
 them through the same :func:`~ragen_mega.rollout.episode.play_turn` on a freshly reset env (envs
 are deterministic given seed and actions), so the resumed stream is where the saved one was.
+
+Faults (``rollout/faults.py``) cost an episode, never the window's size: an env that raises drops
+its episode's samples of this window (those of earlier windows are trained already) and the
+stream goes on with its next episode; a prompt the engine refuses as too long ends the episode
+before that turn, truncated (its last sample of the window becomes its ``last``; if it has none in
+this window, the previous window's cut bootstrapped it and only the fault is counted). Either
+way the stream plays on until it has its ``turns_per_step`` samples. A window that an engine
+restart interrupted is played again from where it started (:meth:`EnvStreams.restore`).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import contextlib
 from typing import Any, Callable, Sequence
 
 from ragen_mega.agent import AgentConfig
 from ragen_mega.rollout.episode import (EnvPart, Episode, EpisodeSpec, EpisodeState, GenerateFn,
                                         Generation, OpenEnvFn, open_episode, play_turn,
                                         train_step_specs)
+from ragen_mega.rollout.faults import DroppedEpisode, EnvFailed, PromptTooLong
 from ragen_mega.rollout.sample import Sample
 
 
@@ -39,6 +49,11 @@ class Window:
     #: episode id of each cut episode -> the prompt its next turn will get (the state the critic
     #: values for the cut bootstrap; valued, never trained on)
     next_prompts: dict[int, list[int]]
+    #: episodes that gave this window nothing: their env raised (their samples of this window
+    #: left out), or their first prompt was too long for the engine
+    dropped: list[DroppedEpisode] = dataclasses.field(default_factory=list)
+    #: (episode, turns played) of each episode ended because its next prompt was too long
+    too_long: list[tuple[EpisodeSpec, int]] = dataclasses.field(default_factory=list)
 
 
 class _Stream:
@@ -49,6 +64,10 @@ class _Stream:
         self.episode = 0                    # j: the stream's current (or next) episode
         self.state: EpisodeState | None = None
         self.responses: list[tuple[list[int], str]] = []   # (output ids, finish reason) per turn
+
+    def next_episode(self) -> None:
+        self.episode += 1
+        self.state, self.responses = None, []
 
 
 class EnvStreams:
@@ -73,14 +92,24 @@ class EnvStreams:
                                    episode_id=j * len(self.streams) + stream)
 
     async def play(self, generate_for: Callable[[int], GenerateFn], sampling: dict[str, Any],
-                   weight_version: int) -> Window:
+                   weight_version: int, *, max_failures: int | None = None) -> Window:
         """Every stream plays ``turns_per_step`` turns concurrently; ``generate_for(s)`` is
         stream ``s``'s generate function for this step, ``weight_version`` the weights the
-        engines hold (recorded in each sample)."""
-        played = await asyncio.gather(*(self._play_stream(s, generate_for(s.index), sampling)
-                                        for s in self.streams))
+        engines hold (recorded in each sample). A stream whose envs raise more than
+        ``max_failures`` times in the window (default ``turns_per_step``: every episode it
+        tried failed) ends the window with RuntimeError naming the first failure. If any
+        stream raises, the others are cancelled (their envs stay open: :meth:`restore`)."""
         window = Window([], [], {})
-        for stream, (samples, finished) in zip(self.streams, played):
+        limit = self.turns_per_step if max_failures is None else max_failures
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                played = [tasks.create_task(self._play_stream(s, generate_for(s.index), sampling,
+                                                              window, limit))
+                          for s in self.streams]
+        except BaseExceptionGroup as group:  # the first stream's error, as the caller knows it
+            raise group.exceptions[0] from None
+        for stream, task in zip(self.streams, played):
+            samples, finished = task.result()
             for sample in samples:
                 sample.weight_version, sample.stream = weight_version, stream.index
             window.samples += samples
@@ -91,25 +120,64 @@ class EnvStreams:
                     self.agent)
         return window
 
-    async def _play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any]
+    async def _play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any],
+                           window: Window, max_failures: int
                            ) -> tuple[list[Sample], list[Episode]]:
         samples: list[Sample] = []
         finished: list[Episode] = []
         episode_start = 0   # where the current episode's samples begin in ``samples``
-        for _ in range(self.turns_per_step):
-            if stream.state is None:
-                stream.state = await self._open(stream)
-                episode_start = len(samples)
-            sample = await play_turn(stream.state, tokenizer=self.tokenizer, agent=self.agent,
-                                     generate=generate, sampling=sampling)
-            samples.append(sample)
-            stream.responses.append((sample.response_ids, sample.info["finish_reason"]))
-            if stream.state.over:
-                await stream.state.env.close()
-                finished.append(Episode(samples[episode_start:], stream.state.metrics()))
-                stream.state, stream.responses = None, []
-                stream.episode += 1
+        failures: list[DroppedEpisode] = []
+        while len(samples) < self.turns_per_step:
+            spec = self.spec(stream.index, stream.episode)
+            try:
+                if stream.state is None:
+                    episode_start = len(samples)
+                    stream.state = await self._open(stream)
+                try:
+                    sample = await play_turn(stream.state, tokenizer=self.tokenizer,
+                                             agent=self.agent, generate=generate,
+                                             sampling=sampling)
+                except PromptTooLong:  # truncated before this turn, like a turn limit
+                    stream.state.too_long = True
+                    window.too_long.append((spec, stream.state.turn))
+                    if len(samples) > episode_start:
+                        samples[-1].last = True
+                    elif stream.state.turn == 0:  # not a single turn: nothing to train on
+                        failures.append(DroppedEpisode(
+                            spec, "prompt_too_long", f"env {spec.env_name!r} (seed {spec.seed}, "
+                            f"episode {spec.episode_id}): its first prompt is longer than the "
+                            f"engine's context"))
+                        window.dropped.append(failures[-1])
+                else:
+                    samples.append(sample)
+                    stream.responses.append((sample.response_ids, sample.info["finish_reason"]))
+                if stream.state.over:
+                    await stream.state.env.close()
+                    if len(samples) > episode_start:
+                        finished.append(Episode(samples[episode_start:], stream.state.metrics()))
+                    stream.next_episode()
+            except EnvFailed as e:
+                del samples[episode_start:]
+                if stream.state is not None:
+                    with contextlib.suppress(Exception):  # the env already failed once
+                        await stream.state.env.close()
+                failures.append(DroppedEpisode(spec, "env_failed", str(e)))
+                window.dropped.append(failures[-1])
+                stream.next_episode()
+            if len(failures) > max_failures:
+                raise RuntimeError(f"rollout: env stream {stream.index}: {len(failures)} episodes "
+                                   f"in one window gave no sample; the first: "
+                                   f"{failures[0].reason}")
         return samples, finished
+
+    async def restore(self, state: dict[str, list]) -> None:
+        """Close the envs of an abandoned window (an engine restart cut it short) and put the
+        streams back where :meth:`state_dict` left them, so the window can be played again."""
+        for stream in self.streams:
+            if stream.state is not None:
+                with contextlib.suppress(Exception):
+                    await stream.state.env.close()
+        self.load_state_dict(state)
 
     async def _open(self, stream: _Stream) -> EpisodeState:
         """The stream's current episode, reset, with the turns it already played replayed."""
