@@ -87,7 +87,7 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
             return real_rollout(run, step, evaluate=evaluate, faults=faults)
         reference, _ = real_rollout(run, step)
         seen["reference"] = reference
-        first_pid = server_pids(tmp_path)[-1]
+        first_pid = seen["killed"] = server_pids(tmp_path)[-1]
         with server_killed_under_first_request(run.engines, first_pid):
             seen["replayed"], seconds = real_rollout(run, step)
         assert not _alive(first_pid)
