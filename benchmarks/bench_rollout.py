@@ -2,7 +2,7 @@
 
   python benchmarks/bench_rollout.py [--env sokoban] [--groups 8] [--group-size 4] [--turns 5]
   python benchmarks/bench_rollout.py --horizon [--turns 200] [--memory-turns 2] [--context 4096]
-  python benchmarks/bench_rollout.py --streamed [--steps 3] [--turn-limits 4,8,16]
+  python benchmarks/bench_rollout.py --streamed [--steps 3] [--turn-limits 4,8,16] [--model tiny]
 
 One SGLang server (CPU way, ``--cpu-threads`` for its torch) on a small random Qwen2 checkpoint,
 with seeded sampling as the driver uses it (``rollout.seeded``): every request carries the seed
@@ -49,7 +49,8 @@ a step's episodes at once, the step over when its longest is); streamed mode is
 ``EnvStreams.play`` with ``turns_per_step`` = the episodes-mode turns per step / streams, rounded
 down, so both modes play about as many turns a step. ``--steps`` steps each, after an untimed
 one, alternating modes; per mode turns/s, the engine's time-weighted mean requests in flight and
-seconds per step. Rollout only (no training between steps).
+seconds per step. Rollout only (no training between steps). ``--model`` picks the engine's
+model (tiny by default; ``smollm2`` is ~10x dearer per token and gains more from batching).
 """
 from __future__ import annotations
 
@@ -121,7 +122,8 @@ def main() -> None:
                         help="the server's OMP_NUM_THREADS; 0: torch's default (one per core)")
     parser.add_argument("--horizon", action="store_true",
                         help="per-turn cost of one long episode, memory window vs whole chat")
-    parser.add_argument("--model", default="smollm2", help="--horizon: smollm2 or tiny")
+    parser.add_argument("--model", choices=["smollm2", "tiny"], default=None,
+                        help="--horizon (default smollm2), --streamed (default tiny)")
     parser.add_argument("--memory-turns", type=int, default=2)
     parser.add_argument("--context", type=int, default=0,
                         help="--horizon: context limit in tokens; 0: the model's own")
@@ -133,9 +135,11 @@ def main() -> None:
                         help="--streamed: turn limit of each tag's episodes")
     args = parser.parse_args()
     if args.horizon:
+        args.model = args.model or "smollm2"
         horizon(args)
         return
     if args.streamed:
+        args.model = args.model or "tiny"
         streamed(args)
         return
 
@@ -144,14 +148,11 @@ def main() -> None:
     from ragen_mega.agent import AgentConfig
     from ragen_mega.backends.sglang.client import AsyncEngineClient
     from ragen_mega.backends.sglang.server import launch_server
-    from ragen_mega.models.prepare import make_tiny_model
     from ragen_mega.rollout.seeding import request_seed
     from ragen_mega.rollout.episode import Generation, group_specs, run_episode
 
     with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
-        hf_dir = make_tiny_model(Path(tmp) / "model", "qwen2",
-                                 hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
-                                 intermediate_size=384)
+        hf_dir = bench_model(args.model or "tiny", tmp)
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         specs = group_specs(args.env, {}, env_groups=args.groups, group_size=args.group_size,
                             first_seed=0)
@@ -228,6 +229,17 @@ def main() -> None:
     report(args, episodes, rounds)
 
 
+def bench_model(name: str, tmp: str) -> Path:
+    """The HF directory of ``--model``: the real SmolLM2-135M-Instruct or a small random Qwen2
+    written into ``tmp``."""
+    from ragen_mega.models.prepare import make_tiny_model, resolve_model
+
+    if name == "smollm2":
+        return Path(resolve_model("smollm2"))
+    return make_tiny_model(Path(tmp) / "model", "qwen2", hidden_size=128, num_layers=4,
+                           num_heads=4, num_kv_heads=2, intermediate_size=384)
+
+
 def horizon(args) -> None:
     """``--horizon``: one episode of ``--turns`` turns with a memory window, then the same
     episode with the whole chat until its prompt outgrows the context; one JSON line each."""
@@ -236,14 +248,11 @@ def horizon(args) -> None:
     from ragen_mega.agent import AgentConfig
     from ragen_mega.backends.sglang.client import AsyncEngineClient
     from ragen_mega.backends.sglang.server import launch_server
-    from ragen_mega.models.prepare import make_tiny_model, resolve_model
     from ragen_mega.rollout.episode import EpisodeSpec, Generation, run_episode
     from ragen_mega.rollout.seeding import request_seed
 
     with tempfile.TemporaryDirectory(prefix="bench_horizon_") as tmp:
-        hf_dir = (resolve_model("smollm2") if args.model == "smollm2" else
-                  make_tiny_model(Path(tmp) / "model", "qwen2", hidden_size=128, num_layers=4,
-                                  num_heads=4, num_kv_heads=2, intermediate_size=384))
+        hf_dir = bench_model(args.model, tmp)
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         context = args.context or AutoConfig.from_pretrained(hf_dir).max_position_embeddings
         sampling = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
@@ -306,7 +315,6 @@ def streamed(args) -> None:
     from ragen_mega.agent import AgentConfig
     from ragen_mega.backends.sglang.client import AsyncEngineClient
     from ragen_mega.backends.sglang.server import launch_server
-    from ragen_mega.models.prepare import make_tiny_model
     from ragen_mega.rollout.episode import EnvPart, Generation, run_episode, train_step_specs
     from ragen_mega.rollout.seeding import request_seed
     from ragen_mega.rollout.streams import EnvStreams
@@ -316,8 +324,7 @@ def streamed(args) -> None:
     n_streams = len(limits) * args.groups * args.group_size
     turns_per_step = sum(limits) * args.groups * args.group_size // n_streams
     with tempfile.TemporaryDirectory(prefix="bench_streamed_") as tmp:
-        hf_dir = make_tiny_model(Path(tmp) / "model", "qwen2", hidden_size=128, num_layers=4,
-                                 num_heads=4, num_kv_heads=2, intermediate_size=384)
+        hf_dir = bench_model(args.model, tmp)
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         sampling = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         agent = AgentConfig(think=False, answer_line=True, max_actions_per_turn=1,
@@ -341,8 +348,9 @@ def streamed(args) -> None:
                     return generate
 
                 async def episodes_step(step):
+                    # the driver's steps count from 1; the untimed warm-up is step 0 here
                     specs = train_step_specs(parts, group_size=args.group_size, seed=args.seed,
-                                             step=step)
+                                             step=step + 1)
                     played = await asyncio.gather(*(run_episode(
                         spec, tokenizer=tokenizer, agent=agent,
                         generate=generate_for((step, spec.episode_id)), sampling=sampling,
