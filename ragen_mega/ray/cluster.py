@@ -10,11 +10,16 @@ Every process of the job (trainer ranks, engine workers and the SGLang servers t
 transparent huge pages. A CPU weight sync is mostly first-touch page faults on fresh buffers
 (export, SGLang's receive buffers, its load copy), and huge pages halve it
 (benchmarks/README.md, weight sync). It must be set before a process allocates, hence here.
+
+A local Ray gets a reaper (``ragen_mega/ray/reaper.py``): Ray's own agents outlive a SIGKILLed
+driver, and the reaper ends them.
 """
 from __future__ import annotations
 
 import os
 import tempfile
+
+from ragen_mega.ray.reaper import start_reaper
 
 
 def init_ray(address: str | None = None, *, num_cpus: int | None = None,
@@ -34,3 +39,22 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None,
         return
     ray.init(num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False,
              _temp_dir=temp_dir or tempfile.mkdtemp(prefix="ragen_mega_ray_"), **job)
+    global _reaper
+    if _reaper is not None:  # the previous local Ray was shut down: let its reaper finish
+        _reaper.stdin.close()
+    _reaper = start_reaper(_local_ray_pids())
+
+
+#: the reaper of the local Ray this process started (``ragen_mega/ray/reaper.py``); held for the
+#: process's lifetime, since its pipe closing is what sets the reaper off
+_reaper = None
+
+
+def _local_ray_pids() -> list[int]:
+    """The pids of the processes Ray started for this process's local node (raylet, GCS, log
+    monitor, ...); the reaper also covers their descendants."""
+    from ray._private import worker
+
+    node = worker._global_node
+    return [info.process.pid for infos in node.all_processes.values() for info in infos
+            if info.process is not None]

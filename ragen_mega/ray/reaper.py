@@ -1,0 +1,90 @@
+"""A private local Ray ends with the driver that started it, even when the driver is SIGKILLed.
+
+Ray ties its raylet and GCS to the driver (the kernel's parent-death signal) and the raylet's
+workers follow the raylet, but its dashboard and runtime-env agents do not: when their raylet
+dies they report it to the GCS, which died with it, wait out Ray's 60 s publish timeout, and then
+hang in interpreter shutdown (seen alive two minutes after the driver's SIGKILL). Nothing would
+ever stop them.
+
+The reaper is a small process of ours in its own session. While the driver lives, it records
+every process under the Ray the driver started (the pids Ray's node reports and their
+descendants, each with its start time); when the driver ends, for any reason, the kernel closes
+the reaper's stdin, and the reaper gives the recorded processes a few seconds to exit by
+themselves and SIGKILLs those still running. It only ever touches processes it saw under that
+Ray; a pid since reused by another process (a different start time) is left alone.
+
+    python -m ragen_mega.ray.reaper ROOT_PID [ROOT_PID ...]   # stdin: a pipe from the driver
+"""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+#: how often the process tree is recorded while the driver lives (seconds)
+SNAPSHOT_EVERY_S = 1.0
+#: how long the recorded processes get to exit by themselves once the driver is gone (seconds)
+GRACE_S = 5.0
+
+
+def start_reaper(root_pids: list[int]) -> subprocess.Popen:
+    """Start the reaper for the Ray processes ``root_pids`` (and all their descendants). The
+    returned process's stdin is the driver's end of the pipe: keep the object alive for the
+    driver's lifetime (closing it, or the driver's exit, sets the reaper off)."""
+    return subprocess.Popen([sys.executable, "-m", "ragen_mega.ray.reaper",
+                             *map(str, root_pids)], stdin=subprocess.PIPE,
+                            start_new_session=True)  # a Ctrl-C to the driver's group skips it
+
+
+def record(roots: list[int], seen: dict[int, float]) -> None:
+    """Add ``roots`` and their descendants that are running now to ``seen`` (pid -> start)."""
+    import psutil
+
+    for root in roots:
+        try:
+            top = psutil.Process(root)
+            for process in [top, *top.children(recursive=True)]:
+                seen.setdefault(process.pid, process.create_time())
+        except psutil.Error:  # gone meanwhile: what was recorded before stays
+            continue
+
+
+def kill_left(seen: dict[int, float]) -> list[int]:
+    """SIGKILL the recorded processes still running (same pid and start time); their pids."""
+    import psutil
+
+    killed = []
+    for pid, started in seen.items():
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() != started or process.status() == psutil.STATUS_ZOMBIE:
+                continue
+            process.kill()
+            killed.append(pid)
+        except psutil.Error:
+            continue
+    return killed
+
+
+def main(argv: list[str]) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    roots = [int(pid) for pid in argv]
+    driver_gone = threading.Event()
+
+    def wait_for_eof():
+        sys.stdin.buffer.read()  # returns when every writer (the driver) is gone
+        driver_gone.set()
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
+    seen: dict[int, float] = {}
+    while not driver_gone.wait(SNAPSHOT_EVERY_S):
+        record(roots, seen)
+    time.sleep(GRACE_S)
+    kill_left(seen)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
