@@ -254,7 +254,12 @@ def horizon(args) -> None:
     with tempfile.TemporaryDirectory(prefix="bench_horizon_") as tmp:
         hf_dir = bench_model(args.model, tmp)
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-        context = args.context or AutoConfig.from_pretrained(hf_dir).max_position_embeddings
+        model_context = AutoConfig.from_pretrained(hf_dir).max_position_embeddings
+        context = args.context or model_context
+        if context > model_context:
+            raise SystemExit(f"--context {context} is over the model's own context "
+                             f"(max_position_embeddings={model_context}): the engine refuses "
+                             f"longer prompts")
         sampling = {"temperature": 1.0, "max_new_tokens": args.new_tokens, "ignore_eos": True}
         spec = EpisodeSpec("crafter", {"max_steps": 10_000}, args.seed, 0, 0)
         with launch_server(hf_dir, dtype="float32", cpu_threads=args.cpu_threads or None,
