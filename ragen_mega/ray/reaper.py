@@ -82,7 +82,10 @@ def main(argv: list[str]) -> int:
     while not driver_gone.wait(SNAPSHOT_EVERY_S):
         record(roots, seen)
     time.sleep(GRACE_S)
-    kill_left(seen)
+    killed = kill_left(seen)
+    if killed:  # to the driver's stderr (inherited), for whoever reads its log
+        print(f"ragen_mega reaper: SIGKILLed {len(killed)} process(es) of the local Ray still "
+              f"running {GRACE_S:g} s after its driver ended: pids {killed}", file=sys.stderr)
     return 0
 
 
