@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from ragen_mega.ray.reaper import GRACE_S, start_reaper
+from ragen_mega.ray.reaper import GRACE_S, pin, record, start_reaper
 
 #: a "raylet" that starts a child which outlives it (as Ray's agents outlive their raylet)
 ROOT = ("import subprocess, sys, time\n"
@@ -48,3 +48,18 @@ def test_reaper_kills_what_it_saw_under_its_roots_once_the_driver_is_gone():
         outsider.wait()
         if reaper.poll() is None:
             reaper.kill()
+
+
+def test_a_root_whose_pid_was_reused_is_dropped_not_followed():
+    """A root pid that names another process now (its start time differs from the pinned one:
+    the root ended and the pid was reused, which a long run on a 32k pid space sees) must not
+    bring that process or its children into what the reaper kills."""
+
+    me = psutil.Process()
+    roots = {me.pid: me.create_time() - 1.0}  # "pinned" when an earlier process had this pid
+    seen: dict[int, float] = {}
+    record(roots, seen)
+    assert seen == {} and roots == {}
+    roots = pin([me.pid])
+    record(roots, seen)
+    assert seen[me.pid] == me.create_time()

@@ -38,16 +38,36 @@ def start_reaper(root_pids: list[int]) -> subprocess.Popen:
                             start_new_session=True)  # a Ctrl-C to the driver's group skips it
 
 
-def record(roots: list[int], seen: dict[int, float]) -> None:
-    """Add ``roots`` and their descendants that are running now to ``seen`` (pid -> start)."""
+def pin(roots: list[int]) -> dict[int, float]:
+    """Each root's start time (pid -> start), taken while the driver, which just started them,
+    still lives; a root already gone is left out."""
     import psutil
 
+    pinned = {}
     for root in roots:
         try:
+            pinned[root] = psutil.Process(root).create_time()
+        except psutil.Error:
+            continue
+    return pinned
+
+
+def record(roots: dict[int, float], seen: dict[int, float]) -> None:
+    """Add the pinned ``roots`` (pid -> start time) still running and their descendants to
+    ``seen`` (pid -> start). A root whose pid now names another process (a different start time:
+    the pid was reused after the root ended) is dropped, so nothing under it is ever recorded."""
+    import psutil
+
+    for root, started in list(roots.items()):
+        try:
             top = psutil.Process(root)
+            if top.create_time() != started:
+                raise psutil.NoSuchProcess(root)
             for process in [top, *top.children(recursive=True)]:
                 seen.setdefault(process.pid, process.create_time())
-        except psutil.Error:  # gone meanwhile: what was recorded before stays
+        except psutil.NoSuchProcess:
+            del roots[root]
+        except psutil.Error:  # e.g. a child that ended mid-walk: try again next time
             continue
 
 
@@ -70,7 +90,7 @@ def kill_left(seen: dict[int, float]) -> list[int]:
 
 def main(argv: list[str]) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    roots = [int(pid) for pid in argv]
+    roots = pin([int(pid) for pid in argv])
     driver_gone = threading.Event()
 
     def wait_for_eof():
