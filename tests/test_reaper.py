@@ -54,7 +54,6 @@ def test_a_root_whose_pid_was_reused_is_dropped_not_followed():
     """A root pid that names another process now (its start time differs from the pinned one:
     the root ended and the pid was reused, which a long run on a 32k pid space sees) must not
     bring that process or its children into what the reaper kills."""
-
     me = psutil.Process()
     roots = {me.pid: me.create_time() - 1.0}  # "pinned" when an earlier process had this pid
     seen: dict[int, float] = {}
