@@ -192,6 +192,23 @@ def test_prompt_limit_drops_oldest_turns_of_a_bounded_window(tok):
         build(memory_turns=2, max_prompt_tokens=10)
 
 
+@pytest.mark.parametrize("think, max_actions, answer", [
+    (False, 3, "<answer> Left || Right </answer>"),
+    (False, 1, "<answer> Left </answer>"),
+    (True, 5, "<think> [Your thoughts] </think> <answer> Left || Right </answer>"),
+])
+def test_example_answer_shows_the_envs_own_actions_only_when_asked(tok, think, max_actions, answer):
+    h = play(tok, AgentConfig(), [], ["P__G"], [], [None])
+    text = {}
+    for example in (False, True):
+        cfg = AgentConfig(think=think, max_actions_per_turn=max_actions, example_answer=example)
+        text[example] = PromptBuilder(tok, cfg, Corridor.instruction, Corridor.valid_actions).build(h).text
+    rules = (RULES_THINK if think else RULES_ANSWER).replace("\n", "")
+    assert rules in text[False] and "Left || Right </answer>" not in text[False]
+    assert text[True] == text[False].replace(
+        rules, f"Always output: {answer} (with your own actions) with no extra text. Strictly follow this format.")
+
+
 @pytest.mark.parametrize("kwargs, error, field", [
     ({"think": "yes"}, TypeError, "think"),
     ({"max_actions_per_turn": 0}, ValueError, "max_actions_per_turn"),
@@ -204,6 +221,7 @@ def test_prompt_limit_drops_oldest_turns_of_a_bounded_window(tok):
     ({"memory_turns": -1}, ValueError, "memory_turns"),
     ({"include_thoughts_in_memory": 1}, TypeError, "include_thoughts_in_memory"),
     ({"max_prompt_tokens": 0}, ValueError, "max_prompt_tokens"),
+    ({"example_answer": "yes"}, TypeError, "example_answer"),
 ])
 def test_config_errors_name_the_field(kwargs, error, field):
     with pytest.raises(error, match=rf"AgentConfig\.{field} "):

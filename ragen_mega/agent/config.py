@@ -34,11 +34,17 @@ class AgentConfig:
     #: newline, or the model's own end of turn (not a cut at max_new_tokens). Small models rarely
     #: close the tag within a few tokens; this reads what they meant without guessing.
     answer_line: bool = False
+    #: the format rule shows an example answer made of the env's own first action words
+    #: (``<answer> Left || Down </answer>``) instead of ``[your answer]``, as RAGEN's FrozenLake
+    #: prompt shows one. A small model that copies the placeholder or the grid starts writing
+    #: actions with it; the example is also a prior on the moves, so it is off unless asked for.
+    example_answer: bool = False
 
     def __post_init__(self):
         _check_bool("think", self.think)
         _check_bool("include_thoughts_in_memory", self.include_thoughts_in_memory)
         _check_bool("answer_line", self.answer_line)
+        _check_bool("example_answer", self.example_answer)
         if self.answer_line and self.think:
             raise ValueError("AgentConfig.answer_line is for answer-only mode; set think=false")
         _check_int("max_actions_per_turn", self.max_actions_per_turn, minimum=1)

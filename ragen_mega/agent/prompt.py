@@ -55,10 +55,17 @@ def system_prompt(config: AgentConfig) -> str:
     return f"You're a helpful assistant. You are playing a text game, one turn at a time. {rule}"
 
 
-def format_hint(config: AgentConfig) -> str:
+def format_hint(config: AgentConfig, valid_actions: Sequence[str] = ()) -> str:
+    """The response format the rules line asks for. With ``config.example_answer`` the answer
+    is an example made of the env's first (up to two) action words instead of a placeholder:
+    SmolLM2-135M copies ``[your answer]`` or the grid, but writes ``Left || Down`` after seeing
+    one (FrozenLake, 32 samples at temperature 1: 3 valid first actions against 0)."""
+    answer = "[your answer]"
+    if config.example_answer and valid_actions:
+        answer = f" {config.action_sep} ".join(list(valid_actions)[:min(2, config.max_actions_per_turn)])
     if config.think:
-        return "<think> [Your thoughts] </think> <answer> [your answer] </answer>"
-    return "<answer> [your answer] </answer>"
+        return f"<think> [Your thoughts] </think> <answer> {answer} </answer>"
+    return f"<answer> {answer} </answer>"
 
 
 @dataclass
@@ -109,7 +116,9 @@ class PromptBuilder:
         self._head = (f"{instruction.strip()}\nYour available actions are:\n{', '.join(valid_actions)}\n"
                       f"You can take up to {config.max_actions_per_turn} action(s) per turn, "
                       f"separated by the action separator \" {config.action_sep} \".\n")
-        self._rules = f"Always output: {format_hint(config)} with no extra text. Strictly follow this format.\n"
+        own = " (with your own actions)" if config.example_answer else ""
+        self._rules = (f"Always output: {format_hint(config, valid_actions)}{own} with no extra text. "
+                       f"Strictly follow this format.\n")
         # The template pieces of the last prompt, tokenized: the text between two sampled
         # responses never changes once written, so the next turn tokenizes only its new piece(s),
         # not the whole chat again (SmolLM2, Sokoban: build 0.7 -> 0.2 ms per turn at turn 5,
