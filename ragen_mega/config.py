@@ -380,6 +380,11 @@ class ActorConfig(ModelTrainingConfig):
     entropy_coeff: float = 0.0
     kl_coef: float = 0.0                # 0 = no KL term and no reference model
     kl_kind: KlKind = "low_var_kl"
+    #: truncated importance sampling: each token's PPO loss is weighted by
+    #: min(exp(old - engine log-prob), tis_cap), the engine's sampled log-probs taken as the
+    #: behaviour policy (verl's tis_imp_ratio_cap, slime's --use-tis; slime caps at 2). None: off.
+    #: trainer.async_rollout needs it: its samples come from weights one version older.
+    tis_cap: float | None = None
 
     def validate(self):
         super().validate()
@@ -396,6 +401,8 @@ class ActorConfig(ModelTrainingConfig):
             bad("kl_coef", "must be >= 0 (0 disables the KL term)")
         if self.kl_kind not in KL_KINDS:
             bad("kl_kind", f"must be one of {KL_KINDS}")
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            bad("tis_cap", "must be > 0 (slime uses 2) or None to turn the IS correction off")
         return self
 
 
@@ -436,6 +443,12 @@ class TrainerConfig:
     eval_every: int = 0          # 0 = never
     resume: str = "auto"         # auto | never | a checkpoint directory
     colocate: bool = False
+    #: overlap: step k+1's rollout plays on the engines while the trainer trains on step k's
+    #: samples, so a step costs about max(rollout, train) instead of their sum; the engines get
+    #: step k's weights at the next boundary, so every sample after the first step's is one
+    #: version stale (rollout/weight_staleness), corrected by actor.tis_cap (slime's and verl's
+    #: off-policy rollouts). Episodes mode, separate engines (not colocate) only.
+    async_rollout: bool = False
     ray_address: Optional[str] = None   # None: start a private local Ray; "auto" on clusters
     data_parallel: int = 1       # replicas of the actor and of the critic (each TP x PP ranks)
     sync_bucket_mb: int = 512    # weight-sync bucket size (slime's default)
@@ -490,10 +503,32 @@ class RunConfig:
                               f"{self.rollout.temperature}")
         if self.rollout.mode == "turns":
             self._validate_turns_mode()
+        if self.trainer.async_rollout:
+            self._validate_async_rollout()
         if self.algo.adv_estimator == "grpo" and self.env.group_size < 2:
             raise ConfigError("env.group_size: grpo compares episodes within a group, so it "
                               f"needs group_size >= 2, got {self.env.group_size}")
 
+
+    def _validate_async_rollout(self):
+        """What an overlapped rollout rules out or needs (``trainer.async_rollout``)."""
+        if self.trainer.colocate:
+            raise ConfigError("trainer.async_rollout: overlapping rollout and training needs "
+                              "separate engines; colocated ones hand their devices to the "
+                              "trainer (set trainer.colocate=false)")
+        if self.rollout.mode != "episodes":
+            raise ConfigError("trainer.async_rollout: needs rollout.mode=episodes (streamed "
+                              "windows are not overlapped yet), got "
+                              f"{self.rollout.mode!r}")
+        if self.algo.use_rollout_logprobs:
+            raise ConfigError("algo.use_rollout_logprobs: with trainer.async_rollout the "
+                              "engine's log-probs are one version stale; set it false so the "
+                              "actor recomputes the old log-probs and the engine's enter as "
+                              "the truncated IS weight (actor.tis_cap)")
+        if self.actor.tis_cap is None:
+            raise ConfigError("actor.tis_cap: trainer.async_rollout trains on samples one "
+                              "weight version stale and needs the truncated IS correction; "
+                              "set actor.tis_cap (slime uses 2)")
 
     def _validate_turns_mode(self):
         """What streamed steps rule out: their episodes are mostly unfinished, so no estimator

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ragen_mega.algo.losses import (AGG_MODES, aggregate, highlight_first_tokens, kl_penalty,
-                                    loss_normalizer, policy_loss, value_loss)
+                                    loss_normalizer, policy_loss, truncated_is_weights,
+                                    value_loss)
 
 
 def _one_token(ratio: float, adv: float):
@@ -77,6 +78,34 @@ def test_policy_loss_gradient_is_zero_exactly_where_clipping_is_active():
             assert g == 0.0, f"case {i} is clipped but has gradient {g}"
         else:  # d(-A * exp(logp)) / dlogp = -A * r
             assert g == pytest.approx(-a * r, abs=1e-5), f"case {i}"
+
+
+def test_truncated_is_weights_hand_values_and_their_place_in_the_loss():
+    """min(exp(old - behaviour), cap) per token, then each token's clipped PPO loss times it."""
+    old = torch.tensor([[0.0, 0.0, math.log(3.0), -1.0]])
+    behaviour = torch.tensor([[0.0, math.log(2.0), 0.0, -1.5]])
+    weights = truncated_is_weights(old, behaviour, cap=2.0)
+    # exp(0) = 1; exp(-log 2) = 0.5; exp(log 3) = 3 -> capped at 2; exp(0.5)
+    assert weights.tolist()[0] == pytest.approx([1.0, 0.5, 2.0, math.exp(0.5)], abs=1e-6)
+    assert not weights.requires_grad
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        truncated_is_weights(old, behaviour, cap=0.0)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        truncated_is_weights(old, behaviour[:, :3], cap=2.0)
+
+    ratios = torch.tensor([[1.10, 1.50, 0.50, 5.00]])  # PPO_CASES' clipped losses, weighted
+    advs = torch.tensor([[1.0, 1.0, -1.0, -1.0]])
+    logp = ratios.log().requires_grad_(True)
+    loss, m = policy_loss(logp, torch.zeros_like(logp), advs, torch.ones_like(advs),
+                          is_weights=weights)
+    per_token = [-1.10 * 1.0, -1.28 * 0.5, 0.80 * 2.0, 3.00 * math.exp(0.5)]
+    assert loss.item() == pytest.approx(sum(per_token) / 4, abs=1e-5)
+    loss.backward()  # the weights scale the gradient of the unclipped token only (1.10, +1)
+    assert logp.grad.tolist()[0] == pytest.approx([-1.10 * 1.0 / 4, 0.0, 0.0, 0.0], abs=1e-6)
+    # metrics describe the ratio, not the weights
+    assert m["clip_frac"].item() == pytest.approx(2 / 4)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        policy_loss(logp, logp.detach(), advs, torch.ones_like(advs), is_weights=weights[:, :2])
 
 
 def test_policy_loss_ignores_masked_tokens_and_rejects_bad_input():

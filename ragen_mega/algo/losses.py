@@ -125,7 +125,8 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
                 mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.28,
                 clip_ratio_c: float | None = 3.0, agg: str = "token-mean",
                 normalizer: torch.Tensor | float | None = None,
-                horizon: int | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                horizon: int | None = None, is_weights: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017) with the StarPO-S / DAPO decoupled clip.
 
     Per token, with ``r = exp(logprobs - old_logprobs)`` and advantage ``A``::
@@ -142,6 +143,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
 
     Where a clip is active the loss is constant in ``logprobs``, so those tokens get exactly zero
     gradient (tested).
+
+    ``is_weights`` (:func:`truncated_is_weights`) multiply each token's clipped loss, as verl
+    applies its truncated IS ratio: behaviour-policy correction for stale samples.
 
     Returns ``(loss, metrics)``; metrics are detached scalar tensors, token-means over ``mask``
     on this micro-batch (no ``.item()``: the caller decides when to sync and how to reduce):
@@ -175,6 +179,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         loss_mat = torch.where(dual_active, cap, loss_mat)
     else:
         dual_active = torch.zeros_like(negative)
+    if is_weights is not None:
+        _check_same_shape(loss_mat=loss_mat, is_weights=is_weights)
+        loss_mat = loss_mat * is_weights
 
     loss = aggregate(loss_mat, mask, agg, normalizer=normalizer, horizon=horizon)
 
@@ -191,6 +198,23 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             "ratio_mean": masked_mean(ratio, fmask),
         }
     return loss, metrics
+
+
+def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor,
+                         cap: float) -> torch.Tensor:
+    """Per-token truncated importance weights ``min(exp(old - behaviour), cap)`` (Espeholt et al.
+    2018's truncation; verl's ``tis_imp_ratio_cap``, slime's ``--use-tis``), detached.
+
+    ``behaviour_logprobs`` are the engine's at sampling time, ``old_logprobs`` the actor's
+    recomputed ones (the PPO proximal policy). When the samples are a weight version stale
+    (``trainer.async_rollout``) the two differ, and the weight turns the PPO loss, an
+    expectation under the proximal policy, back into one under the policy that sampled. The cap
+    bounds the variance a token the engine found unlikely would bring."""
+    _check_same_shape(old_logprobs=old_logprobs, behaviour_logprobs=behaviour_logprobs)
+    if not cap > 0:
+        raise ValueError(f"truncated IS cap must be > 0, got {cap}")
+    log_ratio = (old_logprobs - behaviour_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    return torch.exp(log_ratio).clamp(max=cap).detach()
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "low_var_kl"

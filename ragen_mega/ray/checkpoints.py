@@ -133,12 +133,14 @@ def data_cursor(cfg: RunConfig) -> dict:
 
 
 def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | None,
-         streams: dict | None = None) -> None:
+         streams: dict | None = None, pending=None) -> None:
     """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete.
-    ``streams``: the env streams' state after ``step`` (turns mode), kept in the extra state."""
+    ``streams``: the env streams' state after ``step`` (turns mode); ``pending``: the rollout of
+    step ``step + 1`` already played (``trainer.async_rollout``, a ``driver.PlayedStep``); both
+    kept in the extra state."""
     root = checkpoint_root(cfg.trainer.run_dir)
     extra = {"step": step, "data_cursor": data_cursor(cfg), "rng": rng_states(),
-             "streams": streams}
+             "streams": streams, "pending_rollout": pending}
     actor.save_checkpoint(str(root / "actor"), step, extra)
     if critic is not None:
         critic.save_checkpoint(str(root / "critic"), step, extra)
@@ -146,20 +148,21 @@ def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | 
 
 
 def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
-           ) -> tuple[int, dict | None]:
+           ) -> tuple[int, dict | None, object | None]:
     """The step to continue after (0 = fresh start), loading its checkpoints and RNG states,
-    and the env streams' state saved with it (None: a fresh start or an episodes-mode run).
+    the env streams' state saved with it (None: a fresh start or an episodes-mode run) and the
+    next step's rollout played before the save (None unless ``trainer.async_rollout``).
 
     ``trainer.resume``: ``auto`` (the newest complete step, if any), ``never``, or a directory
     holding ``actor/`` (and ``critic/``) checkpoints."""
     mode = cfg.trainer.resume
     if mode == "never":
-        return 0, None
+        return 0, None, None
     if mode == "auto":
         discard_incomplete(cfg.trainer.run_dir)
         step = newest_intact_step(cfg.trainer.run_dir, critic is not None)
         if step is None:
-            return 0, None
+            return 0, None, None
         actor_dir, critic_dir = (step_dir(cfg.trainer.run_dir, role, step)
                                  for role in ("actor", "critic"))
     else:
@@ -176,4 +179,10 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
         warnings.warn(f"trainer.resume: step {step}'s checkpoint was written with "
                       f"{', '.join(changed)}; the resumed steps will not replay the "
                       f"uninterrupted run's")
-    return step, extra.get("streams")
+    pending = extra.get("pending_rollout")
+    if pending is not None and not cfg.trainer.async_rollout:
+        warnings.warn(f"trainer.resume: step {step}'s checkpoint holds step {step + 1}'s "
+                      f"rollout, played during step {step} (trainer.async_rollout was on); "
+                      f"with it off now, step {step + 1} is played again")
+        pending = None
+    return step, extra.get("streams"), pending

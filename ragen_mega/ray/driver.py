@@ -33,6 +33,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,6 +67,17 @@ if TYPE_CHECKING:
 
 
 @dataclasses.dataclass
+class PlayedStep:
+    """One step's rollout, ready to train on: its samples, ``rollout/*`` metrics, seconds, the
+    step's fault counters, and (``rollout.mode=turns``) the window it came from."""
+    samples: list[Sample]
+    metrics: dict[str, float]
+    rollout_s: float
+    faults: FaultCounters
+    window: Window | None = None
+
+
+@dataclasses.dataclass
 class Run:
     """The placed pieces of a run; whatever is not None yet is stopped by :meth:`shutdown`."""
     cfg: RunConfig
@@ -79,6 +91,11 @@ class Run:
     env_workers: EnvWorkerGroup | None = None   # None: the envs live in the driver
     streams: EnvStreams | None = None   # rollout.mode=turns: the env streams (open_streams)
     weight_version: int = 0   # what the engines serve (a restarted engine is brought to it)
+    #: trainer.async_rollout: the next step's rollout, played while this step trained (and
+    #: saved with the step's checkpoint, so a resumed run trains on exactly these samples)
+    pending: PlayedStep | None = None
+    _overlap: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="rollout"))
 
     def shutdown(self) -> None:
         """Stop what this run started: trainer actors first (the actor closes its weight-update
@@ -88,6 +105,7 @@ class Run:
 
         with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
             stack.callback(remove_placement_group, self.placement_group)
+            stack.callback(self._overlap.shutdown, cancel_futures=True)
             if self.env_workers is not None:
                 stack.callback(self.env_workers.kill)
             if self.engines is not None:
@@ -212,20 +230,37 @@ class Run:
         return seeded_generate(self.engines.generate, self.cfg.trainer.seed,
                                "eval" if evaluate else "train", step, episode_id)
 
-    def train_step(self, step: int) -> dict[str, float]:
-        cfg, metrics = self.cfg, {}
-        t0 = time.perf_counter()
+    def play(self, step: int) -> PlayedStep:
+        """Step ``step``'s rollout with the weights the engines serve now (episodes mode, or
+        the streams' window), its samples stamped with that weight version."""
         faults = self.fault_counters(step)
-        window = None
+        version = self.weight_version
         if self.streams is None:
             episodes, rollout_s = self.rollout(step, faults=faults)
-            metrics.update(summarize(episodes, "rollout"))
-            played = [s for e in episodes for s in e.samples]
-        else:
-            window, rollout_s = self.stream_rollout(step, faults)
-            metrics.update(summarize_window(window.samples, window.finished, "rollout",
-                                            trained_version=step - 1))
-            played = window.samples
+            samples = [s for e in episodes for s in e.samples]
+            for sample in samples:
+                sample.weight_version = version
+            return PlayedStep(samples, summarize(episodes, "rollout"), rollout_s, faults)
+        window, rollout_s = self.stream_rollout(step, faults)
+        return PlayedStep(window.samples, summarize_window(
+            window.samples, window.finished, "rollout", trained_version=step - 1), rollout_s,
+            faults, window)
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Play (or, ``trainer.async_rollout``, take the rollout played during the previous
+        step's training), filter, train, sync. With ``async_rollout`` the next step's rollout
+        plays on the engines while this step trains, and is waited for before the sync."""
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        current, self.pending = self.pending or self.play(step), None
+        window, faults, rollout_s = current.window, current.faults, current.rollout_s
+        played, metrics = current.samples, dict(current.metrics)
+        next_rollout = None
+        if cfg.trainer.async_rollout:
+            metrics["rollout/weight_staleness"] = sum(
+                step - 1 - s.weight_version for s in played) / len(played)
+            if step < cfg.trainer.total_steps:
+                next_rollout = self._overlap.submit(self.play, step + 1)
         if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
             self.engines.release_memory()
         samples, filter_metrics = filter_groups(played, cfg.filter.ratio, cfg.filter.mode,
@@ -270,6 +305,10 @@ class Run:
                 faults.record("updates_skipped", int(metrics[f"{role}/updates_skipped"]),
                               role=role, reason="NaN or inf in the loss or the gradients")
         t2 = time.perf_counter()
+        if next_rollout is not None:  # the engines must be idle before new weights go in
+            self.pending = next_rollout.result()
+            metrics["time/rollout_wait_s"] = time.perf_counter() - t2
+        t_sync = time.perf_counter()
         metrics.update(self.sync_weights(step))
         t3 = time.perf_counter()
         if cfg.trainer.check_weight_sync:
@@ -277,7 +316,7 @@ class Run:
                                                                 self.tokenizer)
         tokens = int(train["attention_mask"].sum())
         metrics.update({"time/rollout_s": rollout_s, "time/train_s": t2 - t1,
-                        "time/sync_s": t3 - t2, "time/step_s": t3 - t0,
+                        "time/sync_s": t3 - t_sync, "time/step_s": t3 - t0,
                         "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
                         "train/batch_samples": float(len(samples)),
                         "train/batch_tokens": float(tokens),
@@ -400,7 +439,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     under way is finished and saved, then :class:`~ragen_mega.ray.preemption.Preempted`."""
     t, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
     history = []
-    start, saved_streams = checkpoints.resume(cfg, run.actor, run.critic)
+    start, saved_streams, run.pending = checkpoints.resume(cfg, run.actor, run.critic)
     if cfg.rollout.mode == "turns":
         run.open_streams(saved_streams)
     run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
@@ -421,7 +460,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         if last or stop.requested or (t.save_every and step % t.save_every == 0):
             checkpoints.save(cfg, step, run.actor, run.critic,
                              streams=run.streams.state_dict() if cfg.rollout.mode == "turns"
-                             else None)
+                             else None, pending=run.pending)
         if stop.requested and not last:
             raise preemption.Preempted(stop.signal_name, step)
     return history

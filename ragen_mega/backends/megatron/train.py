@@ -42,7 +42,8 @@ import torch
 import torch.distributed as dist
 
 from ragen_mega.algo.losses import (aggregate, highlight_first_tokens, kl_penalty,
-                                    loss_normalizer, policy_loss, value_loss)
+                                    loss_normalizer, policy_loss, truncated_is_weights,
+                                    value_loss)
 from ragen_mega.backends.megatron import checkpoint as ckpt
 from ragen_mega.backends.megatron.cpu_compat import cuda_tensor_type_names
 from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_values,
@@ -360,7 +361,8 @@ class MegatronTrainer:
         Returns global metrics (same on every rank), under verl's names where verl has the
         quantity: loss, pg_loss, entropy (token-mean), kl_loss, pg_clipfrac (either ratio clip
         active), pg_clipfrac_ratio_high / _ratio_low (each side alone), pg_clipfrac_lower (the
-        dual clip active: verl's name), ppo_kl (k1 KL old -> new), grad_norm, lr,
+        dual clip active: verl's name), ppo_kl (k1 KL old -> new), tis_weight / tis_clipfrac
+        (``tis_cap`` set: mean truncated IS weight, share of tokens at the cap), grad_norm, lr,
         update_successful, ppo_updates, updates_skipped, updates_skipped_in_row, padding_frac."""
         if self.role != "actor":
             raise RuntimeError("train_actor needs role='actor'")
@@ -373,20 +375,26 @@ class MegatronTrainer:
             if "ref_logprobs" not in batch:
                 batch = {**batch, "ref_logprobs": self.compute_ref_logprobs(batch)}
             keys += ("ref_logprobs",)
+        if c.tis_cap is not None:
+            keys += ("rollout_logprobs",)
         _check_batch(batch, keys, "train_actor")
         batch = _to_device(batch)
         microbatches, normalizer, global_tokens, width, padding = self._microbatches(batch, keys)
         scale = self._scale(len(microbatches))
         agg = dict(mode=c.loss_agg_mode, normalizer=normalizer, horizon=c.loss_horizon or width)
         names = ("loss", "pg_loss", "entropy", "kl_loss", "pg_clipfrac", "pg_clipfrac_ratio_high",
-                 "pg_clipfrac_ratio_low", "pg_clipfrac_lower", "ppo_kl")
+                 "pg_clipfrac_ratio_low", "pg_clipfrac_lower", "ppo_kl") + (
+                     ("tis_weight", "tis_clipfrac") if c.tis_cap is not None else ())
 
         def loss_fn(outputs, mb):
             mask = mb["loss_mask"]
             logprobs, entropy = outputs["logprobs"], outputs["entropy"]
+            weights = None if c.tis_cap is None else truncated_is_weights(
+                mb["old_logprobs"], mb["rollout_logprobs"], c.tis_cap)
             pg, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
                                 c.clip_ratio_low, c.clip_ratio_high, c.clip_ratio_c,
-                                agg=agg["mode"], normalizer=normalizer, horizon=agg["horizon"])
+                                agg=agg["mode"], normalizer=normalizer, horizon=agg["horizon"],
+                                is_weights=weights)
             loss = pg
             if c.entropy_coeff:
                 loss = loss - c.entropy_coeff * aggregate(entropy, mask, **agg)
@@ -400,7 +408,9 @@ class MegatronTrainer:
                     loss, pg, (entropy * mask).sum() / global_tokens, kl,
                     m["clip_frac"] * share, m["clip_frac_upper"] * share,
                     m["clip_frac_lower"] * share, m["dual_clip_frac"] * share,
-                    m["approx_kl"] * share]).detach().float()
+                    m["approx_kl"] * share] + ([] if weights is None else [
+                        (weights * mask).sum() / global_tokens,
+                        ((weights >= c.tis_cap) * mask).sum() / global_tokens])).detach().float()
             return loss * scale, {"stats": stats}
 
         return {**self._step(microbatches, loss_fn, names), "padding_frac": padding}
