@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 
+from conftest import readme_scalars
 from ragen_mega.config import load_run_config
 from ragen_mega.ray import driver
 from ragen_mega.ray.trainer_group import TrainerGroup
@@ -30,7 +32,7 @@ def _timed(monkeypatch, cls, name: str, events: list, label):
 
 def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
         tiny_run_overrides, tmp_path, private_ray, monkeypatch):
-    """Three overlapped steps (actor TP=2 + critic, weight-sync check after every step), then
+    """Three overlapped steps (actor and critic, GAE; weight-sync check after every step), then
     step 3 again from step 2's checkpoint.
 
     - Overlap: step k+1's rollout starts before step k's actor update ends.
@@ -44,8 +46,11 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
     events: list = []
     _timed(monkeypatch, driver.Run, "play", events, lambda run, step: ("play", step))
     _timed(monkeypatch, TrainerGroup, "train", events, lambda group, batch: ("train", group.role))
+    # unwhitened advantages: the tiny model's constant rewards minus the fresh critic's values
+    # move the actor from step 1 on (whitened, they are all 0 until the critic has trained)
     overrides = tiny_run_overrides(tmp_path, 3) + ["trainer.async_rollout=true",
-                                                   "actor.tis_cap=2.0"]
+                                                   "actor.tis_cap=2.0", "actor.tp=1",
+                                                   "algo.whiten_advantages=false"]
     straight = driver.train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in straight] == [1, 2, 3]
 
@@ -59,12 +64,18 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
     first, *later = straight
     assert first["train/rollout_vs_trainer_logprob_diff"] < 1e-5
     assert math.isclose(first["actor/tis_weight"], 1.0, abs_tol=1e-5)
+    print("engine vs trainer log-prob diff, tis weight by step:",
+          [(h["train/rollout_vs_trainer_logprob_diff"], h["actor/tis_weight"]) for h in straight])
     for h in later:
         assert h["train/rollout_vs_trainer_logprob_diff"] > 1e-4, h
         assert abs(h["actor/tis_weight"] - 1.0) > 1e-5, h
     for h in straight:
         assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
     assert "time/rollout_wait_s" in straight[1] and "time/rollout_wait_s" not in straight[2]
+    documented = readme_scalars()  # README's table names the overlapped step's scalars too
+    for key in set(straight[1]) - {"step"}:
+        generic = re.sub(r"^rollout/bandit/", "rollout/<tag>/", re.sub(r"pass@\d+", "pass@k", key))
+        assert generic in documented or re.sub(r"/<tag>/", "/", generic) in documented, key
 
     ckpt = tmp_path / "checkpoints"
     for role in ("actor", "critic"):

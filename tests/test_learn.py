@@ -107,6 +107,9 @@ def test_eval_of_learned_checkpoint(one_turn_run, learn_setup, tmp_path):
     acc.Reload()
     [step0] = [e for e in acc.Scalars("val/success") if e.step == 0]
     assert base["success"] == pytest.approx(step0.value)
+    # metrics.jsonl (what `ragen-mega plot` draws) starts with the same step-0 evaluation
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["val/success"] == pytest.approx(step0.value)
     print("eval: start model", base["success"], "trained", trained["success"])
     assert trained["success"] >= base["success"] + 0.3
 

@@ -30,10 +30,11 @@ import dataclasses
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -94,8 +95,6 @@ class Run:
     #: trainer.async_rollout: the next step's rollout, played while this step trained (and
     #: saved with the step's checkpoint, so a resumed run trains on exactly these samples)
     pending: PlayedStep | None = None
-    _overlap: ThreadPoolExecutor = dataclasses.field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="rollout"))
 
     def shutdown(self) -> None:
         """Stop what this run started: trainer actors first (the actor closes its weight-update
@@ -105,7 +104,6 @@ class Run:
 
         with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
             stack.callback(remove_placement_group, self.placement_group)
-            stack.callback(self._overlap.shutdown, cancel_futures=True)
             if self.env_workers is not None:
                 stack.callback(self.env_workers.kill)
             if self.engines is not None:
@@ -260,7 +258,7 @@ class Run:
             metrics["rollout/weight_staleness"] = sum(
                 step - 1 - s.weight_version for s in played) / len(played)
             if step < cfg.trainer.total_steps:
-                next_rollout = self._overlap.submit(self.play, step + 1)
+                next_rollout = _in_background(self.play, step + 1)
         if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
             self.engines.release_memory()
         samples, filter_metrics = filter_groups(played, cfg.filter.ratio, cfg.filter.mode,
@@ -344,6 +342,21 @@ class Run:
     def evaluate(self) -> dict[str, float]:
         episodes, seconds = self.rollout(0, evaluate=True)
         return {**summarize(episodes, "val"), "time/eval_s": seconds}
+
+
+def _in_background(fn, *args) -> Future:
+    """``fn(*args)`` on a daemon thread; its result (or exception) in the returned future. A
+    daemon: if the step fails while an overlapped rollout is in flight, the run's teardown
+    stops the engines under it and the driver can exit without waiting for it."""
+    future: Future = Future()
+
+    def work():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+    threading.Thread(target=work, name="overlapped-rollout", daemon=True).start()
+    return future
 
 
 @contextlib.contextmanager
@@ -443,8 +456,10 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     if cfg.rollout.mode == "turns":
         run.open_streams(saved_streams)
     run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
-    if start == 0 and t.eval_every:
-        logger.log(0, run.evaluate())
+    if start == 0 and t.eval_every:  # step 0: the start weights, the base of every curve
+        metrics = run.evaluate()
+        logger.log(0, metrics)
+        _append_metrics(run_dir, 0, metrics)
     for step in range(start + 1, t.total_steps + 1):
         if stop.requested:  # signalled before the first step: the resumed checkpoint is newest
             raise preemption.Preempted(stop.signal_name, start)
@@ -453,8 +468,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
             metrics.update(run.evaluate())
         logger.log(step, metrics)
         history.append({"step": step, **metrics})
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        _append_metrics(run_dir, step, metrics)
         check_skipped_updates(metrics, t.max_skipped_updates_in_row)  # before saving this step
         last = step == t.total_steps
         if last or stop.requested or (t.save_every and step % t.save_every == 0):
@@ -464,6 +478,12 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         if stop.requested and not last:
             raise preemption.Preempted(stop.signal_name, step)
     return history
+
+
+def _append_metrics(run_dir: Path, step: int, metrics: dict[str, float]) -> None:
+    """One line of ``RUN_DIR/metrics.jsonl`` (what ``ragen-mega plot`` reads)."""
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
