@@ -1,5 +1,6 @@
 """Resume equivalence: a run killed after step k and resumed with
-``trainer.resume=auto`` reproduces the uninterrupted run's step k+1 metrics.
+``trainer.resume=auto`` reproduces the uninterrupted run's step k+1 metrics. The straight run
+is also the suite's check of a whole synchronous run (:func:`check_whole_run`).
 
 What makes it possible: a step's env seeds are a function of the step (the data cursor), and with
 ``rollout.seeded`` every request carries a sampling seed derived from (run seed, step, episode,
@@ -12,16 +13,19 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import shutil
 import struct
 
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ragen_mega.backends.sglang.client import AsyncEngineClient
 from ragen_mega.backends.sglang.seeded_sampling import murmur_hash32_torch
 from ragen_mega.backends.sglang.server import launch_server
+from conftest import readme_scalars
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import driver
+from ragen_mega.ray import checkpoints, driver
 
 DEMO = "examples/bandit_cpu_demo.yaml"
 
@@ -127,6 +131,7 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     overrides = tiny_run_overrides(tmp_path, 3) + ["critic.warmup_steps=2"]
     straight = driver.train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in straight] == [1, 2, 3]
+    check_whole_run(straight, tmp_path)
 
     ckpt = tmp_path / "checkpoints"
     assert [h["train/actor_frozen"] for h in straight] == [1.0, 1.0, 0.0]
@@ -160,3 +165,36 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     assert not diffs, json.dumps(diffs, indent=1)
     # the equality is not that of a constant: step 3 is not step 2 over again
     assert got["critic/vf_loss"] != straight[1]["critic/vf_loss"]
+    assert got["sync/max_logprob_diff"] < 1e-3
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 3]  # the resumed step 3 is appended; nothing else is rewritten
+
+
+def check_whole_run(history: list[dict], run_dir) -> None:
+    """What every synchronous run of the loop must show: engines serving the trainer's weights
+    after each sync, trainer and engine log-probs equal (fp32 both sides), verl's scalar names
+    in TensorBoard and every scalar in README's table, one checkpoint per step under one
+    pointer."""
+    for h in history:
+        assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
+        assert h["weight_version"] == h["step"]
+        assert h["train/rollout_vs_trainer_logprob_diff"] < 1e-3
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    for tag in ("rollout/success", "rollout/reward_mean", "actor/pg_loss", "actor/grad_norm",
+                "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl",
+                "critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean", "filter/kept_groups",
+                "filter/in_group_std", "time/rollout_s", "sync/seconds"):
+        assert tag in tags, f"missing scalar {tag}"
+    for tag in tags:
+        assert all(math.isfinite(e.value) for e in acc.Scalars(tag)), tag
+    documented = readme_scalars()  # per-env-tag copies are documented as rollout/<tag>/...
+    for tag in tags:
+        generic = re.sub(r"^val/", "rollout/", re.sub(r"pass@\d+", "pass@k", tag))
+        generic = re.sub(r"^rollout/bandit/", "rollout/<tag>/", generic)
+        assert generic in documented or re.sub(r"/<tag>/", "/", generic) in documented, tag
+    assert checkpoints.latest_complete_step(run_dir) == len(history)
+    for role in ("actor", "critic"):
+        assert sorted(p.name for p in (run_dir / "checkpoints" / role).iterdir()) == [
+            f"step_{h['step']}" for h in history]
