@@ -312,8 +312,10 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                    stdin=subprocess.DEVNULL, start_new_session=True,
                                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        # O_APPEND: this line and the server's output never overwrite each other
-        log.write(f"[ragen-mega] SGLang server pid {process.pid}: {' '.join(cmd)}\n".encode())
+        # O_APPEND: this line and the server's output never overwrite each other. It starts
+        # with a newline: a previous server's last output may end mid-line (nanobind's leak
+        # report at exit has no newline), and the pid line must begin a line of its own
+        log.write(f"\n[ragen-mega] SGLang server pid {process.pid}: {' '.join(cmd)}\n".encode())
     server = EngineServer(process=process, url=f"http://{host}:{port}", log_file=log_file,
                           command=cmd)
     atexit.register(server.shutdown)  # never leave a server behind when the caller crashes
