@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import re
 import signal
@@ -266,6 +267,31 @@ def server_killed_under_first_request(engines, pid: int):
         yield
     finally:
         del engines.generate
+
+
+def undocumented_scalars(keys, tags: tuple[str, ...] = ()) -> list[str]:
+    """The metric ``keys`` README's table does not name; per-env-tag copies (``rollout/<tag>/``
+    for each of ``tags``, ``val/`` as ``rollout/``, ``pass@k``) count as their generic row."""
+    documented = readme_scalars()
+    missing = []
+    for key in set(keys) - {"step"}:
+        generic = re.sub(r"^val/", "rollout/", re.sub(r"pass@\d+", "pass@k", key))
+        for tag in tags:
+            generic = re.sub(rf"^rollout/{re.escape(tag)}/", "rollout/<tag>/", generic)
+        if generic not in documented and re.sub(r"/<tag>/", "/", generic) not in documented:
+            missing.append(key)
+    return sorted(missing)
+
+
+def resumed_step_diffs(want: dict, got: dict, tol: float = 1e-4) -> dict:
+    """Where a resumed step's metrics differ from the uninterrupted run's: exact equality but
+    for wall-clock times and the engine's own log-probs (the CPU engine is not batch-invariant
+    to ~2e-5), which get ``tol``."""
+    engine_logprobs = {"train/rollout_vs_trainer_logprob_diff", "sync/max_logprob_diff"}
+    return {k: (want[k], got[k]) for k in want
+            if not k.startswith("time/") and k != "sync/seconds"
+            and not (math.isclose(got[k], want[k], rel_tol=0, abs_tol=tol)
+                     if k in engine_logprobs else got[k] == want[k])}
 
 
 def readme_scalars() -> set[str]:

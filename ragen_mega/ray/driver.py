@@ -52,7 +52,7 @@ from ragen_mega.rollout.episode import (Episode, GenerateFn, mix_specs, run_epis
                                         train_step_specs)
 from ragen_mega.rollout.faults import (FaultCounters, check_skipped_updates, count_rollout_faults,
                                        count_window_faults, play_or_drop)
-from ragen_mega.rollout.metrics import summarize, summarize_window
+from ragen_mega.rollout.metrics import summarize, summarize_window, weight_staleness
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
 from ragen_mega.rollout.sample import Sample
 from ragen_mega.rollout.seeding import seeded_generate
@@ -255,8 +255,7 @@ class Run:
         played, metrics = current.samples, dict(current.metrics)
         next_rollout = None
         if cfg.trainer.async_rollout:
-            metrics["rollout/weight_staleness"] = sum(
-                step - 1 - s.weight_version for s in played) / len(played)
+            metrics["rollout/weight_staleness"] = weight_staleness(played, step - 1)
             if step < cfg.trainer.total_steps:
                 next_rollout = _in_background(self.play, step + 1)
         if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase

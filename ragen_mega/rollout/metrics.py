@@ -53,10 +53,14 @@ def summarize_window(samples: list[Sample], finished: list[Episode], prefix: str
         out[f"{name}/episodes_finished"] = float(len(ended))
         if ended:
             out[f"{name}/episode_length"] = sum(e.metrics["num_turns"] for e in ended) / len(ended)
-        out[f"{name}/weight_staleness"] = sum(trained_version - s.weight_version
-                                              for s in tagged) / len(tagged)
+        out[f"{name}/weight_staleness"] = weight_staleness(tagged, trained_version)
         out[f"{name}/response_length"] = sum(len(s.response_ids) for s in tagged) / len(tagged)
     return out
+
+
+def weight_staleness(samples: list[Sample], trained_version: int) -> float:
+    """Mean weight versions between each sample's sampling and ``trained_version``."""
+    return sum(trained_version - s.weight_version for s in samples) / len(samples)
 
 
 def _episode_stats(episodes: list[Episode], prefix: str) -> dict[str, float]:
