@@ -199,6 +199,24 @@ def test_bad_arguments_name_the_problem():
             client.pause_generation("stop")
 
 
+def test_sender_that_cannot_host_the_group_says_why_at_once(fake):
+    """The sender hosts the group's store; when that fails (here: its port is taken) the error
+    is the sender's own, raised at once, not the engines' time-out hiding it."""
+    from torch.distributed import DistNetworkError
+
+    from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
+
+    fake.routes["/init_weights_update_group"] = [(None, None)]  # engines wait for the group
+    with socket.socket() as taken, EngineClient(fake.url) as client:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        sender = BucketedWeightSender([client], backend="gloo", engine_tp_sizes=[1],
+                                      master_port=taken.getsockname()[1], timeout=5)
+        with pytest.raises(DistNetworkError, match="address already in use"):
+            sender.connect()
+    assert sender.group is None
+
+
 @contextlib.contextmanager
 def _sender_to_a_silent_peer(fake, update_answer):
     """A sender whose one engine is ``fake`` (answering every control call with success and the
@@ -213,8 +231,10 @@ def _sender_to_a_silent_peer(fake, update_answer):
     fake.routes["/update_weights_from_distributed"] = [update_answer]
     port = free_port()
     peer = subprocess.Popen([sys.executable, "-c", (
-        "import time; from ragen_mega.backends.sglang.weight_sender import join_update_group; "
-        f"join_update_group('127.0.0.1', {port}, 2, 'g', 'gloo', rank=1); time.sleep(300)")])
+        "import time; from ragen_mega.backends.sglang.weight_sender import join_update_group, "
+        "update_group_store; "
+        f"join_update_group(update_group_store('127.0.0.1', {port}, 2, rank=1), 1, 2, 'g', "
+        "'gloo'); time.sleep(300)")])
     try:
         with EngineClient(fake.url) as client:
             sender = BucketedWeightSender([client], backend="gloo", master_port=port,

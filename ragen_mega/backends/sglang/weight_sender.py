@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 
 from ragen_mega.backends.sglang.client import EngineClient, EngineError
-from ragen_mega.backends.sglang.server import free_port
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
 
@@ -117,26 +116,34 @@ def serialize_for_engine(bucket: list[tuple[str, torch.Tensor]], *,
     return buf.getvalue()
 
 
-def join_update_group(master_addr: str, master_port: int, world_size: int, group_name: str,
-                      backend: str, timeout: float = 600.0, *, rank: int = 0):
+def update_group_store(master_addr: str, master_port: int, world_size: int, *, rank: int = 0,
+                       timeout: float = 600.0) -> dist.TCPStore:
+    """The rendezvous store of the weight-update group: rank 0 hosts it, the others connect.
+
+    Rank 0 with ``master_port=0`` lets the OS choose the port while binding (read it back from
+    ``store.port``): a port picked first and bound later can be taken in between by any process
+    on the node (an engine, a Ray worker, an outgoing connection), which fails the rendezvous.
+    """
+    return dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
+
+
+def join_update_group(store: dist.TCPStore, rank: int, world_size: int, group_name: str,
+                      backend: str, timeout: float = 600.0):
     """Join the process group that SGLang engines create in ``init_weights_update_group``.
 
-    The sender is ``rank`` 0 and hosts the rendezvous store. The group is separate from the
-    default one, so the trainer keeps its own (e.g. Megatron's) ``torch.distributed`` world; it
-    is built the way SGLang builds its side (same rendezvous, same store prefix).
+    The sender is rank 0 (it hosts ``store``, see :func:`update_group_store`). The group is
+    separate from the default one, so the trainer keeps its own (e.g. Megatron's)
+    ``torch.distributed`` world; it is built the way SGLang builds its side (same store prefix).
     """
     from torch.distributed.distributed_c10d import (Backend, PrefixStore,
                                                     _new_process_group_helper, _world)
-    from torch.distributed.rendezvous import rendezvous
 
     td = timedelta(seconds=timeout)
-    store, rank, world = next(rendezvous(f"tcp://{master_addr}:{master_port}", rank, world_size,
-                                         timeout=td))
-    store.set_timeout(td)
-    pg, _ = _new_process_group_helper(world, rank, [], Backend(backend),
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
                                       PrefixStore(group_name, store), group_name=group_name,
                                       timeout=td)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world)}
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
@@ -206,17 +213,21 @@ class BucketedWeightSender:
             return
         tp_sizes = self._tp_sizes()
         world_size = 1 + sum(tp_sizes)
-        port = self.master_port or free_port(self.master_addr)
+        store = update_group_store(self.master_addr, self.master_port or 0, world_size,
+                                   timeout=self.timeout)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
-        futures = [e.submit("init_weights_update_group", self.master_addr, port, offset,
+        futures = [e.submit("init_weights_update_group", self.master_addr, store.port, offset,
                             world_size, self.group_name, self.backend, timeout=self.timeout)
                    for e, offset in zip(self.engines, offsets)]
         try:
-            self.group = join_update_group(self.master_addr, port, world_size, self.group_name,
-                                           self.backend, self.timeout)
-        finally:
-            for f in futures:
-                f.result()
+            self.group = join_update_group(store, 0, world_size, self.group_name, self.backend,
+                                           self.timeout)
+        except BaseException:
+            for f in futures:  # our side's error is the news; the engines' calls would only
+                f.cancel()     # end at their time-out and hide it
+            raise
+        for f in futures:
+            f.result()
 
     def close(self) -> None:
         """Tear the broadcast group down on the engines and here (after an abandoned broadcast
