@@ -8,9 +8,12 @@ they end, so the order of tests does not matter.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,11 +65,27 @@ def tiny_dir(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
-    # cpu_threads=1: robust to other jobs on a small shared CPU (see benchmarks/README.md)
-    with launch_server(tiny_dir, dtype="float32", startup_timeout=600, cpu_threads=1) as server:
-        with EngineClient(server.url, timeout=120, retries=1) as client:
-            yield server, client
+def taken_port():
+    """A port held (bound) by this module: the first one the engine's launch draws, as when
+    another process takes the port between ``free_port`` and the server's own bind."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir, taken_port):
+    """The module's server; its launch first draws ``taken_port`` (so it must start again)."""
+    from ragen_mega.backends.sglang import server as server_module
+
+    draws, real_free_port = [taken_port], server_module.free_port
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(server_module, "free_port",
+                   lambda host: draws.pop() if draws else real_free_port(host))
+        # cpu_threads=1: robust to other jobs on a small shared CPU (see benchmarks/README.md)
+        server = launch_server(tiny_dir, dtype="float32", startup_timeout=600, cpu_threads=1)
+    with server, EngineClient(server.url, timeout=120, retries=1) as client:
+        yield server, client
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +122,14 @@ def test_smollm2_real_model_matches_transformers(smollm2_dir):
     assert "Paris" in tok.decode(out.output_ids)
 
 
-def test_server_handle_and_health(engine):
+def test_server_handle_and_health(engine, taken_port):
     server, client = engine
     assert server.url == client.url and server.process.poll() is None
+    # the first launch found its port taken and was replaced (not left waiting for start-up)
+    first_log = (Path(tempfile.gettempdir()) / "ragen_mega_sglang" /
+                 f"server-127.0.0.1-{taken_port}-{os.getpid()}.log")
+    assert "address already in use" in first_log.read_text().lower()
+    assert not server.url.endswith(f":{taken_port}")
     assert client.health()
     assert client.server_info()["device"] == "cpu"
     environ = dict(kv.split("=", 1) for kv in

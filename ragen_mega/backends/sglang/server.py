@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import os
 import signal
 import socket
@@ -46,16 +47,26 @@ from ragen_mega.backends.parent_death import die_with_parent
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
 from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
+logger = logging.getLogger(__name__)
+
 # --sleep-on-idle: without it an idle CPU server's scheduler busy-polls one full core (measured
 # 0.98 CPU-s/s idle vs 0.016 with it), which on a small machine starves the trainer next to it.
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native",
             "--sampling-backend", "pytorch", "--disable-cuda-graph", "--sleep-on-idle")
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 LOG_TAIL_CHARS = 4000
+# what uvicorn logs when the HTTP port is held by another process; the server then hangs in its
+# shutdown instead of exiting, so start-up watches the log for it
+PORT_TAKEN = "address already in use"
+LAUNCH_ATTEMPTS = 3
 
 
 class EngineStartupError(RuntimeError):
     """The server exited or did not become healthy in time; the message holds its log tail."""
+
+
+class EnginePortTaken(EngineStartupError):
+    """The server could not listen on its port: another process holds it."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -106,6 +117,7 @@ class EngineServer:
     url: str
     log_file: Path
     command: list[str]
+    log_offset: int = 0  # where this server's output starts in ``log_file`` (appended)
     _closed: bool = field(default=False, repr=False)
 
     @property
@@ -115,8 +127,8 @@ class EngineServer:
     def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
         return _log_tail(self.log_file, chars)
 
-    def _fail(self, why: str) -> EngineStartupError:
-        return EngineStartupError(
+    def _fail(self, why: str, error: type = EngineStartupError) -> EngineStartupError:
+        return error(
             f"SGLang server at {self.url} (pid {self.pid}) {why}.\n"
             f"command: {' '.join(self.command)}\nlog {self.log_file}, last lines:\n"
             f"{self.log_tail()}")
@@ -125,13 +137,17 @@ class EngineServer:
         """Block until ``/health_generate`` answers 200 (the server generated one token).
 
         Raises :class:`EngineStartupError` with the log tail if the process exits first or
-        ``timeout`` seconds pass.
+        ``timeout`` seconds pass, :class:`EnginePortTaken` as soon as its log says that the
+        port is held by another process.
         """
         deadline = time.monotonic() + timeout
         while True:
             code = self.process.poll()
             if code is not None:
                 raise self._fail(f"exited with code {code} during start-up")
+            if self._port_taken():
+                raise self._fail(f"could not listen on its port ({PORT_TAKEN})",
+                                 EnginePortTaken)
             try:
                 with urllib.request.urlopen(f"{self.url}/health_generate", timeout=30) as r:
                     if r.status == 200:
@@ -141,6 +157,14 @@ class EngineServer:
             if time.monotonic() > deadline:
                 raise self._fail(f"was not healthy after {timeout:.0f} s")
             time.sleep(poll)
+
+    def _port_taken(self) -> bool:
+        try:
+            with open(self.log_file, "rb") as log:
+                log.seek(self.log_offset)
+                return PORT_TAKEN in log.read().decode(errors="replace").lower()
+        except OSError:
+            return False
 
     def shutdown(self, grace: float = 15.0) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL what is left after ``grace`` s."""
@@ -283,7 +307,10 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     leaves ``torch_memory_saver`` out. ``gpu_ids`` (exactly ``tp`` of them) become the server's
     ``CUDA_VISIBLE_DEVICES``: the devices Ray reserved for this engine (``ray/devices.py``).
     With ``wait=True`` (default) this returns once the server is healthy, or raises
-    :class:`EngineStartupError` (after stopping the process group) with the log tail.
+    :class:`EngineStartupError` (after stopping the process group) with the log tail. A port
+    that :func:`free_port` picked can be taken by another process before the server binds it
+    (the server only listens after loading the model): then the launch is tried again on a new
+    port, :data:`LAUNCH_ATTEMPTS` times in all; a ``port`` given by the caller is not replaced.
     """
     model_path = Path(model_path)
     if not (model_path / "config.json").is_file():
@@ -291,17 +318,38 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     if tp < 1:
         raise ValueError(f"launch_server: tp must be >= 1, got {tp}")
     device = _default_device() if device == "auto" else device
-    port = free_port(host) if port is None else port
     if gpu_ids is not None and len(gpu_ids) != tp:
         raise ValueError(f"launch_server: gpu_ids {list(gpu_ids)} must name exactly tp={tp} GPUs")
-    cmd = build_command(model_path, host=host, port=port, tp=tp, device=device, dtype=dtype,
-                        mem_fraction=mem_fraction, max_total_tokens=max_total_tokens,
-                        seeded_sampling=seeded_sampling, memory_saver=memory_saver,
-                        extra_args=extra_args)
-
     child_env = build_env(os.environ if env is None else env, device=device, tp=tp,
                           cpu_threads=cpu_threads, seeded_sampling=seeded_sampling,
                           gpu_ids=gpu_ids)
+    attempts = LAUNCH_ATTEMPTS if port is None and wait else 1
+    for attempt in range(1, attempts + 1):
+        cmd = build_command(model_path, host=host, port=port or free_port(host), tp=tp,
+                            device=device, dtype=dtype, mem_fraction=mem_fraction,
+                            max_total_tokens=max_total_tokens, seeded_sampling=seeded_sampling,
+                            memory_saver=memory_saver, extra_args=extra_args)
+        server = _spawn(cmd, host, child_env, log_file)
+        if not wait:
+            return server
+        try:
+            return server.wait_healthy(startup_timeout)
+        except EnginePortTaken:
+            server.shutdown(grace=5.0)
+            if attempt == attempts:
+                raise
+            logger.warning("SGLang server: %s was taken before the server listened (log %s); "
+                           "launching again on another port", server.url, server.log_file)
+        except BaseException:
+            server.shutdown(grace=5.0)
+            raise
+    raise AssertionError("unreachable")
+
+
+def _spawn(cmd: list[str], host: str, child_env: dict[str, str],
+           log_file: str | Path | None) -> EngineServer:
+    """Start ``cmd`` in its own session, its output appended to ``log_file``."""
+    port = int(cmd[cmd.index("--port") + 1])
     if log_file is None:
         log_dir = Path(tempfile.gettempdir()) / "ragen_mega_sglang"
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -309,6 +357,7 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     log_file = Path(log_file)
     log_file.parent.mkdir(parents=True, exist_ok=True)
     with open(log_file, "ab") as log:
+        offset = log.tell()
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                    stdin=subprocess.DEVNULL, start_new_session=True,
                                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
@@ -317,12 +366,6 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         # report at exit has no newline), and the pid line must begin a line of its own
         log.write(f"\n[ragen-mega] SGLang server pid {process.pid}: {' '.join(cmd)}\n".encode())
     server = EngineServer(process=process, url=f"http://{host}:{port}", log_file=log_file,
-                          command=cmd)
+                          command=cmd, log_offset=offset)
     atexit.register(server.shutdown)  # never leave a server behind when the caller crashes
-    if wait:
-        try:
-            server.wait_healthy(startup_timeout)
-        except BaseException:
-            server.shutdown(grace=5.0)
-            raise
     return server
