@@ -323,33 +323,34 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     child_env = build_env(os.environ if env is None else env, device=device, tp=tp,
                           cpu_threads=cpu_threads, seeded_sampling=seeded_sampling,
                           gpu_ids=gpu_ids)
-    attempts = LAUNCH_ATTEMPTS if port is None and wait else 1
-    for attempt in range(1, attempts + 1):
-        cmd = build_command(model_path, host=host, port=port or free_port(host), tp=tp,
-                            device=device, dtype=dtype, mem_fraction=mem_fraction,
+    attempts_left = LAUNCH_ATTEMPTS if port is None and wait else 1
+    while True:
+        chosen = port or free_port(host)
+        cmd = build_command(model_path, host=host, port=chosen, tp=tp, device=device,
+                            dtype=dtype, mem_fraction=mem_fraction,
                             max_total_tokens=max_total_tokens, seeded_sampling=seeded_sampling,
                             memory_saver=memory_saver, extra_args=extra_args)
-        server = _spawn(cmd, host, child_env, log_file)
+        server = _spawn(cmd, host, chosen, child_env, log_file)
         if not wait:
             return server
+        attempts_left -= 1
         try:
             return server.wait_healthy(startup_timeout)
         except EnginePortTaken:
             server.shutdown(grace=5.0)
-            if attempt == attempts:
+            if not attempts_left:
                 raise
             logger.warning("SGLang server: %s was taken before the server listened (log %s); "
                            "launching again on another port", server.url, server.log_file)
         except BaseException:
             server.shutdown(grace=5.0)
             raise
-    raise AssertionError("unreachable")
 
 
-def _spawn(cmd: list[str], host: str, child_env: dict[str, str],
+def _spawn(cmd: list[str], host: str, port: int, child_env: dict[str, str],
            log_file: str | Path | None) -> EngineServer:
-    """Start ``cmd`` in its own session, its output appended to ``log_file``."""
-    port = int(cmd[cmd.index("--port") + 1])
+    """Start ``cmd`` (a server on ``host:port``) in its own session, its output appended to
+    ``log_file``."""
     if log_file is None:
         log_dir = Path(tempfile.gettempdir()) / "ragen_mega_sglang"
         log_dir.mkdir(parents=True, exist_ok=True)
