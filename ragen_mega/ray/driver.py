@@ -54,6 +54,7 @@ from ragen_mega.rollout.faults import (FaultCounters, check_skipped_updates, cou
                                        count_window_faults, play_or_drop)
 from ragen_mega.rollout.metrics import summarize, summarize_window, weight_staleness
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
+from ragen_mega.rollout.manager import PlayedStep
 from ragen_mega.rollout.sample import Sample
 from ragen_mega.rollout.seeding import seeded_generate
 from ragen_mega.rollout.streams import EnvStreams, Window
@@ -65,17 +66,6 @@ if TYPE_CHECKING:
     from ragen_mega.ray.engine_group import EngineGroup
     from ragen_mega.ray.env_workers import EnvWorkerGroup
     from ragen_mega.ray.trainer_group import TrainerGroup
-
-
-@dataclasses.dataclass
-class PlayedStep:
-    """One step's rollout, ready to train on: its samples, ``rollout/*`` metrics, seconds, the
-    step's fault counters, and (``rollout.mode=turns``) the window it came from."""
-    samples: list[Sample]
-    metrics: dict[str, float]
-    rollout_s: float
-    faults: FaultCounters
-    window: Window | None = None
 
 
 @dataclasses.dataclass
