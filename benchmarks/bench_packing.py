@@ -53,12 +53,14 @@ def sokoban_episodes(tokenizer, episodes: int, seed: int = 0):
 
 def _train_phase(actor, critic, batch, per_turn, layout):
     """The driver's train phase on ``batch`` (the per-turn batch itself, or the packed one)."""
-    from ragen_mega.rollout.batch import compute_advantages
+    from ragen_mega.algo.estimators import compute_advantages
+    from ragen_mega.config import AlgoConfig
 
     batch = {**batch, "old_logprobs": actor.compute_logprobs(batch),
              "old_values": critic.compute_values(batch)}
     values = batch["old_values"] if layout is None else layout.to_per_turn(batch["old_values"])
-    adv = compute_advantages(dict(per_turn), estimator="gae", token_values=values)
+    adv = compute_advantages(dict(per_turn), AlgoConfig(adv_estimator="gae", whiten_advantages=False),
+                             token_values=values)
     for key in ("advantages", "returns"):
         batch[key] = adv[key] if layout is None else layout.to_train(adv[key])
     critic_metrics = critic.train(batch)

@@ -12,7 +12,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "play": ("ragen_mega.envs.play", "play an environment by hand, seeing the model's text"),
     "prepare-model": ("ragen_mega.models.prepare", "write a local HF model directory (no hub)"),
     "convert": ("ragen_mega.backends.megatron.convert", "convert checkpoints HF <-> Megatron"),
-    "train": ("ragen_mega.ray.driver", "train with StarPO / StarPO-S (CONFIG.yaml [key=value ...])"),
+    "train": ("ragen_mega.train", "train with StarPO / StarPO-S (CONFIG.yaml [key=value ...])"),
     "eval": ("ragen_mega.evaluate", "held-out evaluation of a checkpoint (CONFIG.yaml --checkpoint PATH)"),
     "plot": ("ragen_mega.plot", "curves of runs' metrics.jsonl as a PNG (RUN_DIR ... --out FILE.png)"),
 }

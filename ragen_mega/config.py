@@ -15,6 +15,7 @@ from typing import Literal, Optional, get_args
 import torch
 
 from ragen_mega.agent.config import AgentConfig
+from ragen_mega.algo.estimators import ESTIMATORS, NEEDS_CRITIC
 from ragen_mega.algo.losses import AGG_MODES, KL_KINDS, AggMode, KlKind
 from ragen_mega.config_tree import ConfigError, load_config
 from ragen_mega.logging import EchoTrapThresholds
@@ -258,9 +259,10 @@ class FilterConfig:
 
 @dataclasses.dataclass
 class AlgoConfig:
-    #: gae: a critic, GAE over turns then over the tokens of each turn (bi-level; RAGEN
-    #: StarPO-S, Verlog for long horizons); grpo: critic-free, episode score vs. its group
-    adv_estimator: Literal["gae", "grpo"] = "gae"
+    #: a name in algo/estimators.py's registry. gae: a critic, GAE over turns then over the
+    #: tokens of each turn (bi-level; RAGEN StarPO-S, Verlog for long horizons); grpo:
+    #: critic-free, episode score vs. its group
+    adv_estimator: str = "gae"
     gamma: float = 1.0           # across turns (RAGEN uses 1.0)
     lam: float = 1.0
     grpo_norm_by_std: bool = True
@@ -277,6 +279,9 @@ class AlgoConfig:
     use_rollout_logprobs: bool = False
 
     def validate(self):
+        if self.adv_estimator not in ESTIMATORS:
+            raise ConfigError(f"adv_estimator: must be one of {sorted(ESTIMATORS)}, got "
+                              f"{self.adv_estimator!r}")
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"{key}: must be in [0, 1], got {getattr(self, key)}")
@@ -494,7 +499,7 @@ class RunConfig:
             raise ConfigError(f"critic.warmup_steps: must be < trainer.total_steps="
                               f"{self.trainer.total_steps} (else the actor never trains), got "
                               f"{self.critic.warmup_steps}")
-        if self.algo.adv_estimator == "gae" and not self.critic.enable:
+        if self.algo.adv_estimator in NEEDS_CRITIC and not self.critic.enable:
             raise ConfigError(f"algo.adv_estimator: {self.algo.adv_estimator!r} needs a critic; "
                               f"set critic.enable=true or algo.adv_estimator=grpo")
         if self.algo.use_rollout_logprobs and self.rollout.temperature != 1.0:

@@ -130,8 +130,50 @@ def parse_overrides(overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override {item!r}: {part!r} was already given a value")
-        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+        node[leaf] = _override_value(item, raw)
     return tree
+
+
+def _override_value(item: str, raw: str) -> Any:
+    """The value of override ``item`` (its text after ``=``), parsed as YAML; a value YAML
+    cannot parse (``tags=[a``) is a config error naming the override, not PyYAML's traceback."""
+    if raw == "":
+        return ""
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value {raw!r} is not valid YAML: "
+                          f"{_yaml_problem(e, raw)}") from e
+
+
+def _line_column(text: str, position: int) -> str:
+    """``line L, column C`` (1-based, as editors count) of character ``position`` of ``text``."""
+    line = text.count("\n", 0, position) + 1
+    column = position - (text.rfind("\n", 0, position) + 1) + 1
+    return f"line {line}, column {column}"
+
+
+def _mark(mark) -> str:
+    """A PyYAML mark (0-based ``line``/``column``) as ``line L, column C``, 1-based."""
+    return f"line {mark.line + 1}, column {mark.column + 1}"
+
+
+def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
+    """What PyYAML found wrong in ``text`` and where (``line 1, column 15: expected ...``),
+    with the construct it was reading and where that started (an unclosed bracket is reported
+    at the end of the file, its opening is what to fix); PyYAML's snippets of ``text`` are left
+    out: the position says where to look."""
+    if isinstance(e, yaml.MarkedYAMLError):
+        where = f"{_mark(e.problem_mark)}: " if e.problem_mark is not None else ""
+        message = f"{where}{e.problem or e.context or type(e).__name__}"
+        if e.context and e.problem:
+            at = f" started at {_mark(e.context_mark)}" if e.context_mark is not None else ""
+            message += f" ({e.context}{at})"
+        return message + (f"; {e.note}" if e.note else "")
+    if isinstance(e, yaml.reader.ReaderError):
+        char = f"#x{e.character:04x}" if isinstance(e.character, int) else repr(e.character)
+        return f"{_line_column(text, e.position)}: character {char}: {e.reason}"
+    return str(e)
 
 
 def _validate_tree(section: Any, prefix: str = "") -> None:
@@ -160,6 +202,22 @@ def _deep_update(base: dict, extra: dict) -> dict:
     return out
 
 
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in ``path``; a file that is no text or no YAML is a config error naming
+    the file, the line and the column, so ``ragen-mega train`` reports it instead of a
+    traceback."""
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not text: byte {e.start} is not "
+                          f"{e.encoding} ({e.reason})") from e
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: "
+                          f"{_yaml_problem(e, text)}") from e
+
+
 def load_config(root_type: type[T], path: str | Path | None = None,
                 overrides: list[str] | None = None) -> T:
     """Read YAML ``path`` (optional), apply dotted ``overrides``, validate, return the tree."""
@@ -168,7 +226,7 @@ def load_config(root_type: type[T], path: str | Path | None = None,
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text())
+        loaded = _read_yaml(path)
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
         values = loaded or {}

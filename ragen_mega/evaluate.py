@@ -3,8 +3,9 @@
 Plays the config's held-out evaluation (``env.val_*`` or ``env.mix`` entries, ``env.val_groups``
 seeds from ``env.val_seed``, ``env.val_group_size`` episodes each, ``rollout.val_temperature``)
 with the weights at ``PATH`` on SGLang engines only, no trainer, through the training loop's own
-evaluation (:meth:`Run.rollout` with ``evaluate=True`` and :func:`summarize`), so the numbers
-are those a run logs under ``val/``. It prints one row per env tag and, with ``--out``, writes
+evaluation (``rollout/manager.py``'s :meth:`RolloutManager.episodes` with ``evaluate=True`` and
+:func:`summarize`), so the numbers are those a run logs under ``val/``. It prints one row per
+env tag and, with ``--out``, writes
 them as JSON: ``success``, ``valid_action_rate``, ``episodes``, ``mean_turns``,
 ``response_length``, ``pass@k`` where k > 1, and ``per_tag`` (tag -> the same keys).
 
@@ -89,14 +90,14 @@ def pick(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 def play(cfg: RunConfig, model_dir: str) -> list:
     """Start the config's engines (and env workers) on ``model_dir``, no trainer, and play the
     held-out episodes on them; the engines' logs go to a temporary directory, not the run's."""
-    from ragen_mega.ray.driver import build_run
+    from ragen_mega.ray.run import build_run
 
     with tempfile.TemporaryDirectory(prefix="ragen_eval_run_") as tmp:
         cfg = dataclasses.replace(
             cfg, model=dataclasses.replace(cfg.model, path=model_dir),
             trainer=dataclasses.replace(cfg.trainer, run_dir=tmp, colocate=False))
         with build_run(cfg, with_trainers=False) as run:
-            episodes, _ = run.rollout(0, evaluate=True)
+            episodes, _ = run.rollouts.episodes(0, evaluate=True)
     return episodes
 
 
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:  # a bad config or checkpoint fails before any engine starts
         report = evaluate(load_run_config(args.config, args.overrides), args.checkpoint)
-    except (ConfigError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError, checkpoints.UnreadablePointer) as e:
         kind = "config error: " if isinstance(e, ConfigError) else ""
         print(f"ragen-mega eval: {kind}{e}", file=sys.stderr)
         return 2

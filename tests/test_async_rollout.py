@@ -10,7 +10,8 @@ import time
 
 from conftest import resumed_step_diffs, undocumented_scalars
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import driver
+from ragen_mega.rollout.manager import RolloutManager
+from ragen_mega.train import train
 from ragen_mega.ray.trainer_group import TrainerGroup
 
 DEMO = "examples/bandit_cpu_demo.yaml"
@@ -43,14 +44,15 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
       the resumed step 3 equals the straight one (a replayed rollout would be played with step
       2's weights: staleness 0, different log-probs)."""
     events: list = []
-    _timed(monkeypatch, driver.Run, "play", events, lambda run, step: ("play", step))
+    _timed(monkeypatch, RolloutManager, "rollout", events,
+           lambda rollouts, step, version: ("play", step))
     _timed(monkeypatch, TrainerGroup, "train", events, lambda group, batch: ("train", group.role))
     # unwhitened advantages: the tiny model's constant rewards minus the fresh critic's values
     # move the actor from step 1 on (whitened, they are all 0 until the critic has trained)
     overrides = tiny_run_overrides(tmp_path, 3) + ["trainer.async_rollout=true",
                                                    "actor.tis_cap=2.0", "actor.tp=1",
                                                    "algo.whiten_advantages=false"]
-    straight = driver.train(load_run_config(DEMO, overrides))
+    straight = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in straight] == [1, 2, 3]
 
     plays = {label[1]: (start, end) for label, start, end in events if label[0] == "play"}
@@ -79,7 +81,7 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
         shutil.rmtree(ckpt / role / "step_3")
     (ckpt / "latest_step").write_text("2")
     events.clear()
-    resumed = driver.train(load_run_config(DEMO, overrides))
+    resumed = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in resumed] == [3]
     assert not [label for label, _, _ in events if label[0] == "play"]  # trained on the saved one
 

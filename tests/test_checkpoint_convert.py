@@ -62,6 +62,32 @@ def test_bad_layout_and_bad_checkpoint_dir_are_refused(hf_dir, tmp_path, capsys)
     assert "no complete ragen_mega checkpoint" in capsys.readouterr().err
 
 
+def test_config_json_that_is_no_json_is_named_with_line_and_column(tmp_path, capsys,
+                                                                   monkeypatch):
+    """Both directions read the HF config before any worker starts; a broken one is reported
+    with its path and position, not json's bare ``Expecting ',' delimiter``."""
+    from ragen_mega.backends.megatron import convert
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("run_workers was called")
+    monkeypatch.setattr(convert, "run_workers", no_workers)
+    hf = (tmp_path / "hf").resolve()
+    hf.mkdir()
+    (hf / "config.json").write_text('{"hidden_size": 8\n"num_hidden_layers": 2}\n')
+    want = f"ragen-mega convert: error: {hf / 'config.json'} is not valid JSON: line 2, column 1: "
+    assert main(["hf-to-megatron", "--hf-dir", str(hf), "--out-dir", str(tmp_path / "x")]) == 1
+    assert want + "Expecting ',' delimiter" in capsys.readouterr().err
+    step = tmp_path / "mcore" / "step_0"
+    step.mkdir(parents=True)
+    (step / ckpt.STATE_FILE).write_bytes(b"")  # the config is read before the checkpoint
+    assert main(["megatron-to-hf", "--megatron-dir", str(step), "--hf-dir", str(hf),
+                 "--out-dir", str(tmp_path / "y")]) == 1
+    assert want + "Expecting ',' delimiter" in capsys.readouterr().err
+    (hf / "config.json").write_text("[1, 2]")
+    assert main(["hf-to-megatron", "--hf-dir", str(hf), "--out-dir", str(tmp_path / "x")]) == 1
+    assert f"{hf / 'config.json'} must hold a JSON object, got list" in capsys.readouterr().err
+
+
 def _batch(vocab):
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (4, 10), generator=g)

@@ -59,6 +59,8 @@ def test_int_widens_to_float_and_tuple_is_typed():
     (["optim=3"], "optim: expected a mapping"),
     (["steps"], "not of the form a.b.c=value"),
     (["a..b=1"], "not of the form a.b.c=value"),
+    (["tags=[a"], "override 'tags=[a': value '[a' is not valid YAML: line 1, column 3: "
+                  "expected ',' or ']'"),
 ])
 def test_errors_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
@@ -77,6 +79,31 @@ def test_missing_file_and_non_mapping(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(Run, tmp_path / "list.yaml")
+
+
+@pytest.mark.parametrize("text, line, column, problem", [
+    # an unclosed bracket is found where the file ends (one past its last character), and the
+    # message also says where the bracket opened
+    ("env: [unclosed", 1, len("env: [unclosed") + 1, "expected ',' or ']', but got '<stream end>' "
+     "(while parsing a flow sequence started at line 1, column 6)"),
+    ("steps: 5\nname: a: b\n", 2, len("name: a:"), "mapping values are not allowed here"),
+    ("steps: 5\nname: \x07\n", 2, len("name: \x07"), "character #x0007: special characters"),
+])
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path, text, line, column, problem):
+    """PyYAML counts lines and columns from 0; the message counts them as editors do."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(Run, path)
+    assert str(err.value).startswith(f"config file '{path}' is not valid YAML: "
+                                     f"line {line}, column {column}: {problem}")
+
+
+def test_config_file_that_is_no_text_names_the_byte(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(b"steps: \xff\n")
+    with pytest.raises(ConfigError, match=rf"^config file '{path}' is not text: byte 7 "):
+        load_config(Run, path)
 
 
 def test_parse_overrides_nests():

@@ -21,7 +21,9 @@ import pytest
 
 from conftest import server_killed_under_first_request, server_pids
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import checkpoints, driver
+from ragen_mega.rollout.manager import RolloutManager
+from ragen_mega.train import train
+from ragen_mega.ray import checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 def _running(process) -> bool:
@@ -79,32 +81,32 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
     through the re-formed weight-update group."""
     import numpy as np
 
-    real_rollout = driver.Run.rollout
+    real_rollout = RolloutManager.episodes
     seen = {}
 
-    def faulted_rollout(run, step, *, evaluate=False, faults=None):
+    def faulted_rollout(rollouts, step, *, evaluate=False, faults=None):
         if step != 2 or evaluate:
-            return real_rollout(run, step, evaluate=evaluate, faults=faults)
-        reference, _ = real_rollout(run, step)
+            return real_rollout(rollouts, step, evaluate=evaluate, faults=faults)
+        reference, _ = real_rollout(rollouts, step)
         seen["reference"] = reference
         first_pid = seen["killed"] = server_pids(tmp_path)[-1]
-        with server_killed_under_first_request(run.engines, first_pid):
-            seen["replayed"], seconds = real_rollout(run, step)
+        with server_killed_under_first_request(rollouts.engines, first_pid):
+            seen["replayed"], seconds = real_rollout(rollouts, step)
         assert not _alive(first_pid)
 
         os.kill(server_pids(tmp_path)[-1], signal.SIGKILL)  # the one restart of this step is used
         with pytest.raises(RuntimeError, match=r"engine 0's SGLang server died \(log .*engine_0"
                                                r"\.log\) .*\(rollout\.max_engine_restarts_per_"
                                                r"step=1\)"):
-            real_rollout(run, step)
-        run.engines.max_restarts_per_step = 2
-        seen["after_error"], seconds = real_rollout(run, step, faults=faults)
+            real_rollout(rollouts, step)
+        rollouts.engines.max_restarts_per_step = 2
+        seen["after_error"], seconds = real_rollout(rollouts, step, faults=faults)
         return seen["after_error"], seconds
 
-    monkeypatch.setattr(driver.Run, "rollout", faulted_rollout)
+    monkeypatch.setattr(RolloutManager, "episodes", faulted_rollout)
     overrides = tiny_run_overrides(tmp_path, total_steps=2) + [
         "trainer.save_every=0", "rollout.max_engine_restarts_per_step=1"]
-    history = driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
+    history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
 
     assert [h["step"] for h in history] == [1, 2]
     assert history[0]["fault/engine_restarts"] == 0 and history[0]["fault/episodes_retried"] == 0

@@ -15,7 +15,8 @@ from ragen_mega.ray.cluster import init_ray
 from ragen_mega.ray.env_workers import EnvWorkerError, EnvWorkerGroup
 from ragen_mega.ray.placement import bundle_cpus, create_placement_group, plan_placement
 from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, Generation, mix_specs, run_episode
-from ragen_mega.rollout.faults import DroppedEpisode, EnvFailed, play_or_drop
+from ragen_mega.rollout.episode import EnvFailed
+from ragen_mega.rollout.faults import DroppedEpisode, play_or_drop
 
 ANSWERS = [" go </think><answer> Up || Left </answer>", " hmm </think><answer> Down </answer>",
            " so </think><answer> Right || Down </answer>", "no tags at all"]

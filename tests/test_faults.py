@@ -22,13 +22,17 @@ import torch
 import faulty_envs
 from conftest import readme_scalars
 from ragen_mega.agent import AgentConfig
-from ragen_mega.config import load_run_config
+from ragen_mega.config import AlgoConfig, load_run_config
 from ragen_mega.config_tree import ConfigError
-from ragen_mega.ray import checkpoints, driver
-from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
-from ragen_mega.rollout.episode import EpisodeSpec, Generation, group_specs, run_episode
-from ragen_mega.rollout.faults import (DroppedEpisode, EnvFailed, FaultCounters, PromptTooLong,
-                                       check_skipped_updates, count_rollout_faults, play_or_drop)
+from ragen_mega.train import train
+from ragen_mega.ray import checkpoints
+from ragen_mega.algo.estimators import compute_advantages
+from ragen_mega.rollout.batch import build_batch, filter_groups
+from ragen_mega.rollout.episode import (EpisodeSpec, Generation, PromptTooLong, group_specs,
+                                        run_episode)
+from ragen_mega.rollout.faults import (DroppedEpisode, FaultCounters, count_rollout_faults,
+                                       play_or_drop)
+from ragen_mega.train import check_skipped_updates
 
 faulty_envs.register()
 AGENT = AgentConfig(think=True, max_actions_per_turn=1)
@@ -77,7 +81,7 @@ def test_env_that_raises_is_dropped_and_its_group_keeps_the_rest(tokenizer, tmp_
     # 0.45 * sqrt(2), so -+1/sqrt(2)
     samples, metrics = filter_groups([s for e in episodes for s in e.samples], 1.0, "std")
     assert metrics["filter/kept_groups"] == 2.0
-    batch = compute_advantages(build_batch(samples, pad_id=0), estimator="grpo")
+    batch = compute_advantages(build_batch(samples, pad_id=0), AlgoConfig(adv_estimator="grpo"))
     per_sample = (batch["advantages"] * batch["loss_mask"]).sum(1) / batch["loss_mask"].sum(1)
     assert torch.allclose(per_sample, torch.tensor([0.0, -2 ** -0.5, 2 ** -0.5]), atol=1e-5)
 
@@ -223,7 +227,7 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
         "env.max_turns=2", "rollout.max_env_failure_rate=0.5",
         "trainer.max_skipped_updates_in_row=2",
         "actor.micro_batch_size=1"]  # a step's turn count varies (drops, multi-turn)
-    history = driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
+    history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
     assert [h["step"] for h in history] == [1, 2, 3]
     one, two, three = history
     assert (one["fault/episodes_dropped"], one["fault/prompts_too_long"]) == (1.0, 1.0)
@@ -273,7 +277,7 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
     with pytest.warns(UserWarning, match=rf"refusing step 3: .*shard {re.escape(str(shard))} "
                                          r"is truncated"), \
             pytest.raises(RuntimeError, match=r"actor: 2 updates in a row had a NaN"):
-        driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides5))
+        train(load_run_config("examples/bandit_cpu_demo.yaml", overrides5))
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [l["step"] for l in lines] == [1, 2, 3, 3, 4, 5]
     assert [l["fault/updates_skipped"] for l in lines[3:]] == [0.0, 1.0, 1.0]

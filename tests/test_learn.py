@@ -20,7 +20,7 @@ from ragen_mega.envs import registry
 from ragen_mega.evaluate import evaluate
 from ragen_mega.evaluate import main as eval_main
 from ragen_mega.models.prepare import cache_dir
-from ragen_mega.ray import driver
+from ragen_mega.train import train
 
 from learn_envs import DoorThenPayGame, FirstLetterGame, make_letter_model
 
@@ -75,7 +75,7 @@ def one_turn_run(learn_setup, tiny_run_overrides, tmp_path_factory):
         tiny_run_overrides, learn_setup, run_dir, "first_letter", 8, "algo.adv_estimator=grpo",
         "critic.enable=false", "trainer.eval_every=8", "env.val_groups=16",
         "env.val_group_size=2", "rollout.val_temperature=1.0")
-    history = driver.train(load_run_config(DEMO, overrides))
+    history = train(load_run_config(DEMO, overrides))
     return overrides, history, run_dir
 
 
@@ -128,6 +128,26 @@ def test_eval_missing_checkpoint_names_the_path(tmp_path, capsys):
     assert "config error: env.val_group_size" in capsys.readouterr().err
 
 
+def test_eval_garbage_pointer_names_the_file_and_what_it_holds(tmp_path, capsys, monkeypatch):
+    """A run dir whose ``latest_step`` names no step: a clear error (exit 2), raised before
+    any engine or Ray starts."""
+    import ray
+
+    from ragen_mega.ray import run as run_module
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("build_run was called")
+    monkeypatch.setattr(run_module, "build_run", no_run)
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "actor" / "step_3").mkdir(parents=True)
+    (run_dir / "checkpoints" / "latest_step").write_text("garbage")
+    assert eval_main([DEMO, "--checkpoint", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert (f"ragen-mega eval: {run_dir / 'checkpoints' / 'latest_step'} holds 'garbage', not a "
+            f"step number") in err
+    assert "Traceback" not in err and not ray.is_initialized()
+
+
 def credit_overrides(tiny_run_overrides, model, run_dir, estimator: str) -> list[str]:
     """The two-turn run: each turn's prompt shows only its own observation (the marker word the
     letter model reads)."""
@@ -144,7 +164,7 @@ def test_learn_credit_across_turns(estimator, learn_setup, tiny_run_overrides, t
     pays): the paid rate rises, with a critic (turn-level GAE, the bi-level estimator) and
     critic-free (GRPO on the episode's reward)."""
     overrides = credit_overrides(tiny_run_overrides, learn_setup, tmp_path, estimator)
-    history = driver.train(load_run_config(DEMO, overrides))
+    history = train(load_run_config(DEMO, overrides))
     # memory_turns=0: the prompts do not grow by prefix, so no episode is packed and every
     # two-turn episode is counted as a fallback (trainer.pack_trajectories)
     assert all(h["train/packed_episodes"] == 0 and h["train/pack_fallbacks"] > 0 for h in history)

@@ -8,12 +8,14 @@ import os
 import signal
 from pathlib import Path
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
 from ragen_mega.config import load_run_config
 from ragen_mega.ray import checkpoints, preemption
-from ragen_mega.ray.driver import run_loop
+import ragen_mega.train as training
+from ragen_mega.train import run_loop
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -39,6 +41,8 @@ class Loop:
     def __init__(self, signals: dict[int, list[int]]):
         self.signals, self.trained = signals, []
         self.actor, self.critic = RecordingTrainer(), RecordingTrainer()
+        self.rollouts = SimpleNamespace(rollout=lambda step, version: step, streams=None)
+        self.weight_version = 0
 
     def train_step(self, step):
         for signum in self.signals.get(step, []):
@@ -59,7 +63,10 @@ def _cfg(run_dir, total_steps=5):
 
 def _loop(cfg, run):
     logger = SimpleNamespace(log=lambda step, metrics: None)
-    with preemption.stop_on_signals() as stop:
+    def train_step(cfg, run, step, played):  # the stand-in's step in place of the real one
+        return run.train_step(step), None
+    with preemption.stop_on_signals() as stop, \
+            mock.patch.object(training, "train_step", train_step):
         return run_loop(cfg, run, logger, stop)
 
 
@@ -114,3 +121,101 @@ def test_signal_in_the_last_step_ends_the_run_normally(tmp_path):
     history = _loop(_cfg(tmp_path, total_steps=3), run)
     assert [h["step"] for h in history] == [1, 2, 3]
     assert checkpoints.latest_complete_step(tmp_path) == 3
+
+
+def write_checkpoint(ckpt_dir: Path, step: int) -> None:
+    """A small checkpoint directory the real ``verify_checkpoint`` accepts, as a finished save
+    leaves it (state file, torch_dist metadata and shard), without Megatron."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from ragen_mega.backends.megatron import checkpoint as megatron_checkpoint
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(ckpt_dir / "dist"))
+    for name in ("common.pt", "metadata.json"):
+        (ckpt_dir / "dist" / name).write_text("{}")
+    torch.save({"format_version": 1, "step": step, "extra": {"step": step}},
+               ckpt_dir / megatron_checkpoint.STATE_FILE)
+
+
+class LoadingTrainer:
+    """Records the checkpoint directories ``resume`` loads; the extra state is the step's."""
+
+    def __init__(self):
+        self.loaded: list[str] = []
+
+    def load_checkpoint(self, path):
+        self.loaded.append(path)
+        return {"step": int(Path(path).name[5:]), "rng": checkpoints.rng_states(),
+                "data_cursor": {}}
+
+
+@pytest.mark.parametrize("text, shown", [("garbage", "'garbage'"), ("", "''"), ("-2", "'-2'"),
+                                         ("x" * 100, f"{'x' * 80!r}... (100 characters)")])
+def test_pointer_naming_no_step_is_reported_with_what_it_holds(tmp_path, text, shown):
+    pointer = checkpoints.checkpoint_root(tmp_path) / checkpoints.LATEST
+    pointer.parent.mkdir()
+    pointer.write_text(text)
+    with pytest.raises(checkpoints.UnreadablePointer) as err:
+        checkpoints.latest_complete_step(tmp_path)
+    assert str(err.value) == f"{pointer} holds {shown}, not a step number"
+    pointer.write_text("7\n")  # a hand-written pointer with a newline still reads
+    assert checkpoints.latest_complete_step(tmp_path) == 7
+
+
+def test_garbage_pointer_resumes_from_the_newest_step_that_verifies(tmp_path):
+    """Without a readable pointer, a step is complete when its actor and critic directories
+    verify: step 4's save was killed after the actor's (no critic's), step 3's actor shard is
+    cut short, so the run resumes after step 2; nothing is deleted, the refused steps are moved
+    aside and the pointer names step 2 again."""
+    cfg = _cfg(tmp_path)
+    root = checkpoints.checkpoint_root(tmp_path)
+    for step, roles in ((1, ("actor", "critic")), (2, ("actor", "critic")),
+                        (3, ("actor", "critic")), (4, ("actor",))):
+        for role in roles:
+            write_checkpoint(checkpoints.step_dir(tmp_path, role, step), step)
+    shard = next((checkpoints.step_dir(tmp_path, "actor", 3) / "dist").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    (root / checkpoints.LATEST).write_text("garbage")
+    actor, critic = LoadingTrainer(), LoadingTrainer()
+
+    with pytest.warns(UserWarning) as record:
+        step, streams, pending = checkpoints.resume(cfg, actor, critic)
+    warned = [str(w.message) for w in record]
+    assert (step, streams, pending) == (2, None, None)
+    assert actor.loaded == [str(checkpoints.step_dir(tmp_path, "actor", 2))]
+    assert critic.loaded == [str(checkpoints.step_dir(tmp_path, "critic", 2))]
+    assert any(m.startswith(f"trainer.resume: {root / 'latest_step'} holds 'garbage', not a step "
+                            f"number; resuming from the newest step") for m in warned), warned
+    assert any(m.startswith("trainer.resume: refusing step 4: ") and
+               str(checkpoints.step_dir(tmp_path, "critic", 4)) in m for m in warned), warned
+    assert any(m.startswith("trainer.resume: refusing step 3: ") and f"shard {shard}" in m
+               for m in warned), warned
+    assert (root / checkpoints.LATEST).read_text() == "2"
+    assert sorted(p.name for p in (root / "actor").iterdir()) == [
+        "corrupt-step_3", "corrupt-step_4", "step_1", "step_2"]
+    assert sorted(p.name for p in (root / "critic").iterdir()) == [
+        "corrupt-step_3", "step_1", "step_2"]
+
+
+def test_garbage_pointer_and_no_intact_step_stops_the_resume(tmp_path):
+    """A pointer exists, so the run saved once: with no step that verifies it does not start
+    afresh silently; a lone critic directory is refused too, not left for the rerun's save to
+    collide with."""
+    cfg = _cfg(tmp_path)
+    root = checkpoints.checkpoint_root(tmp_path)
+    write_checkpoint(checkpoints.step_dir(tmp_path, "critic", 1), 1)
+    (root / checkpoints.LATEST).write_text("garbage")
+    with pytest.warns(UserWarning) as record, pytest.raises(
+            RuntimeError, match=rf"no intact checkpoint under {root} \({root / 'latest_step'} "
+                                r"holds 'garbage', not a step number; every step was refused"):
+        checkpoints.resume(cfg, LoadingTrainer(), LoadingTrainer())
+    warned = [str(w.message) for w in record]
+    assert len(warned) == 2 and "holds 'garbage'" in warned[0], warned
+    assert warned[1].startswith("trainer.resume: refusing step 1: ") and str(
+        checkpoints.step_dir(tmp_path, "actor", 1)) in warned[1], warned
+    assert (root / "critic" / "corrupt-step_1").is_dir()

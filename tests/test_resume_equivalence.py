@@ -24,7 +24,8 @@ from ragen_mega.backends.sglang.seeded_sampling import murmur_hash32_torch
 from ragen_mega.backends.sglang.server import launch_server
 from conftest import resumed_step_diffs, undocumented_scalars
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import checkpoints, driver
+from ragen_mega.train import train
+from ragen_mega.ray import checkpoints
 
 DEMO = "examples/bandit_cpu_demo.yaml"
 
@@ -128,7 +129,7 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     entropy by 1e-6, pg_loss and grad norms by 0.5-2%).
     """
     overrides = tiny_run_overrides(tmp_path, 3) + ["critic.warmup_steps=2"]
-    straight = driver.train(load_run_config(DEMO, overrides))
+    straight = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in straight] == [1, 2, 3]
     check_whole_run(straight, tmp_path)
 
@@ -148,7 +149,7 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     for role in ("actor", "critic"):
         shutil.rmtree(ckpt / role / "step_3")
     (ckpt / "latest_step").write_text("2")
-    resumed = driver.train(load_run_config(DEMO, overrides))
+    resumed = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in resumed] == [3]
 
     want, got = straight[2], resumed[0]

@@ -4,7 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
+from ragen_mega.algo.estimators import compute_advantages
+from ragen_mega.config import AlgoConfig
+from ragen_mega.rollout.batch import build_batch, filter_groups
 from ragen_mega.rollout.sample import Sample
 
 
@@ -42,7 +44,7 @@ def test_grpo_advantages_per_episode_score():
     # group 0: episodes score 1 and 3 (mean 2, std sqrt 2); group 1: one two-turn episode + 0
     samples = [turn(0, 0, 1, 1.0, True), turn(1, 0, 1, 3.0, True),
                turn(2, 1, 1, 0.5, False), turn(2, 1, 2, 0.5, True), turn(3, 1, 1, 0.0, True)]
-    batch = compute_advantages(build_batch(samples, pad_id=0), estimator="grpo")
+    batch = compute_advantages(build_batch(samples, pad_id=0), AlgoConfig(adv_estimator="grpo"))
     s2 = 2 ** 0.5
     per_row = [-1 / s2, 1 / s2, 1 / (2 ** 0.5), 1 / (2 ** 0.5), -1 / s2]  # hand-worked
     adv = batch["advantages"]
@@ -58,7 +60,7 @@ def test_bi_level_gae_gamma_lambda_one_is_return_minus_value():
     batch = build_batch(samples, pad_id=0)
     values = torch.arange(batch["loss_mask"].numel(), dtype=torch.float32).view_as(
         batch["loss_mask"]) / 10
-    batch = compute_advantages(batch, estimator="gae", token_values=values)
+    batch = compute_advantages(batch, AlgoConfig(adv_estimator="gae", whiten_advantages=False), token_values=values)
     expected_returns = [1.25, 1.0]
     for i, ret in enumerate(expected_returns):
         m = batch["loss_mask"][i].bool()
@@ -74,7 +76,7 @@ def test_whitened_gae_advantages_are_centred_over_response_tokens():
     batch = build_batch(samples, pad_id=0)
     values = torch.arange(batch["loss_mask"].numel(), dtype=torch.float32).view_as(
         batch["loss_mask"]) / 10
-    out = compute_advantages(dict(batch), estimator="gae", token_values=values, whiten=True)
+    out = compute_advantages(dict(batch), AlgoConfig(adv_estimator="gae"), token_values=values)
     m = batch["loss_mask"].bool()
     raw = [ret - v for i, ret in enumerate([1.25, 1.0]) for v in values[i][m[i]].tolist()]
     mean = sum(raw) / len(raw)
@@ -88,9 +90,9 @@ def test_whitened_gae_advantages_are_centred_over_response_tokens():
 def test_gae_needs_values():
     batch = build_batch([turn(0, 0, 1, 1.0, True)], pad_id=0)
     with pytest.raises(ValueError, match="gae needs critic token_values"):
-        compute_advantages(batch, estimator="gae")
+        compute_advantages(batch, AlgoConfig(adv_estimator="gae"))
     with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
-        compute_advantages(batch, estimator="ppo")
+        compute_advantages(batch, AlgoConfig(adv_estimator="ppo"))
 
 
 def test_summarize_means_and_pass_at_k():

@@ -34,6 +34,7 @@ def test_defaults_are_ragen_starpo_s():
     (["filter.mode=top"], "filter.mode: 'top' is not allowed; allowed values: 'std', 'std_rev'"),
     (["agent.format_penalty=0.5"], "agent: AgentConfig.format_penalty"),
     (["critic.enable=false"], "algo.adv_estimator: 'gae' needs a critic"),
+    (["algo.adv_estimator=ppo"], "algo.adv_estimator: must be one of ['gae', 'grpo'], got 'ppo'"),
     (["algo.adv_estimator=grpo", "env.group_size=1"], "env.group_size: grpo compares episodes"),
     (["rollout.top_p=0"], "rollout.top_p: must be in (0, 1]"),
     (["rollout.mem_fraction=1.5"], "rollout.mem_fraction: must be in (0, 1) or null"),
@@ -116,10 +117,29 @@ def test_examples_load(path):
 
 
 def test_model_path_that_is_no_hf_dir_is_a_cli_config_error(tmp_path, capsys):
-    from ragen_mega.ray.driver import main
+    from ragen_mega.train import main
 
     assert main(["examples/bandit_cpu_demo.yaml", f"model.path={tmp_path}"]) == 2
     assert f"config error: model.path: '{tmp_path}' is not a Hugging Face" in capsys.readouterr().err
+
+
+def test_yaml_syntax_error_is_a_cli_config_error(tmp_path, capsys):
+    """``ragen-mega train`` and ``ragen-mega eval`` report a config file PyYAML cannot parse
+    as a config error naming the file and the position (exit 2), not a traceback, before
+    anything starts."""
+    import ray
+
+    from ragen_mega.evaluate import main as eval_main
+    from ragen_mega.train import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("env: [unclosed")
+    want = f"config error: config file '{path}' is not valid YAML: line 1, column 15: "
+    assert main([str(path)]) == 2
+    assert f"ragen-mega train: {want}" in capsys.readouterr().err
+    assert eval_main([str(path), "--checkpoint", "smollm2"]) == 2
+    assert f"ragen-mega eval: {want}" in capsys.readouterr().err
+    assert not ray.is_initialized()
 
 
 @pytest.mark.parametrize("section, kwargs, field", [

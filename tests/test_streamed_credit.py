@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragen_mega.rollout.batch import build_batch, compute_advantages, filter_groups
+from ragen_mega.algo.estimators import compute_advantages
+from ragen_mega.config import AlgoConfig
+from ragen_mega.rollout.batch import build_batch, filter_groups
 from ragen_mega.rollout.sample import Sample
 
 
@@ -41,7 +43,8 @@ def test_cut_bootstrap_hand_worked():
     def run(bootstrap):
         batch = build_batch(samples, pad_id=0)
         values = turn_v[:, None].expand_as(batch["loss_mask"]).clone()
-        out = compute_advantages(batch, estimator="gae", gamma=0.5, lam=0.5,
+        out = compute_advantages(batch, AlgoConfig(adv_estimator="gae", whiten_advantages=False, gamma=0.5,
+                                                       lam=0.5),
                                  token_values=values, bootstrap_values=bootstrap)
         mask = out["loss_mask"].bool()
         assert mask.sum(1).tolist() == [2] * 5

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import driver
+from ragen_mega.train import main as train_main, train
 
 
 def test_malformed_config_fails_before_anything_starts(capsys):
     import ray
 
-    assert driver.main(["examples/bandit_cpu_demo.yaml", "actor.tp=0"]) == 2
+    assert train_main(["examples/bandit_cpu_demo.yaml", "actor.tp=0"]) == 2
     assert "config error: actor" in capsys.readouterr().err
     assert not ray.is_initialized()
 
@@ -37,7 +37,7 @@ def test_half_built_run_is_torn_down(tiny_model, tiny_run_overrides, tmp_path, p
     one_head = tiny_model("qwen2", num_heads=1, num_kv_heads=1)
     overrides = tiny_run_overrides(tmp_path, total_steps=1) + [f"model.path={one_head}"]
     with pytest.raises(RuntimeError, match="on rank 0"):
-        driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
+        train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
     [engines] = started
     with pytest.raises(requests.ConnectionError):
         requests.get(f"{engines.urls[0]}/health", timeout=10)
@@ -52,7 +52,7 @@ def test_colocated_step_with_env_workers(tiny_run_overrides, tmp_path, private_r
     two Ray env workers here (``rollout.env_workers``)."""
     overrides = tiny_run_overrides(tmp_path, total_steps=1) + [
         "trainer.colocate=true", "trainer.save_every=0", "rollout.env_workers=2"]
-    history = driver.train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
+    history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
     assert [h["step"] for h in history] == [1]
     h = history[0]
     assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]

@@ -19,7 +19,9 @@ import shutil
 from conftest import readme_scalars, server_killed_under_first_request, server_pids
 from ragen_mega.backends.megatron.checkpoint import read_checkpoint_state
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import checkpoints, driver
+from ragen_mega.rollout.manager import RolloutManager
+from ragen_mega.train import train
+from ragen_mega.ray import checkpoints
 
 DEMO = "examples/bandit_cpu_demo.yaml"
 MIX = ("env.mix=[{tag: crafter, kwargs: {max_steps: 400}, env_groups: 1, max_turns: 300},"
@@ -34,7 +36,7 @@ def streamed_overrides(tiny_run_overrides, run_dir, total_steps):
 
 def test_streamed_steps_then_exact_resume(tiny_run_overrides, tmp_path, private_ray,
                                           monkeypatch):
-    straight = driver.train(load_run_config(DEMO, streamed_overrides(tiny_run_overrides,
+    straight = train(load_run_config(DEMO, streamed_overrides(tiny_run_overrides,
                                                                      tmp_path, 3)))
     assert [h["step"] for h in straight] == [1, 2, 3]
     for h in straight:
@@ -68,15 +70,15 @@ def test_streamed_steps_then_exact_resume(tiny_run_overrides, tmp_path, private_
     for role in ("actor", "critic"):
         shutil.rmtree(ckpt / role / "step_3")
     (ckpt / "latest_step").write_text("2")
-    real_rollout, killed = driver.Run.stream_rollout, []
+    real_rollout, killed = RolloutManager.window, []
 
-    def engine_dies(run, step, faults):
+    def engine_dies(rollouts, step, faults):
         killed.append(server_pids(tmp_path)[-1])
-        with server_killed_under_first_request(run.engines, killed[-1]):
-            return real_rollout(run, step, faults)
+        with server_killed_under_first_request(rollouts.engines, killed[-1]):
+            return real_rollout(rollouts, step, faults)
 
-    monkeypatch.setattr(driver.Run, "stream_rollout", engine_dies)
-    resumed = driver.train(load_run_config(DEMO, streamed_overrides(tiny_run_overrides,
+    monkeypatch.setattr(RolloutManager, "window", engine_dies)
+    resumed = train(load_run_config(DEMO, streamed_overrides(tiny_run_overrides,
                                                                     tmp_path, 3)))
     assert [h["step"] for h in resumed] == [3]
     want, got = straight[2], resumed[0]

@@ -76,8 +76,26 @@ def _load_config_dict(config_or_dir) -> dict:
         path = path / "config.json"
     if not path.exists():
         raise FileNotFoundError(f"no HF config at {path}")
-    with open(path) as f:
-        return json.load(f)
+    return read_config_json(path)
+
+
+def read_config_json(path) -> dict:
+    """The JSON object in ``path`` (an HF ``config.json``). A file that is no JSON object raises
+    ``ValueError`` naming the file, and for a syntax error the line and the column: ``json``'s
+    own message (``Expecting ',' delimiter: line 2 column 1``) names no file, and the
+    conversion CLI prints only the message."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not UTF-8 text: byte {e.start} ({e.reason})") from e
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: line {e.lineno}, column {e.colno}: "
+                         f"{e.msg}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _rope_theta(cfg: dict) -> float:

@@ -15,7 +15,12 @@ cursor and the driver's RNG states. Env seeds and (``rollout.seeded``) sampling 
 functions of the step, so the data cursor is the step plus the seeds it was derived with, and a
 resumed run replays the uninterrupted one (tests/test_resume_equivalence.py). A streamed run
 (``rollout.mode: turns``) also saves where its env streams are (``rollout/streams.py``: each
-stream's episode index and its current episode's responses, replayed on resume).
+stream's episode index and its current episode's responses, replayed on resume), and one with
+``trainer.async_rollout`` the next step's rollout, already played (``PlayedStep.state_dict``).
+
+The extra state holds plain values only (ints, floats, str, lists, tuples, dicts, tensors): it
+is read with ``torch.load(weights_only=True)``, which executes nothing a file holds, and no class
+is pickled into it, so renaming one leaves old checkpoints readable.
 """
 from __future__ import annotations
 
@@ -28,6 +33,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from ragen_mega.rollout.manager import PlayedStep
 
 if TYPE_CHECKING:
     from ragen_mega.config import RunConfig
@@ -46,16 +53,38 @@ def step_dir(run_dir: str | Path, role: str, step: int) -> Path:
     return checkpoint_root(run_dir) / role / f"step_{step}"
 
 
+class UnreadablePointer(ValueError):
+    """``latest_step`` exists but names no step (a hand edit, a copy cut short, another tool's
+    file); the message names the file and what it holds."""
+
+
 def latest_complete_step(run_dir: str | Path) -> int | None:
-    """The newest step whose actor (and critic) checkpoints are all written, or None."""
+    """The newest step whose actor (and critic) checkpoints are all written, or None when there
+    is no ``latest_step`` yet. The one reader of the pointer: :class:`UnreadablePointer` when it
+    holds anything but a step number (``trainer.resume=auto`` then falls back to the newest
+    step whose files verify, ``ragen-mega eval`` reports it)."""
     pointer = checkpoint_root(run_dir) / LATEST
-    return int(pointer.read_text()) if pointer.exists() else None
+    if not pointer.exists():
+        return None
+    try:
+        text = pointer.read_bytes().decode()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UnreadablePointer(f"{pointer} cannot be read as a step number "
+                                f"({type(e).__name__}: {e})") from e
+    if not (text.strip().isascii() and text.strip().isdigit()):
+        shown = repr(text) if len(text) <= 80 else f"{text[:80]!r}... ({len(text)} characters)"
+        raise UnreadablePointer(f"{pointer} holds {shown}, not a step number")
+    return int(text)
 
 
 def discard_incomplete(run_dir: str | Path) -> list[Path]:
     """Remove the step directories newer than ``latest_step`` (a save that never completed);
-    returns them."""
-    newest = latest_complete_step(run_dir) or 0
+    returns them. An unreadable pointer says nothing about which saves completed: nothing is
+    removed (:func:`newest_intact_step` then verifies every step instead)."""
+    try:
+        newest = latest_complete_step(run_dir) or 0
+    except UnreadablePointer:
+        return []
     root = checkpoint_root(run_dir)
     stale = [d for role in ("actor", "critic") for d in sorted((root / role).glob("step_*"))
              if d.name[5:].isdigit() and int(d.name[5:]) > newest]
@@ -71,16 +100,31 @@ def newest_intact_step(run_dir: str | Path, with_critic: bool) -> int | None:
 
     A newer step with a truncated or missing file is refused with a warning naming the file
     and moved aside to ``corrupt-step_N`` (kept for inspection; the resumed run writes step N
-    again), and ``latest_step`` is set back to the step resumed from."""
+    again), and ``latest_step`` is set back to the step resumed from. A whole step written by an
+    older version that pickled classes into its state (``LegacyCheckpoint``) is no corrupt
+    one: its error, naming the file, ends the resume, and nothing is moved aside.
+
+    A ``latest_step`` that names no step is reported in a warning, and every step directory is
+    a candidate: complete then means that the actor's (and critic's) directories verify, which
+    a save in progress or killed never does (it has no ``step_N`` yet, or one role's is
+    missing); the pointer is rewritten to the step found."""
     from ragen_mega.backends.megatron.checkpoint import CorruptCheckpoint, verify_checkpoint
 
-    newest = latest_complete_step(run_dir)
-    if newest is None:
-        return None
-    roles = ("actor", "critic") if with_critic else ("actor",)
     root = checkpoint_root(run_dir)
-    saved = sorted({int(d.name[5:]) for d in (root / "actor").glob("step_*")
-                    if d.name[5:].isdigit() and int(d.name[5:]) <= newest}, reverse=True)
+    try:
+        newest = latest_complete_step(run_dir)
+    except UnreadablePointer as e:
+        warnings.warn(f"trainer.resume: {e}; resuming from the newest step whose "
+                      f"{'actor and critic checkpoints' if with_critic else 'actor checkpoint'} "
+                      f"verify instead")
+        newest, pointed = None, str(e)
+    else:
+        if newest is None:
+            return None
+        pointed = f"latest_step names {newest}"
+    roles = ("actor", "critic") if with_critic else ("actor",)
+    saved = sorted((s for s in _saved_steps(root) if newest is None or s <= newest),
+                   reverse=True)
     for step in saved:
         try:
             for role in roles:
@@ -98,9 +142,17 @@ def newest_intact_step(run_dir: str | Path, with_critic: bool) -> int | None:
         if step != newest:
             _write_latest(root, step)
         return step
-    raise RuntimeError(f"trainer.resume=auto: no intact checkpoint under {root} (latest_step "
-                       f"names {newest}; every step was refused, see the warnings); set "
-                       f"trainer.resume=never to start afresh")
+    refused = "every step was refused, see the warnings" if saved else "no step_N directory"
+    raise RuntimeError(f"trainer.resume=auto: no intact checkpoint under {root} ({pointed}; "
+                       f"{refused}); set trainer.resume=never to start afresh")
+
+
+def _saved_steps(root: Path) -> set[int]:
+    """The steps with a ``step_N`` directory of either role under ``root``: a critic's without
+    the actor's is a candidate too, so that it is refused (and moved aside) rather than left
+    where the resumed run's save of that step would find it."""
+    return {int(d.name[5:]) for role in ("actor", "critic") for d in (root / role).glob("step_*")
+            if d.name[5:].isdigit()}
 
 
 def _write_latest(root: Path, step: int) -> None:
@@ -113,14 +165,26 @@ def _write_latest(root: Path, step: int) -> None:
 def rng_states() -> dict:
     """The driver's Python, NumPy and torch RNG states. The loop itself draws from none of them
     (env and sampling seeds are functions of the step, the filter breaks no ties at random, the
-    trainer has no dropout), but a user's env or hook may, so they are checkpointed too."""
-    return {"python": random.getstate(), "numpy": np.random.get_state(),
+    trainer has no dropout), but a user's env or hook may, so they are checkpointed too.
+
+    Plain values only (``weights_only`` loading refuses NumPy arrays): Python's state is a tuple
+    of ints, torch's a uint8 tensor, NumPy's legacy ``get_state()`` tuple becomes a dict with its
+    624 MT19937 keys as an int64 tensor."""
+    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    return {"python": random.getstate(),
+            "numpy": {"bit_generator": str(name),
+                      "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+                      "pos": int(pos), "has_gauss": int(has_gauss),
+                      "cached_gaussian": float(cached_gaussian)},
             "torch": torch.get_rng_state()}
 
 
 def set_rng_states(states: dict) -> None:
+    """Restore :func:`rng_states`: every generator draws next what it drew after the save."""
     random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    n = states["numpy"]
+    np.random.set_state((n["bit_generator"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
     torch.set_rng_state(states["torch"])
 
 
@@ -135,12 +199,13 @@ def data_cursor(cfg: RunConfig) -> dict:
 def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | None,
          streams: dict | None = None, pending=None) -> None:
     """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete.
-    ``streams``: the env streams' state after ``step`` (turns mode); ``pending``: the rollout of
-    step ``step + 1`` already played (``trainer.async_rollout``, a ``driver.PlayedStep``); both
-    kept in the extra state."""
+    ``streams``: the env streams' state after ``step`` (turns mode, ``EnvStreams.state_dict``);
+    ``pending``: the rollout of step ``step + 1`` already played (``trainer.async_rollout``, a
+    ``rollout.manager.PlayedStep``, kept as its ``state_dict``); both kept in the extra state."""
     root = checkpoint_root(cfg.trainer.run_dir)
     extra = {"step": step, "data_cursor": data_cursor(cfg), "rng": rng_states(),
-             "streams": streams, "pending_rollout": pending}
+             "streams": streams,
+             "pending_rollout": None if pending is None else pending.state_dict()}
     actor.save_checkpoint(str(root / "actor"), step, extra)
     if critic is not None:
         critic.save_checkpoint(str(root / "critic"), step, extra)
@@ -148,10 +213,11 @@ def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | 
 
 
 def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
-           ) -> tuple[int, dict | None, object | None]:
+           ) -> tuple[int, dict | None, PlayedStep | None]:
     """The step to continue after (0 = fresh start), loading its checkpoints and RNG states,
     the env streams' state saved with it (None: a fresh start or an episodes-mode run) and the
-    next step's rollout played before the save (None unless ``trainer.async_rollout``).
+    next step's rollout played before the save (a ``PlayedStep`` whose fault counters describe
+    further faults in ``RUN_DIR/faults.jsonl``; None unless ``trainer.async_rollout``).
 
     ``trainer.resume``: ``auto`` (the newest complete step, if any), ``never``, or a directory
     holding ``actor/`` (and ``critic/``) checkpoints."""
@@ -185,4 +251,7 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
                       f"rollout, played during step {step} (trainer.async_rollout was on); "
                       f"with it off now, step {step + 1} is played again")
         pending = None
+    if pending is not None:
+        pending = PlayedStep.from_state_dict(pending,
+                                             Path(cfg.trainer.run_dir) / "faults.jsonl")
     return step, extra.get("streams"), pending

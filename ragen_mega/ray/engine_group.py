@@ -21,14 +21,15 @@ those of a run without the fault. At most ``max_restarts_per_step`` restarts bet
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ragen_mega.ray.actor_group import ActorGroup
-from ragen_mega.rollout.episode import Episode, EpisodeSpec, Generation, OpenEnvFn
-from ragen_mega.rollout.faults import PromptTooLong
+from ragen_mega.rollout.episode import (EngineRestarted, Episode, EpisodeSpec, Generation, OpenEnvFn,
+                                        PromptTooLong)
 
 T = TypeVar("T")
 
@@ -65,9 +66,9 @@ class EngineWorker:
         self.server.shutdown()
 
 
-class EngineRestarted(RuntimeError):
-    """The engine serving a request died and was restarted (with the current weights): the
-    episode that sent it is played again from its start."""
+class ResyncDeferred(RuntimeError):
+    """An engine restarted while resyncs were deferred (:meth:`EngineGroup.resyncs_deferred`):
+    the rollout that met it ends, and is played again once the engine has the weights."""
 
 
 class EngineGroup:
@@ -77,10 +78,10 @@ class EngineGroup:
     :meth:`release_memory` frees their GPU memory; ``mem_fraction``: SGLang's
     ``--mem-fraction-static`` (see ``backends/sglang/server.py``); ``max_restarts_per_step``:
     restarts of dead engines allowed between two :meth:`take_fault_counts`.
-    ``resync(engine, url)``: loads the current weights into a restarted engine (None: the
+    ``resync({engine: url})``: loads the current weights into restarted engines (None: the
     engines serve ``model_path`` as it is, so a new server already has them)."""
 
-    resync: Callable[[int, str], Any] | None = None
+    resync: Callable[[dict[int, str]], Any] | None = None
 
     def __init__(self, model_path: str, pg, bundles: list[list[int]], *, tp: int,
                  dtype: str | None, log_dir: str, num_cpus: float,
@@ -105,6 +106,9 @@ class EngineGroup:
         self._lives = [0] * len(self.urls)  # restarts of each engine so far
         self._restart_lock = asyncio.Lock()  # renewed by run: a lock belongs to one event loop
         self._faults = self._no_faults()
+        self._retired: list = []  # clients of replaced servers, closed at the end of run
+        self._defer_resync = False
+        self._unsynced: list[int] = []  # restarted while resyncs were deferred
 
     @staticmethod
     def _no_faults() -> dict[str, float]:
@@ -121,7 +125,7 @@ class EngineGroup:
         """One completion (token ids and log-probs) from ``engine``, or the next one in turn.
         Raises :class:`EngineRestarted` if that engine died under the request and is back; a
         prompt the engine refuses as longer than its context raises
-        :class:`~ragen_mega.rollout.faults.PromptTooLong` (the episode ends there)."""
+        :class:`~ragen_mega.rollout.episode.PromptTooLong` (the episode ends there)."""
         from ragen_mega.backends.sglang.client import ContextLengthExceeded, EngineError
 
         engine = next(self._next) if engine is None else engine
@@ -139,31 +143,79 @@ class EngineGroup:
     async def _restart_if_dead(self, engine: int, life: int, error: Exception) -> None:
         """Return once ``engine`` (which failed ``error`` in its ``life``-th life) is up again;
         re-raise ``error`` if its server is alive (the request itself was refused). The first
-        request to fail restarts it, the others wait for that and find it restarted."""
-        from ragen_mega.backends.sglang.client import AsyncEngineClient
+        request to fail restarts it, the others wait for that and find it restarted.
 
+        The restarted engine gets the current weights through ``resync``, unless resyncs are
+        deferred (:meth:`resyncs_deferred`): then :class:`ResyncDeferred` ends the rollout and
+        the engine waits in :meth:`take_unsynced` for whoever holds the trainer."""
         async with self._restart_lock:
             if self._lives[engine] != life:
                 return
             worker = self.group.actors[engine]
             if not await worker.server_exited.remote():
                 raise error
-            done = self._faults["fault/engine_restarts"]
-            log = f"{self.log_dir}/engine_{engine}.log"
-            if done >= self.max_restarts_per_step:
-                raise RuntimeError(
-                    f"engine {engine}'s SGLang server died (log {log}) and this step has already "
-                    f"restarted {done:.0f} engine(s), the limit "
-                    f"(rollout.max_engine_restarts_per_step={self.max_restarts_per_step})") \
-                    from error
-            self._faults["fault/engine_restarts"] += 1
-            url = await worker.restart.remote()
-            if self.resync is not None:  # blocking Ray calls: off the loop the episodes run on
-                await asyncio.to_thread(self.resync, engine, url)
-            old, self.clients[engine] = self.clients[engine], AsyncEngineClient(url)
-            self.urls[engine] = url
-            self._lives[engine] += 1
-            await old.close()
+            self._allow_restart(engine, error)
+            self._replace_client(engine, await worker.restart.remote())
+            if self.resync is None:
+                return
+            if self._defer_resync:
+                self._unsynced.append(engine)
+                raise ResyncDeferred(f"engine {engine} was restarted during an overlapped "
+                                     f"rollout; it gets the trainer's weights at the join")
+            # blocking Ray calls: off the loop the episodes run on
+            await asyncio.to_thread(self.resync, {engine: self.urls[engine]})
+
+    def restart_dead(self) -> dict[int, str]:
+        """Restart every engine whose server has exited (found outside a rollout, e.g. before a
+        weight sync); returns ``{engine: new url}``. Counted like a restart during a rollout;
+        the caller brings the new servers to the trainer's weights."""
+        import ray
+
+        dead = [e for e, exited in enumerate(ray.get(
+            [w.server_exited.remote() for w in self.group.actors])) if exited]
+        for engine in dead:
+            self._allow_restart(engine, None)
+            self._replace_client(engine, ray.get(self.group.actors[engine].restart.remote()))
+        return {e: self.urls[e] for e in dead}
+
+    @contextlib.contextmanager
+    def resyncs_deferred(self):
+        """Within the block (an overlapped rollout on another thread, while the trainer
+        trains), an engine restarted under a request is not given weights by ``resync`` (that
+        would call the trainer from the rollout's thread, mid-update): the rollout ends with
+        :class:`ResyncDeferred` and the engine waits in :meth:`take_unsynced`."""
+        self._defer_resync = True
+        try:
+            yield
+        finally:
+            self._defer_resync = False
+
+    def take_unsynced(self) -> dict[int, str]:
+        """``{engine: url}`` of the engines restarted while resyncs were deferred, since the
+        last call: they serve the checkpoint they loaded until given the trainer's weights."""
+        unsynced, self._unsynced = self._unsynced, []
+        return {e: self.urls[e] for e in unsynced}
+
+    def _allow_restart(self, engine: int, error: Exception | None) -> None:
+        """Count a restart of ``engine``, or raise once this step has had its allowance."""
+        done = self._faults["fault/engine_restarts"]
+        if done >= self.max_restarts_per_step:
+            raise RuntimeError(
+                f"engine {engine}'s SGLang server died (log {self.log_dir}/engine_{engine}.log) "
+                f"and this step has already restarted {done:.0f} engine(s), the limit "
+                f"(rollout.max_engine_restarts_per_step={self.max_restarts_per_step})") \
+                from error
+        self._faults["fault/engine_restarts"] += 1
+
+    def _replace_client(self, engine: int, url: str) -> None:
+        """Talk to ``engine``'s new server at ``url`` from now on (the old client's session is
+        closed with the others at the end of the event loop it lives on: :meth:`run`)."""
+        from ragen_mega.backends.sglang.client import AsyncEngineClient
+
+        self._retired.append(self.clients[engine])
+        self.clients[engine] = AsyncEngineClient(url)
+        self.urls[engine] = url
+        self._lives[engine] += 1
 
     def count_retried(self, episodes: int) -> None:
         """``episodes`` are played again after an engine restart (``fault/episodes_retried``)."""
@@ -198,7 +250,8 @@ class EngineGroup:
             try:
                 return await work
             finally:
-                for client in self.clients:
+                retired, self._retired = self._retired, []
+                for client in self.clients + retired:
                     await client.close()
 
         return asyncio.run(run_then_close())

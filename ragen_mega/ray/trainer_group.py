@@ -120,14 +120,15 @@ class TrainerWorker:
         return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes),
                 "sync/buckets": float(stats.num_buckets)}
 
-    def replace_engine(self, index: int, url: str, version: int) -> dict[str, float]:
-        """Engine ``index`` was restarted at ``url``: rank 0's channel takes it in place of the
-        dead one, then every rank syncs ``version`` (the weights the engines serve) again, so the
-        new engine has them (the others receive the same values again, which changes nothing)."""
+    def replace_engines(self, urls: dict[int, str], version: int) -> dict[str, float]:
+        """Engines ``urls`` (index -> new url) were restarted: rank 0's channel takes each in
+        place of the dead one, then every rank syncs the current weights as ``version`` again,
+        so the new engines have them (the others receive the same values again)."""
         if self.rank == 0:
             from ragen_mega.backends.sglang.client import EngineClient
 
-            self.sender.replace_engine(index, EngineClient(url))
+            for index, url in sorted(urls.items()):
+                self.sender.replace_engine(index, EngineClient(url))
         return self.sync_weights(version)
 
     def close(self) -> None:
@@ -198,8 +199,8 @@ class TrainerGroup:
     def sync_weights(self, version: int) -> dict[str, float]:
         return self._first("sync_weights", version)
 
-    def replace_engine(self, index: int, url: str, version: int) -> dict[str, float]:
-        return self._first("replace_engine", index, url, version)
+    def replace_engines(self, urls: dict[int, str], version: int) -> dict[str, float]:
+        return self._first("replace_engines", urls, version)
 
     def kill(self) -> None:
         """Close the weight-update channel, then end every rank. A rank that failed to start

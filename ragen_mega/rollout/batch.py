@@ -1,13 +1,12 @@
-"""From played episodes to a training batch: StarPO-S filter, collate, advantages.
+"""From played episodes to a training batch: StarPO-S filter, collate, the cut bootstrap's input.
 
-The three steps between rollout and trainer, kept as plain functions over :class:`Sample`
-records and tensors (the math itself lives in :mod:`ragen_mega.algo`):
+The steps between rollout and trainer, kept as plain functions over :class:`Sample` records and
+tensors (the estimators themselves are ``algo/estimators.py``, by name):
 
 1. :func:`filter_groups` - StarPO-S: keep the groups whose episode rewards vary most.
-2. :func:`collate` (from :mod:`.sample`) plus the per-turn fields the estimators need.
-3. :func:`compute_advantages` - ``gae``: turn-level GAE over an episode's turns with critic
-   values, then token-level GAE inside each turn (bi-level; for one-turn episodes this is plain
-   token-level GAE); ``grpo``: episode score against its group, spread over every token.
+2. :func:`build_batch` - :func:`collate` (from :mod:`.sample`) plus the per-turn fields the
+   estimators need.
+3. :func:`cut_value_batch` - the critic's input for the states after the cut of a streamed step.
 
 An episode cut off by ``max_turns`` is treated as terminal, as RAGEN does; one cut by the end of
 a streamed step's window (``rollout.mode: turns``) bootstraps from the critic's value of its
@@ -19,23 +18,9 @@ from typing import Sequence
 
 import torch
 
-from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, grpo,
-                                        masked_whiten, normalize_scores, turn_level_gae)
+from ragen_mega.algo.estimators import episode_scores
 from ragen_mega.algo.filter import select_groups
 from ragen_mega.rollout.sample import Sample, collate
-
-
-def episode_scores(episode_id: torch.Tensor, group_id: torch.Tensor, reward: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-turn fields -> per episode (sorted ids): ``(episode_ids, group_ids, total reward)``."""
-    episode_ids, inverse = torch.unique(episode_id, return_inverse=True)
-    scores = torch.zeros(len(episode_ids)).index_add_(0, inverse, reward.float())
-    group_ids = torch.zeros(len(episode_ids), dtype=torch.long).index_put_((inverse,), group_id)
-    return episode_ids, group_ids, scores
-
-
-def _scores_of(batch: dict[str, torch.Tensor]):
-    return episode_scores(batch["episode_id"], batch["group_id"], batch["reward"])
 
 
 def filter_groups(samples: Sequence[Sample], ratio: float, mode: str, by_stream: bool = False
@@ -77,53 +62,25 @@ def build_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tenso
     return batch
 
 
-def compute_advantages(batch: dict[str, torch.Tensor], *, estimator: str, gamma: float = 1.0,
-                       lam: float = 1.0, reward_norm: str = "identity",
-                       grpo_norm_by_std: bool = True, whiten: bool = False,
-                       token_values: torch.Tensor | None = None,
-                       bootstrap_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Add ``advantages`` (and for ``gae`` ``returns``) [B, S] to ``batch``; return it.
-
-    ``token_values`` [B, S] is the critic's value of the state each token is written in (column
-    t: V(tokens < t), the trainer's layout); a turn's value is the one at its first response
-    token. ``gamma``/``lam``
-    discount across turns; inside a turn tokens are undiscounted (Verlog's dual-discount GAE).
-
-    ``bootstrap_values`` [B] (``gae`` only): at each cut sample (``batch["cut"]``: an episode
-    that goes on past this batch) the critic's value of the state after it; the cut turn's TD
-    error reads it in place of a terminal 0. Read nowhere else; None: every episode in the batch
-    ends in it (episodes mode).
-
-    ``whiten`` (``gae`` only; ``algo.whiten_advantages``): the advantages are whitened over all
-    of the batch's response tokens (:func:`masked_whiten`); the returns, the critic's targets,
-    are not.
-    """
-    mask = batch["loss_mask"]
-    if estimator == "grpo":
-        episode_ids, group_ids, scores = _scores_of(batch)
-        scores = normalize_scores(scores, group_ids, reward_norm)
-        adv = grpo(scores, group_ids, norm_by_std=grpo_norm_by_std)
-        per_sample = adv[torch.searchsorted(episode_ids, batch["episode_id"])]
-        batch["advantages"] = broadcast_to_tokens(per_sample, mask)
-        return batch
-    if estimator != "gae":
-        raise ValueError(f"unknown advantage estimator {estimator!r}; allowed: gae, grpo")
-    if token_values is None or token_values.shape != mask.shape:
-        raise ValueError(f"gae needs critic token_values shaped like loss_mask {tuple(mask.shape)}, "
-                         f"got {None if token_values is None else tuple(token_values.shape)}")
-    rewards = batch["reward"]
-    if reward_norm != "identity":  # normalise the episode score, carried by its last turn
-        episode_ids, group_ids, scores = _scores_of(batch)
-        normed = normalize_scores(scores, group_ids, reward_norm)
-        delta = (normed - scores)[torch.searchsorted(episode_ids, batch["episode_id"])]
-        rewards = rewards + torch.where(batch["last"], delta, torch.zeros_like(delta))
-    first = batch["response_start"]
-    turn_values = token_values[torch.arange(mask.shape[0]), first]
-    _, turn_returns = turn_level_gae(rewards, turn_values, batch["episode_id"], batch["turn"],
-                                     batch["last"], gamma_turn=gamma, lam_turn=lam,
-                                     bootstrap_values=bootstrap_values)
-    adv, returns = bi_level_token_gae(turn_returns, token_values, mask)
-    batch["advantages"] = masked_whiten(adv, mask) if whiten else adv
-    batch["returns"] = returns
-    return batch
-
+def cut_value_batch(samples: Sequence[Sample], next_prompts: dict[int, list[int]], pad_id: int,
+                    rows_multiple_of: int = 1
+                    ) -> tuple[dict[str, torch.Tensor], list[int], torch.Tensor] | None:
+    """The critic's input for the cut bootstrap (``rollout.mode: turns``): one row per cut
+    sample holding the prompt its episode's next turn will get (valued, never trained on),
+    padded with copies of the first row to a multiple of ``rows_multiple_of`` (the critic
+    shards rows over its data-parallel replicas). Returns ``(batch, rows, columns)``: the cut
+    samples' indices and, per row, the column that holds V(prompt) (one token after the prompt,
+    the trainer's layout); None when no sample is cut."""
+    rows = [i for i, s in enumerate(samples) if s.cut]
+    if not rows:
+        return None
+    prompts = [next_prompts[samples[i].episode_id] for i in rows]
+    prompts += [prompts[0]] * (-len(prompts) % rows_multiple_of)
+    seq = max(map(len, prompts)) + 1
+    ids = torch.full((len(prompts), seq), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+        attention[i, :len(p) + 1] = 1
+    columns = torch.tensor([len(p) for p in prompts[:len(rows)]])
+    return {"input_ids": ids, "attention_mask": attention}, rows, columns

@@ -16,7 +16,6 @@ from typing import Any, Awaitable, Callable, Protocol, Sequence
 
 from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
 from ragen_mega.envs import env_class, make
-from ragen_mega.rollout.faults import EnvFailed, PromptTooLong
 from ragen_mega.rollout.sample import Sample
 
 
@@ -30,6 +29,26 @@ class Generation:
 
 #: ``await generate(prompt_ids, sampling_params)`` -> :class:`Generation`
 GenerateFn = Callable[[list[int], dict[str, Any]], Awaitable[Generation]]
+
+
+class PromptTooLong(RuntimeError):
+    """The engine refused a prompt longer than its context (a ``GenerateFn`` raises this; the
+    episode then ends at that turn, truncated)."""
+
+
+class EnvFailed(RuntimeError):
+    """A user's env raised (at make, reset, step or close) while playing ``spec``'s episode."""
+
+    def __init__(self, spec: EpisodeSpec, call: str, error: BaseException):
+        self.spec, self.call, self.error = spec, call, error
+        super().__init__(f"env {spec.env_name!r} (seed {spec.seed}, episode {spec.episode_id}) "
+                         f"raised during {call}: {type(error).__name__}: {error}")
+
+
+class EngineRestarted(RuntimeError):
+    """The engine serving a request died and was restarted (with the current weights): a
+    ``GenerateFn`` raises this, and the episode (or window) that sent it is played again from its
+    start (``ray/engine_group.py`` restarts; ``rollout/manager.py`` replays)."""
 
 
 @dataclasses.dataclass

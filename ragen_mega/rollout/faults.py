@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:  # episode.py raises this module's errors, so it is imported only for types
-    from ragen_mega.rollout.episode import Episode, EpisodeSpec
+from ragen_mega.rollout.episode import Episode, EnvFailed, EpisodeSpec
+
+if TYPE_CHECKING:  # streams.py counts its faults here: its window is only a type to this module
     from ragen_mega.rollout.streams import Window
 
 #: The counters of a step, each logged as ``fault/<name>``.
@@ -48,19 +49,20 @@ class FaultCounters:
     def metrics(self) -> dict[str, float]:
         return {f"fault/{name}": float(n) for name, n in self.counts.items()}
 
+    def state_dict(self) -> dict[str, Any]:
+        """The step and its counts as plain values (a checkpoint's pending rollout keeps them;
+        the faults' descriptions are in ``faults.jsonl`` already)."""
+        return {"step": int(self.step), "counts": {k: int(n) for k, n in self.counts.items()}}
 
-class PromptTooLong(RuntimeError):
-    """The engine refused a prompt longer than its context (a ``GenerateFn`` raises this; the
-    episode then ends at that turn, truncated)."""
-
-
-class EnvFailed(RuntimeError):
-    """A user's env raised (at make, reset, step or close) while playing ``spec``'s episode."""
-
-    def __init__(self, spec: EpisodeSpec, call: str, error: BaseException):
-        self.spec, self.call, self.error = spec, call, error
-        super().__init__(f"env {spec.env_name!r} (seed {spec.seed}, episode {spec.episode_id}) "
-                         f"raised during {call}: {type(error).__name__}: {error}")
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any], log_path: str | Path | None = None
+                        ) -> FaultCounters:
+        """The counters :meth:`state_dict` saved, describing further faults in ``log_path``.
+        A counter the state lacks (added since) starts at 0; one no longer known is left out."""
+        counters = cls(int(state["step"]), log_path)
+        counters.counts.update({k: int(n) for k, n in state["counts"].items()
+                                if k in counters.counts})
+        return counters
 
 
 @dataclasses.dataclass

@@ -1,13 +1,42 @@
-"""The rollout manager: plays a step's episodes (or the env streams' window) over the engines,
-seeded, in the foreground or overlapped with training, and the held-out evaluation.
+"""The rollout manager: how one step's rollout is played over the engines.
+
+It owns everything between "the engines serve weights version k" and "here are the step's
+samples": the step's episode specs and seeds (``rollout/episode.py``), episodes mode (every
+episode of the step played to its end, all at once) or the env streams' window
+(``rollout.mode: turns``, ``rollout/streams.py``), seeded sampling (``rollout/seeding.py``), the
+replay of what a restarted engine cut short (``ray/engine_group.py`` restarts it), the fault
+counters, playing the next step in the background while this one trains
+(``trainer.async_rollout``), and the held-out evaluation. The training loop (``train.py``) and
+``ragen-mega eval`` both play through it, and it is the seam a test uses to inject a fault.
+
+It holds no trainer: weights reach the engines elsewhere (``ray/run.py``), and the weight
+version a rollout is stamped with is passed in by the caller.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ragen_mega.rollout.faults import FaultCounters
+from ragen_mega.agent.parse import STOP_STRINGS
+from ragen_mega.rollout.episode import (EngineRestarted, Episode, GenerateFn, OpenEnvFn,
+                                        mix_specs, run_episode, train_step_specs)
+from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
+                                       play_or_drop)
+from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.sample import Sample
-from ragen_mega.rollout.streams import Window
+from ragen_mega.rollout.seeding import seeded_generate
+from ragen_mega.rollout.streams import EnvStreams, Window
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ragen_mega.config import RunConfig
+    from ragen_mega.ray.engine_group import EngineGroup
 
 
 @dataclasses.dataclass
@@ -19,3 +48,155 @@ class PlayedStep:
     rollout_s: float
     faults: FaultCounters
     window: Window | None = None
+
+    def state_dict(self) -> dict:
+        """Plain values only (samples as :meth:`Sample.to_dict`, the counters as
+        :meth:`FaultCounters.state_dict`), so the checkpoint that keeps a pending rollout
+        (``trainer.async_rollout``) loads with ``torch.load(weights_only=True)`` and survives a
+        renamed class. An episodes-mode step only: a streamed step's window is not kept."""
+        if self.window is not None:
+            raise ValueError("PlayedStep.state_dict: a streamed step (rollout.mode=turns) is "
+                             "not checkpointed with its window; only an episodes-mode rollout "
+                             "is kept pending (trainer.async_rollout)")
+        return {"samples": [s.to_dict() for s in self.samples],
+                "metrics": {str(k): float(v) for k, v in self.metrics.items()},
+                "rollout_s": float(self.rollout_s), "faults": self.faults.state_dict()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict, log_path=None) -> PlayedStep:
+        """The step :meth:`state_dict` saved; its fault counters describe further faults (the
+        step's skipped updates) in ``log_path`` (``RUN_DIR/faults.jsonl``)."""
+        return cls([Sample.from_dict(s) for s in state["samples"]], dict(state["metrics"]),
+                   float(state["rollout_s"]),
+                   FaultCounters.from_state_dict(state["faults"], log_path))
+
+
+class RolloutManager:
+    """Plays a run's rollouts: ``engines`` (an :class:`~ragen_mega.ray.engine_group.EngineGroup`:
+    ``generate``, ``run``, ``replaying``, ``count_retried``) serve the policy; ``open_env`` opens
+    each episode's env in an env worker (None: in this process)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, engines: EngineGroup,
+                 open_env: OpenEnvFn | None = None):
+        self.cfg, self.tokenizer, self.engines, self.open_env = cfg, tokenizer, engines, open_env
+        self.streams: EnvStreams | None = None   # rollout.mode=turns, after open_streams
+
+    def fault_counters(self, step: int) -> FaultCounters:
+        """A fresh step's fault counters, describing each fault in ``RUN_DIR/faults.jsonl``."""
+        return FaultCounters(step, Path(self.cfg.trainer.run_dir) / "faults.jsonl")
+
+    def open_streams(self, saved: dict | None) -> None:
+        """``rollout.mode=turns``: the run's env streams, where the checkpoint left them."""
+        env, r = self.cfg.env, self.cfg.rollout
+        self.streams = EnvStreams(env.train_parts(), group_size=env.group_size, seed=env.seed,
+                                  turns_per_step=r.turns_per_step, tokenizer=self.tokenizer,
+                                  agent=self.cfg.agent, max_turns=env.max_turns,
+                                  env_steps_in_thread=r.env_steps_in_thread,
+                                  open_env=self.open_env)
+        if saved is not None:
+            self.streams.load_state_dict(saved)
+
+    def rollout(self, step: int, weight_version: int) -> PlayedStep:
+        """Step ``step``'s rollout (episodes mode, or the streams' window) with the weights the
+        engines serve now, ``weight_version``; its samples are stamped with that version."""
+        faults = self.fault_counters(step)
+        if self.streams is None:
+            episodes, rollout_s = self.episodes(step, faults=faults)
+            samples = [s for e in episodes for s in e.samples]
+            for sample in samples:
+                sample.weight_version = weight_version
+            return PlayedStep(samples, summarize(episodes, "rollout"), rollout_s, faults)
+        window, rollout_s = self.window(step, faults)
+        return PlayedStep(window.samples, summarize_window(
+            window.samples, window.finished, "rollout", trained_version=step - 1), rollout_s,
+            faults, window)
+
+    def rollout_in_background(self, step: int, weight_version: int) -> Future:
+        """:meth:`rollout` on a daemon thread (``trainer.async_rollout``); its PlayedStep (or
+        exception) in the returned future. The thread only drives the engines' HTTP clients and
+        the envs, on an event loop of its own: trainer calls stay on the caller's thread. A
+        daemon: if the step fails while it is in flight, the run's teardown stops the engines
+        under it and the process can exit without waiting for it."""
+        future: Future = Future()
+
+        def work():
+            try:
+                future.set_result(self.rollout(step, weight_version))
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+                future.set_exception(e)
+        threading.Thread(target=work, name="overlapped-rollout", daemon=True).start()
+        return future
+
+    def episodes(self, step: int, *, evaluate: bool = False,
+                 faults: FaultCounters | None = None) -> tuple[list[Episode], float]:
+        """Play one step's episodes (training seeds, or the held-out seeds at eval temperature),
+        all at once; seconds taken. An episode a restarted engine cut short is played again from
+        its start; one whose env raised is left out, counted in ``faults``."""
+        env, r = self.cfg.env, self.cfg.rollout
+        if evaluate:
+            specs = mix_specs(env.val_parts(), group_size=env.val_group_size,
+                              first_seed=env.val_seed)
+            temperature = r.val_temperature
+        else:
+            specs = train_step_specs(env.train_parts(), group_size=env.group_size,
+                                     seed=env.seed, step=step)
+            temperature = r.temperature
+
+        def attempt(spec):  # each call starts the episode afresh: a replay after an engine restart
+            return lambda open_env: run_episode(
+                spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
+                generate=self._generate("eval" if evaluate else "train", step, spec.episode_id),
+                sampling=self._sampling(temperature), max_turns=env.max_turns,
+                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
+        played = (play_or_drop(spec, self.engines.replaying(attempt(spec), self.open_env))
+                  for spec in specs)
+
+        async def play_all():
+            return list(await asyncio.gather(*played))
+
+        start = time.perf_counter()
+        outcome = self.engines.run(play_all())
+        seconds = time.perf_counter() - start
+        return count_rollout_faults(outcome, faults or self.fault_counters(step),
+                                    r.max_env_failure_rate), seconds
+
+    def window(self, step: int, faults: FaultCounters) -> tuple[Window, float]:
+        """Every stream's ``turns_per_step`` turns with the weights of step ``step - 1``; stream
+        ``s``'s k-th request of the step is seeded with (trainer.seed, step, s, k). Faults are
+        counted in ``faults``; a window an engine restart cut short is played again from its
+        start (each stream's episodes then replay from their resets, as on resume)."""
+        sampling = self._sampling(self.cfg.rollout.temperature)
+
+        async def play_window() -> Window:
+            start_state = self.streams.state_dict()
+            while True:
+                try:
+                    return await self.streams.play(
+                        lambda stream: self._generate("stream", step, stream), sampling,
+                        weight_version=step - 1)
+                except EngineRestarted:
+                    self.engines.count_retried(len(self.streams.streams))
+                    await self.streams.restore(start_state)
+
+        start = time.perf_counter()
+        window = self.engines.run(play_window())
+        count_window_faults(window, faults, self.cfg.rollout.max_env_failure_rate)
+        return window, time.perf_counter() - start
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out evaluation: ``val/*`` metrics and ``time/eval_s``."""
+        episodes, seconds = self.episodes(0, evaluate=True)
+        return {**summarize(episodes, "val"), "time/eval_s": seconds}
+
+    def _sampling(self, temperature: float) -> dict:
+        r = self.cfg.rollout
+        return {"temperature": temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens,
+                "stop": list(STOP_STRINGS), "no_stop_trim": True}
+
+    def _generate(self, kind: str, step: int, key: int) -> GenerateFn:
+        """The engines' generate function for one episode or stream (``kind``: train, eval or
+        stream); with ``rollout.seeded`` each request is seeded by (trainer.seed, kind, step,
+        key, its index), so a replay or a resumed step samples the same tokens."""
+        if not self.cfg.rollout.seeded:
+            return self.engines.generate
+        return seeded_generate(self.engines.generate, self.cfg.trainer.seed, kind, step, key)

@@ -40,6 +40,57 @@ class Sample:
             raise ValueError(f"Sample: {len(self.response_ids)} response ids but "
                              f"{len(self.rollout_logprobs)} rollout log-probs")
 
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain Python values (lists of ints and floats, str, bool, None, and
+        ``info`` as nested dicts/lists of those), so a checkpoint holding it loads with
+        ``torch.load(weights_only=True)``; :meth:`from_dict` gives an equal Sample back.
+
+        ``info`` (``episode.play_turn``: ``format_ok``, ``finish_reason``) must hold only such
+        values: anything else (an object, an array) raises TypeError naming its key rather than
+        being dropped, which would make a resumed run's samples differ from the saved ones."""
+        return {"prompt_ids": [int(t) for t in self.prompt_ids],
+                "response_ids": [int(t) for t in self.response_ids],
+                "rollout_logprobs": [float(x) for x in self.rollout_logprobs],
+                "reward": float(self.reward), "episode_id": int(self.episode_id),
+                "group_id": int(self.group_id), "turn": int(self.turn), "done": bool(self.done),
+                "last": bool(self.last), "env_tag": str(self.env_tag), "seed": int(self.seed),
+                "info": _plain(self.info, "info"), "weight_version": int(self.weight_version),
+                "stream": None if self.stream is None else int(self.stream),
+                "cut": bool(self.cut)}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Sample:
+        """The Sample :meth:`to_dict` described. A field the dict lacks (one added to Sample
+        after the checkpoint was written) takes its default."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _plain(value: Any, where: str) -> Any:
+    """``value`` as JSON-like Python (None, bool, int, float, str, and lists, tuples and
+    str-keyed dicts of them); TypeError naming ``where`` for anything else."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):     # str(): a subclass (numpy's str_) would pickle as itself
+        return str(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):   # also numpy's float64, a float subclass
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if isinstance(value, list) else tuple(items)
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"Sample.{where}: key {k!r} is a {type(k).__name__}, not a str")
+            out[k] = _plain(v, f"{where}[{k!r}]")
+        return out
+    raise TypeError(f"Sample.{where} is a {type(value).__module__}.{type(value).__qualname__}: "
+                    f"a checkpointed sample holds only plain values (None, bool, int, float, "
+                    f"str, and lists, tuples and str-keyed dicts of them)")
+
 
 def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     """Right-padded training batch of ``prompt + response`` per sample.

@@ -33,10 +33,10 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 from ragen_mega.agent import AgentConfig
-from ragen_mega.rollout.episode import (EnvPart, Episode, EpisodeSpec, EpisodeState, GenerateFn,
-                                        Generation, OpenEnvFn, open_episode, play_turn,
-                                        train_step_specs)
-from ragen_mega.rollout.faults import DroppedEpisode, EnvFailed, PromptTooLong
+from ragen_mega.rollout.episode import (EnvFailed, EnvPart, Episode, EpisodeSpec, EpisodeState,
+                                        GenerateFn, Generation, OpenEnvFn, PromptTooLong,
+                                        open_episode, play_turn, train_step_specs)
+from ragen_mega.rollout.faults import DroppedEpisode
 from ragen_mega.rollout.sample import Sample
 
 

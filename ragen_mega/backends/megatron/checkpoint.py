@@ -7,7 +7,8 @@ Layout of ``<root>``::
 
     step_12/            a complete checkpoint (only ever appears by one atomic rename)
       dist/             megatron dist_checkpointing, torch_dist format (global tensor keys)
-      ragen_state.pt    step, optimizer step count, scheduler state, user ``extra``, signature
+      ragen_state.pt    step, optimizer step count, scheduler state, user ``extra``, signature:
+                        plain values and tensors only, read with ``weights_only=True``
       hf/               config.json + tokenizer files of the model (so export needs no HF dir)
     .tmp-step_13/       a save in progress, or one that was killed: never looks complete
 
@@ -22,11 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from ragen_mega.backends.megatron.parallel import local_device
 
 STATE_FILE = "ragen_state.pt"
 FORMAT_VERSION = 1
@@ -86,7 +90,7 @@ def _inner_optimizers(optimizer):
 def _optimizer_steps(optimizer) -> int:
     steps = [int(st["step"]) for opt in _inner_optimizers(optimizer)
              for st in opt.state.values() if "step" in st]
-    n = torch.tensor(max(steps, default=0), dtype=torch.long, device=_device())
+    n = torch.tensor(max(steps, default=0), dtype=torch.long, device=local_device())
     if dist.is_initialized():  # ranks whose shard holds no state still agree
         dist.all_reduce(n, op=dist.ReduceOp.MAX)
     return int(n)
@@ -116,12 +120,6 @@ def _prime_adam_state(optimizer) -> None:
                     state["exp_avg"] = torch.zeros_like(p.data)
                     state["exp_avg_sq"] = torch.zeros_like(p.data)
                 state.setdefault("step", torch.tensor(0.0))
-
-
-def _device() -> torch.device:
-    """Where collectives' tensors must live (NCCL needs CUDA tensors)."""
-    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
 
 
 def _barrier():
@@ -168,7 +166,9 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
                     extra: dict | None = None, hf_dir=None) -> Path:
     """Write ``<root>/step_<step>`` atomically from every rank; return its path.
 
-    ``extra`` is any picklable dict (RNG states, data cursor, ...) taken from rank 0.
+    ``extra`` is a dict of plain values (RNG states, data cursor, ...: ints, floats, str,
+    None, lists, tuples, dicts, tensors) taken from rank 0; loading reads it with
+    ``torch.load(weights_only=True)``, which refuses anything else (:class:`LegacyCheckpoint`).
     ``hf_dir``: the HF model directory whose config/tokenizer files are copied in.
     """
     from megatron.core import dist_checkpointing
@@ -215,7 +215,7 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
         except Exception as err:  # noqa: BLE001 - re-raised below, after telling the others
             error = err
     # Every rank learns whether rank 0 committed, so none reports a save that did not happen.
-    ok = torch.tensor(int(error is None), device=_device())
+    ok = torch.tensor(int(error is None), device=local_device())
     if dist.is_initialized():
         dist.broadcast(ok, src=0)
     if error is not None:
@@ -234,8 +234,21 @@ def _check_signature(ckpt_dir: Path, saved: dict, current: dict) -> None:
                 f"{saved.get(field)!r} in the checkpoint but {current.get(field)!r} in the model")
 
 
+class CorruptCheckpoint(ValueError):
+    """A checkpoint directory with a missing, truncated or unreadable file (named)."""
+
+
+class LegacyCheckpoint(RuntimeError):
+    """A whole checkpoint whose state file holds pickled Python objects (classes, NumPy
+    arrays), as older ragen_mega versions wrote it; ``weights_only`` loading refuses to execute
+    them. Not a corrupt checkpoint: resume stops on it instead of falling back to an older step
+    (written by the same version, most likely) and moving this one aside."""
+
+
 def read_checkpoint_state(ckpt_dir) -> dict:
-    """The small rank-0 state of a complete checkpoint (step, signature, scheduler, extra)."""
+    """The small rank-0 state of a complete checkpoint (step, signature, scheduler, extra),
+    read with ``torch.load(weights_only=True)``: only plain values and tensors load, nothing in
+    the file is executed. One holding pickled objects raises :class:`LegacyCheckpoint`."""
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / STATE_FILE
     if ckpt_dir.name.startswith(".tmp-"):
@@ -244,24 +257,37 @@ def read_checkpoint_state(ckpt_dir) -> dict:
     if not path.exists():
         raise FileNotFoundError(f"{ckpt_dir} is not a complete ragen_mega checkpoint "
                                 f"(no {STATE_FILE}); pass a step_N directory")
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
-class CorruptCheckpoint(ValueError):
-    """A checkpoint directory with a missing, truncated or unreadable file (named)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        try:  # what the file would execute, read without executing it
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception:  # noqa: BLE001 - not even the pickle's opcodes read: a corrupt file
+            raise e from None
+        if not unsafe:
+            raise
+        raise LegacyCheckpoint(
+            f"checkpoint {ckpt_dir}: {path} holds pickled Python objects "
+            f"({', '.join(unsafe)}), which a safe load (torch.load weights_only=True) refuses "
+            f"to execute: it was written by an older ragen_mega that pickled classes and NumPy "
+            f"arrays into the checkpoint's state (the pending async rollout, NumPy's RNG "
+            f"state). This version cannot read it: resume or convert it with the version "
+            f"that wrote it, or start afresh (trainer.resume=never)") from None
 
 
 def verify_checkpoint(ckpt_dir) -> None:
     """Check, without loading a tensor, that every file of a checkpoint is there and whole:
-    the state file unpickles, and each torch_dist shard file named by ``dist/.metadata`` exists
-    and reaches the end of the last tensor stored in it. Raises :class:`CorruptCheckpoint`
-    naming the first bad file (a disk that filled up, a copy cut short, a deleted shard)."""
+    the state file loads (``weights_only``), and each torch_dist shard file named by
+    ``dist/.metadata`` exists and reaches the end of the last tensor stored in it. Raises
+    :class:`CorruptCheckpoint` naming the first bad file (a disk that filled up, a copy cut
+    short, a deleted shard), and :class:`LegacyCheckpoint` for a whole state file of an older
+    version that pickled classes."""
     from torch.distributed.checkpoint import FileSystemReader
 
     ckpt_dir = Path(ckpt_dir)
     try:
         read_checkpoint_state(ckpt_dir)
-    except FileNotFoundError:
+    except (FileNotFoundError, LegacyCheckpoint):  # whole, but this version cannot read it
         raise
     except Exception as e:  # noqa: BLE001 - whatever a cut-off pickle raises
         raise CorruptCheckpoint(f"checkpoint {ckpt_dir}: {ckpt_dir / STATE_FILE} is unreadable "

@@ -96,7 +96,9 @@ def _resolve_checkpoint(megatron_dir: Path) -> Path:
 
 
 def _target_dtype(hf_dir: Path) -> torch.dtype:
-    config = json.loads((hf_dir / "config.json").read_text())
+    from ragen_mega.models.hf_config import read_config_json
+
+    config = read_config_json(hf_dir / "config.json")
     name = config.get("dtype") or config.get("torch_dtype") or "float32"
     dtype = getattr(torch, str(name).replace("torch.", ""), None)
     if not isinstance(dtype, torch.dtype):

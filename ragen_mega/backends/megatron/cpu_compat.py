@@ -109,10 +109,6 @@ def quiet_cpu_warnings() -> None:
         warnings.filterwarnings("ignore", message=text, category=UserWarning)
 
 
-def cpu_patches_applied() -> bool:
-    return _APPLIED
-
-
 def apply_cpu_patches() -> bool:
     """Apply the seven patches once. Returns True if they are (now) active, False on CUDA."""
     global _APPLIED

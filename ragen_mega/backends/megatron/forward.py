@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ragen_mega.backends.megatron.model import unwrap
+from ragen_mega.backends.megatron.parallel import local_device
 
 
 def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
@@ -177,7 +178,7 @@ def make_forward_step(*, temperature: float = 1.0, compute_entropy: bool = True,
     what the schedule collects.
     """
     def forward_step(data_iterator, model):
-        device = _device()
+        device = local_device()
         batch = {k: (v.to(device) if torch.is_tensor(v) else v)
                  for k, v in next(data_iterator).items()}
         input_ids = batch["input_ids"]
@@ -215,13 +216,8 @@ def run_schedule(chunks, microbatches: list[dict], forward_step, *, forward_only
         seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
 
 
-def _device() -> torch.device:
-    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
-
-
 def _assemble(results: list[dict], microbatches: list[dict], key: str, shape) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=torch.float32, device=_device())
+    out = torch.zeros(shape, dtype=torch.float32, device=local_device())
     for mb, res in zip(microbatches, results):
         value = res[key]
         out[mb["rows"], : value.shape[1]] = value
@@ -264,11 +260,11 @@ def forward_logprobs(chunks, input_ids: torch.Tensor, attention_mask: torch.Tens
     shape = (batch, seq - 1)
     last = _is_last_stage()
     logprobs = (_assemble(results, microbatches, "logprobs", shape) if last
-                else torch.zeros(shape, device=_device()))
+                else torch.zeros(shape, device=local_device()))
     entropy = None
     if compute_entropy:
         entropy = (_assemble(results, microbatches, "entropy", shape) if last
-                   else torch.zeros(shape, device=_device()))
+                   else torch.zeros(shape, device=local_device()))
     _broadcast_from_last_stage([t for t in (logprobs, entropy) if t is not None])
     return logprobs, entropy
 
@@ -281,6 +277,6 @@ def forward_values(chunks, input_ids: torch.Tensor, attention_mask: torch.Tensor
     with torch.no_grad():
         results = run_schedule(chunks, microbatches, make_forward_step(), forward_only=True)
     values = (_assemble(results, microbatches, "values", tuple(input_ids.shape))
-              if _is_last_stage() else torch.zeros(tuple(input_ids.shape), device=_device()))
+              if _is_last_stage() else torch.zeros(tuple(input_ids.shape), device=local_device()))
     _broadcast_from_last_stage([values])
     return values

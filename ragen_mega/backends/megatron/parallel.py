@@ -87,9 +87,15 @@ def parallel_info() -> ParallelInfo:
         dp=mpu.get_data_parallel_world_size(),
         vpp=mpu.get_virtual_pipeline_model_parallel_world_size(),
         tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(),
-        device=torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-        else torch.device("cpu"))
+        dp_rank=mpu.get_data_parallel_rank(), device=local_device())
+
+
+def local_device() -> torch.device:
+    """This rank's device: the CUDA device ``init_parallel`` set, or the CPU (CPU Megatron).
+    Where the tensors a collective sends must live (NCCL takes CUDA tensors only) and where
+    batches and buffers for the model go; one definition for the backend's modules."""
+    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+            else torch.device("cpu"))
 
 
 def destroy_parallel() -> None:

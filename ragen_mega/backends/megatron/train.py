@@ -51,6 +51,7 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
                                                   split_microbatches)
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
                                                 load_hf_checkpoint)
+from ragen_mega.backends.megatron.parallel import local_device
 from ragen_mega.config import ActorConfig, CriticConfig
 
 def _dp_group():
@@ -90,13 +91,8 @@ def ppo_minibatches(batch: dict, episodes: int | None) -> list[dict]:
             for c in range(max(chunk_of.values()) + 1)]
 
 
-def _device() -> torch.device:
-    return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
-            else torch.device("cpu"))
-
-
 def _to_device(batch: dict) -> dict:
-    return {k: v.to(_device(), non_blocking=True) for k, v in batch.items()}
+    return {k: v.to(local_device(), non_blocking=True) for k, v in batch.items()}
 
 
 def _shifted(t: torch.Tensor) -> torch.Tensor:
@@ -309,7 +305,7 @@ class MegatronTrainer:
     def _all_finite(self, results: list) -> bool:
         """Whether the loss statistics and every gradient are finite on EVERY rank of this
         trainer (a MAX all-reduce of one flag over the whole world: TP, PP and DP)."""
-        bad = torch.zeros((), device=_device())
+        bad = torch.zeros((), device=local_device())
         for r in results:  # last pipeline stage only
             bad = torch.maximum(bad, (~torch.isfinite(r["stats"])).any().float())
         for chunk in self.model:
@@ -338,7 +334,7 @@ class MegatronTrainer:
         if self._all_finite(results):  # else skipped: weights and Adam state untouched
             with cuda_tensor_type_names():
                 updated, grad_norm, _ = self.optimizer.step()
-        stats = torch.zeros(len(stat_names), device=_device())
+        stats = torch.zeros(len(stat_names), device=local_device())
         for r in results:  # last pipeline stage only; summed shares of the global means
             stats += r["stats"]
         if mpu.get_pipeline_model_parallel_world_size() > 1:

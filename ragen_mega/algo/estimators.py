@@ -1,0 +1,111 @@
+"""Advantage estimators over a training batch, by name (``algo.adv_estimator``).
+
+An estimator is one function ``(batch, settings, *, token_values, bootstrap_values) -> batch``
+that adds ``advantages`` (and, for a critic's estimator, ``returns``) [B, S] to ``batch`` (the
+per-turn batch of ``rollout/batch.py``'s ``build_batch``), plus one entry in
+:data:`ESTIMATORS`; the config accepts every registered name. ``settings`` is the run's
+``algo`` section (any object with the attributes an estimator reads: ``gamma``, ``lam``,
+``reward_norm``, ``grpo_norm_by_std``, ``whiten_advantages``), so a new estimator's settings are
+new fields there and nothing between the config and the estimator passes them one by one.
+:data:`NEEDS_CRITIC` names the estimators that read the critic's values.
+
+Pure tensor functions, as the rest of ``algo/``: the math is in :mod:`.advantages`.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, grpo,
+                                        masked_whiten, normalize_scores, turn_level_gae)
+
+Estimator = Callable[..., dict]
+ESTIMATORS: dict[str, Estimator] = {}
+NEEDS_CRITIC: set[str] = set()
+
+
+def estimator(name: str, *, needs_critic: bool = False):
+    """Register the decorated function as the estimator ``name``."""
+    def register(fn: Estimator) -> Estimator:
+        ESTIMATORS[name] = fn
+        if needs_critic:
+            NEEDS_CRITIC.add(name)
+        return fn
+    return register
+
+
+def compute_advantages(batch: dict[str, torch.Tensor], settings, *,
+                       token_values: torch.Tensor | None = None,
+                       bootstrap_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """``batch`` with the advantages of the estimator ``settings.adv_estimator``."""
+    name = settings.adv_estimator
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; allowed: "
+                         f"{', '.join(sorted(ESTIMATORS))}")
+    return ESTIMATORS[name](batch, settings, token_values=token_values,
+                            bootstrap_values=bootstrap_values)
+
+
+def episode_scores(episode_id: torch.Tensor, group_id: torch.Tensor, reward: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-turn fields -> per episode (sorted ids): ``(episode_ids, group_ids, total reward)``."""
+    episode_ids, inverse = torch.unique(episode_id, return_inverse=True)
+    scores = torch.zeros(len(episode_ids)).index_add_(0, inverse, reward.float())
+    group_ids = torch.zeros(len(episode_ids), dtype=torch.long).index_put_((inverse,), group_id)
+    return episode_ids, group_ids, scores
+
+
+def _scores_of(batch: dict[str, torch.Tensor]):
+    return episode_scores(batch["episode_id"], batch["group_id"], batch["reward"])
+
+
+@estimator("grpo")
+def grpo_advantages(batch, settings, *, token_values=None, bootstrap_values=None):
+    """GRPO: each episode's score (its turns' rewards, normalised within its group by
+    ``reward_norm``) against its group's, spread over every response token of the episode."""
+    episode_ids, group_ids, scores = _scores_of(batch)
+    scores = normalize_scores(scores, group_ids, settings.reward_norm)
+    adv = grpo(scores, group_ids, norm_by_std=settings.grpo_norm_by_std)
+    per_sample = adv[torch.searchsorted(episode_ids, batch["episode_id"])]
+    batch["advantages"] = broadcast_to_tokens(per_sample, batch["loss_mask"])
+    return batch
+
+
+@estimator("gae", needs_critic=True)
+def gae_advantages(batch, settings, *, token_values=None, bootstrap_values=None):
+    """Turn-level GAE over an episode's turns, then token-level GAE inside each turn (bi-level;
+    plain token-level GAE for one-turn episodes), with ``returns`` for the critic.
+
+    ``token_values`` [B, S] is the critic's value of the state each token is written in (column
+    t: V(tokens < t), the trainer's layout); a turn's value is the one at its first response
+    token. ``gamma``/``lam`` discount across turns; inside a turn tokens are undiscounted
+    (Verlog's dual-discount GAE).
+
+    ``bootstrap_values`` [B]: at each cut sample (``batch["cut"]``: an episode that goes on past
+    this batch) the critic's value of the state after it; the cut turn's TD error reads it in
+    place of a terminal 0. Read nowhere else; None: every episode in the batch ends in it
+    (episodes mode).
+
+    ``whiten_advantages``: the advantages are whitened over all of the batch's response tokens
+    (:func:`masked_whiten`, as verl does); the returns, the critic's targets, are not.
+    """
+    mask = batch["loss_mask"]
+    if token_values is None or token_values.shape != mask.shape:
+        raise ValueError(f"gae needs critic token_values shaped like loss_mask {tuple(mask.shape)}, "
+                         f"got {None if token_values is None else tuple(token_values.shape)}")
+    rewards = batch["reward"]
+    if settings.reward_norm != "identity":  # normalise the episode score, carried by its last turn
+        episode_ids, group_ids, scores = _scores_of(batch)
+        normed = normalize_scores(scores, group_ids, settings.reward_norm)
+        delta = (normed - scores)[torch.searchsorted(episode_ids, batch["episode_id"])]
+        rewards = rewards + torch.where(batch["last"], delta, torch.zeros_like(delta))
+    first = batch["response_start"]
+    turn_values = token_values[torch.arange(mask.shape[0]), first]
+    _, turn_returns = turn_level_gae(rewards, turn_values, batch["episode_id"], batch["turn"],
+                                     batch["last"], gamma_turn=settings.gamma,
+                                     lam_turn=settings.lam, bootstrap_values=bootstrap_values)
+    adv, returns = bi_level_token_gae(turn_returns, token_values, mask)
+    batch["advantages"] = masked_whiten(adv, mask) if settings.whiten_advantages else adv
+    batch["returns"] = returns
+    return batch

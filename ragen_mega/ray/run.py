@@ -1,0 +1,160 @@
+"""A run's placed pieces: SGLang engines, the Megatron actor (and critic), env workers, in one
+placement group (``ray/placement.py``), wired together; nothing of the loop itself (that is
+``ragen_mega/train.py``) and nothing of how a rollout is played (``rollout/manager.py``).
+
+:func:`build_run` starts Ray (or joins it), places the pieces and connects the actor's weight
+sync to the engines; :class:`Run` holds them, pushes the actor's weights into the engines
+(:meth:`Run.sync_weights`), brings restarted engines back to them (:meth:`Run.resync_engines`)
+and stops everything it started (:meth:`Run.shutdown`).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ragen_mega.config import RunConfig
+from ragen_mega.models.prepare import resolve_model
+from ragen_mega.ray.placement import ResourcePlan
+from ragen_mega.rollout.manager import RolloutManager
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+    from transformers import PreTrainedTokenizerBase
+
+    from ragen_mega.ray.engine_group import EngineGroup
+    from ragen_mega.ray.env_workers import EnvWorkerGroup
+    from ragen_mega.ray.trainer_group import TrainerGroup
+
+
+@dataclasses.dataclass
+class Run:
+    """The placed pieces of a run; whatever is not None yet is stopped by :meth:`shutdown`."""
+    cfg: RunConfig
+    model_dir: str
+    tokenizer: PreTrainedTokenizerBase
+    resources: ResourcePlan
+    placement_group: PlacementGroup
+    engines: EngineGroup | None = None
+    actor: TrainerGroup | None = None
+    critic: TrainerGroup | None = None
+    env_workers: EnvWorkerGroup | None = None   # None: the envs live in the driver
+    rollouts: RolloutManager | None = None   # plays the run's rollouts on its engines
+    weight_version: int = 0   # what the engines serve (a restarted engine is brought to it)
+
+    def shutdown(self) -> None:
+        """Stop what this run started: trainer actors first (the actor closes its weight-update
+        group with the live engines), then engines, env workers, the placement group. Every
+        piece is stopped even if stopping another one fails."""
+        from ray.util.placement_group import remove_placement_group
+
+        with contextlib.ExitStack() as stack:  # callbacks run last-in first-out
+            stack.callback(remove_placement_group, self.placement_group)
+            if self.env_workers is not None:
+                stack.callback(self.env_workers.kill)
+            if self.engines is not None:
+                stack.callback(self.engines.shutdown)
+            if self.critic is not None:
+                stack.callback(self.critic.kill)
+            if self.actor is not None:
+                stack.callback(self.actor.kill)
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the actor's weights into every engine as ``version``. An engine whose server
+        died since the rollout (in the train phase) is restarted first and joins the
+        weight-update group, so this sync gives it the weights (counted in
+        ``fault/engine_restarts``). Colocated engines are released at this point (after
+        start-up, and after each rollout): they take their weight memory back first and their
+        KV cache only once the weights are in (slime's order)."""
+        if self.cfg.trainer.colocate:
+            self.engines.resume_memory(["weights"])
+        restarted = self.engines.restart_dead()
+        metrics = (self.actor.replace_engines(restarted, version) if restarted
+                   else self.actor.sync_weights(version))
+        self.weight_version = version
+        if self.cfg.trainer.colocate:
+            self.engines.resume_memory(["kv_cache"])
+        return metrics
+
+    def resync_engines(self, urls: dict[int, str]) -> None:
+        """Engines ``urls`` (index -> url) were restarted: the actor's weight-update channel
+        takes them in and the weights the engines serve go out again (``EngineGroup.resync``;
+        called on the thread that holds the trainer, never from an overlapped rollout's)."""
+        self.actor.replace_engines(urls, self.weight_version)
+
+
+@contextlib.contextmanager
+def build_run(cfg: RunConfig, *, with_trainers: bool = True) -> Iterator[Run]:
+    """Start Ray (or join it), place engines, trainers and env workers, connect the weight sync;
+    on leaving the block (also when building fails halfway) stop whatever was started.
+    ``with_trainers=False``: engines and env workers only, serving ``model.path`` as it is."""
+    from transformers import AutoTokenizer
+
+    from ragen_mega.ray.cluster import init_ray
+    from ragen_mega.ray.placement import create_placement_group, plan_resources
+
+    model_dir = resolve_model(cfg.model.path)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    init_ray(cfg.trainer.ray_address)
+    import ray
+
+    resources = plan_resources(cfg, cluster_cpus=ray.cluster_resources().get("CPU", 1),
+                               host_cpus=os.cpu_count() or 1, use_gpu=torch.cuda.is_available(),
+                               with_trainers=with_trainers)
+    run = Run(cfg, model_dir, tokenizer, resources, create_placement_group(resources.placement))
+    try:
+        _place(run, with_trainers)
+        yield run
+    except BaseException:
+        try:  # the error that stopped the run is the one to report, not a teardown's
+            run.shutdown()
+        except Exception as e:  # noqa: BLE001 - reported, then the original is re-raised
+            warnings.warn(f"stopping the run after an error also failed: {e!r}")
+        raise
+    run.shutdown()
+
+
+def _place(run: Run, with_trainers: bool) -> None:
+    """Start the run's processes one at a time, each kept in ``run`` as soon as it exists."""
+    from ragen_mega.ray.engine_group import EngineGroup
+    from ragen_mega.ray.env_workers import EnvWorkerGroup
+    from ragen_mega.ray.trainer_group import TrainerGroup
+
+    cfg, res, pg, t = run.cfg, run.resources, run.placement_group, run.cfg.trainer
+    log_dir = Path(t.run_dir) / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    engines = run.engines = EngineGroup(run.model_dir, pg, res.placement.engine_bundles,
+                              tp=cfg.rollout.engine_tp, dtype=cfg.model.dtype,
+                              log_dir=str(log_dir.resolve()), num_cpus=res.engine_cpus,
+                              seeded_sampling=cfg.rollout.seeded, memory_saver=t.colocate,
+                              mem_fraction=cfg.rollout.mem_fraction,
+                              max_restarts_per_step=cfg.rollout.max_engine_restarts_per_step)
+    if res.placement.env_worker_bundles:
+        run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
+                                         num_cpus=res.env_worker_cpus)
+    run.rollouts = RolloutManager(cfg, run.tokenizer, engines,
+                                  None if run.env_workers is None else run.env_workers.open)
+    if not with_trainers:
+        return
+    if t.colocate:  # the trainer ranks about to be built need the shared devices
+        run.engines.release_memory()
+    place = dict(num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
+                 threads=res.trainer_threads, seed=t.seed)
+    run.actor = TrainerGroup("actor", run.model_dir, cfg.actor, pg, res.actor_bundles, **place,
+                             total_steps=max(t.total_steps - cfg.critic.warmup_steps,
+                                             cfg.actor.lr_warmup_steps + 1),
+                             temperature=max(cfg.rollout.temperature, 1e-6))
+    if cfg.critic.enable:
+        run.critic = TrainerGroup("critic", run.model_dir, cfg.critic, pg, res.critic_bundles,
+                                  **place,
+                                  total_steps=max(t.total_steps, cfg.critic.lr_warmup_steps + 1))
+    run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
+                              mode="tensor" if t.colocate else "distributed",
+                              bucket_bytes=t.sync_bucket_mb << 20)
+    run.engines.resync = run.resync_engines

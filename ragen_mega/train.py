@@ -1,0 +1,254 @@
+"""``ragen-mega train CONFIG [key=value ...]``: the StarPO / StarPO-S training loop, top to bottom.
+
+One step, as docs/design.md draws it::
+
+    rollout (rollout/manager.py: all episodes at once over the SGLang engines, or the streams' window)
+      -> StarPO-S filter -> batch (one row per turn, or one per episode when packed)
+      -> old log-probs (actor) and values (critic) -> advantages (algo/estimators.py, by name)
+      -> critic update -> actor update -> weight sync into the engines -> log -> checkpoint
+
+In the critic's warm-up (the first ``critic.warmup_steps`` steps) the actor is not trained (its
+optimizer and LR schedule do not move; ``train/actor_frozen`` is 1, no ``actor/*`` scalars). The
+sync still runs and pushes the unchanged weights under the step's version: colocated engines
+drop their weights for the train phase and must get them back, and weight versions stay the
+loop's steps. It costs one sync per warm-up step (under 1% of a CPU demo step).
+
+With ``trainer.async_rollout`` step k+1's rollout plays on the engines (another thread) while
+step k trains, and is waited for before the sync: an engine must not change weights under a
+request. An engine restarted during that overlapped rollout gets the trainer's weights here, on
+this thread, and step k+1's rollout is then played again after the sync.
+
+:func:`~ragen_mega.ray.run.build_run` places the pieces; :func:`train` is the loop. Resuming
+(``trainer.resume=auto``, ``ray/checkpoints.py``) restarts after the newest complete step, and a
+resumed step replays the uninterrupted run's. SIGUSR1 or SIGTERM (slurm's warning before
+preemption or the time limit) stops the loop after the step under way, saved
+(``ray/preemption.py``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ragen_mega.algo.estimators import compute_advantages
+from ragen_mega.config import RunConfig, load_run_config
+from ragen_mega.config_tree import ConfigError, to_dict
+from ragen_mega.ray import checkpoints, preemption
+from ragen_mega.ray.sync_check import max_logprob_diff
+from ragen_mega.rollout.batch import build_batch, cut_value_batch, filter_groups
+from ragen_mega.rollout.manager import PlayedStep
+from ragen_mega.rollout.metrics import weight_staleness
+from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from ragen_mega.ray.run import Run
+
+
+def train(cfg: RunConfig) -> list[dict[str, float]]:
+    """Run the loop; returns every step's metrics (also in TensorBoard and metrics.jsonl).
+    Raises :class:`~ragen_mega.ray.preemption.Preempted` after a stop signal (SIGUSR1/SIGTERM),
+    once the step under way is checkpointed and the run's processes are stopped."""
+    from ragen_mega.logging import RunLogger
+    from ragen_mega.ray.cluster import init_ray
+    from ragen_mega.ray.run import build_run
+
+    run_dir = Path(cfg.trainer.run_dir)
+    init_ray(cfg.trainer.ray_address)  # first: ray.init puts its own handler on SIGTERM
+    with preemption.stop_on_signals() as stop, build_run(cfg) as run:
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
+        try:
+            return run_loop(cfg, run, logger, stop)
+        finally:
+            logger.close()
+
+
+def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
+             ) -> list[dict[str, float]]:
+    """Resume, then step until ``trainer.total_steps`` or until ``stop`` is requested: the step
+    under way is finished and saved, then :class:`~ragen_mega.ray.preemption.Preempted`."""
+    t, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
+    history = []
+    #: trainer.async_rollout: the next step's rollout, played while this step trained (and
+    #: saved with the step's checkpoint, so a resumed run trains on exactly these samples)
+    start, saved_streams, pending = checkpoints.resume(cfg, run.actor, run.critic)
+    if cfg.rollout.mode == "turns":
+        run.rollouts.open_streams(saved_streams)
+    run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
+    if start == 0 and t.eval_every:  # step 0: the start weights, the base of every curve
+        metrics = run.rollouts.evaluate()
+        logger.log(0, metrics)
+        _append_metrics(run_dir, 0, metrics)
+    for step in range(start + 1, t.total_steps + 1):
+        if stop.requested:  # signalled before the first step: the resumed checkpoint is newest
+            raise preemption.Preempted(stop.signal_name, start)
+        played = pending or run.rollouts.rollout(step, run.weight_version)
+        metrics, pending = train_step(cfg, run, step, played)
+        if t.eval_every and step % t.eval_every == 0:
+            metrics.update(run.rollouts.evaluate())
+        logger.log(step, metrics)
+        history.append({"step": step, **metrics})
+        _append_metrics(run_dir, step, metrics)
+        check_skipped_updates(metrics, t.max_skipped_updates_in_row)  # before saving this step
+        last = step == t.total_steps
+        if last or stop.requested or (t.save_every and step % t.save_every == 0):
+            streams = run.rollouts.streams
+            checkpoints.save(cfg, step, run.actor, run.critic,
+                             streams=None if streams is None else streams.state_dict(),
+                             pending=pending)
+        if stop.requested and not last:
+            raise preemption.Preempted(stop.signal_name, step)
+    return history
+
+
+def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
+               ) -> tuple[dict[str, float], PlayedStep | None]:
+    """Train on ``played`` (step ``step``'s rollout), then sync. Returns the step's metrics and,
+    with ``trainer.async_rollout``, the next step's rollout, played while this one trained."""
+    t0 = time.perf_counter()
+    metrics = dict(played.metrics)
+    next_rollout = None
+    if cfg.trainer.async_rollout:
+        metrics["rollout/weight_staleness"] = weight_staleness(played.samples, step - 1)
+        if step < cfg.trainer.total_steps:
+            next_rollout = run.rollouts.rollout_in_background(step + 1, run.weight_version)
+    if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
+        run.engines.release_memory()
+    t1 = time.perf_counter()
+    train, samples = update_models(cfg, run, step, played, metrics)
+    t2 = time.perf_counter()
+    pending = None if next_rollout is None else join_rollout(run, next_rollout, metrics)
+    t_sync = time.perf_counter()
+    metrics.update(run.sync_weights(step))
+    t3 = time.perf_counter()
+    if cfg.trainer.check_weight_sync:
+        metrics["sync/max_logprob_diff"] = max_logprob_diff(run.engines, run.actor, run.tokenizer)
+    tokens = int(train["attention_mask"].sum())
+    metrics.update({"time/rollout_s": played.rollout_s, "time/train_s": t2 - t1,
+                    "time/sync_s": t3 - t_sync, "time/step_s": t3 - t0,
+                    "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
+                    "train/batch_samples": float(len(samples)),
+                    "train/batch_tokens": float(tokens),
+                    "weight_version": float(step), **played.faults.metrics()})
+    metrics.update(run.engines.take_fault_counts())  # since the previous step's
+    return metrics, pending
+
+
+def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
+                  metrics: dict[str, float]) -> tuple[dict[str, torch.Tensor], list]:
+    """Filter, batch, old log-probs and values, advantages, then the critic's and the actor's
+    updates (``metrics`` gains theirs). Returns the trained batch and its samples."""
+    samples, filter_metrics = filter_groups(played.samples, cfg.filter.ratio, cfg.filter.mode,
+                                            by_stream=played.window is not None)
+    metrics.update(filter_metrics)
+    batch = build_batch(samples, pad_id=run.tokenizer.pad_token_id)
+    agg_modes = [cfg.actor.loss_agg_mode] + (
+        [cfg.critic.loss_agg_mode] if cfg.critic.enable else [])
+    layout = pack_trajectories(samples, batch, enabled=layouts_agree(
+        cfg.trainer.pack_trajectories, agg_modes))
+    train = layout.batch  # what actor and critic see; the estimators read the per-turn batch
+    metrics.update(layout.metrics)
+    if cfg.algo.use_rollout_logprobs:
+        train["old_logprobs"] = train["rollout_logprobs"]
+    else:
+        train["old_logprobs"] = run.actor.compute_logprobs(train)
+        mask = train["loss_mask"].bool()
+        metrics["train/rollout_vs_trainer_logprob_diff"] = float(
+            (train["old_logprobs"] - train["rollout_logprobs"])[mask].abs().mean())
+    values = None
+    if run.critic is not None:
+        train["old_values"] = run.critic.compute_values(train)
+        values = layout.to_per_turn(train["old_values"])
+    batch = compute_advantages(batch, cfg.algo, token_values=values, bootstrap_values=None
+                               if played.window is None else cut_values(cfg, run, samples,
+                                                                        played.window))
+    for key in ("advantages", "returns"):
+        if key in batch:
+            train[key] = layout.to_train(batch[key])
+    if run.critic is not None:
+        metrics.update(run.critic.train(train))
+    actor_frozen = step <= cfg.critic.warmup_steps  # critic warm-up: no actor/* this step
+    if not actor_frozen:
+        metrics.update(run.actor.train(train))
+    metrics["train/actor_frozen"] = float(actor_frozen)
+    for role in ("actor", "critic"):
+        if metrics.get(f"{role}/updates_skipped"):
+            played.faults.record("updates_skipped", int(metrics[f"{role}/updates_skipped"]),
+                                 role=role, reason="NaN or inf in the loss or the gradients")
+    return train, samples
+
+
+def cut_values(cfg: RunConfig, run: Run, samples: list, window) -> torch.Tensor:
+    """[B]: at each cut sample the critic's value of the state after the cut (its next
+    prompt, valued and never trained on), 0 elsewhere."""
+    out = torch.zeros(len(samples))
+    cut = cut_value_batch(samples, window.next_prompts, run.tokenizer.pad_token_id,
+                          rows_multiple_of=cfg.trainer.data_parallel)
+    if cut is not None:
+        inputs, rows, columns = cut
+        values = run.critic.compute_values(inputs)
+        out[rows] = values[torch.arange(len(rows)), columns].float()
+    return out
+
+
+def join_rollout(run: Run, next_rollout: Future, metrics: dict[str, float]) -> PlayedStep | None:
+    """Wait for the overlapped rollout (the engines must be idle before new weights go in).
+    An engine restarted under it has served the checkpoint it loaded since: it gets the
+    trainer's weights now, on the thread that holds the trainer, and the rollout is dropped
+    (None: the next step plays it again, after this step's sync)."""
+    from ragen_mega.ray.engine_group import ResyncDeferred
+
+    start = time.perf_counter()
+    try:
+        pending = next_rollout.result()
+    except ResyncDeferred:
+        pending = None
+        run.resync_engines(run.engines.take_unsynced())
+    metrics["time/rollout_wait_s"] = time.perf_counter() - start
+    return pending
+
+
+def check_skipped_updates(metrics: dict[str, float], limit: int) -> None:
+    """End the run (RuntimeError) once the actor or the critic has skipped ``limit`` updates in
+    a row (``trainer.max_skipped_updates_in_row``): the caller raises it before saving the step,
+    so the newest checkpoint is the last good one."""
+    for role in ("actor", "critic"):
+        in_row = metrics.get(f"{role}/updates_skipped_in_row", 0)
+        if in_row >= limit:
+            raise RuntimeError(
+                f"{role}: {int(in_row)} updates in a row had a NaN or inf loss or gradient "
+                f"(trainer.max_skipped_updates_in_row={limit}); the run stops, its newest "
+                f"checkpoint is the last good one")
+
+
+def _append_metrics(run_dir: Path, step: int, metrics: dict[str, float]) -> None:
+    """One line of ``RUN_DIR/metrics.jsonl`` (what ``ragen-mega plot`` reads)."""
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``ragen-mega train CONFIG.yaml [key=value ...]``"""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="ragen-mega train", description=main.__doc__)
+    parser.add_argument("config", help="YAML config file (see examples/)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6")
+    args = parser.parse_args(argv)
+    try:
+        cfg = load_run_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"ragen-mega train: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        train(cfg)
+    except preemption.Preempted as stopped:
+        print(f"ragen-mega train: {stopped}", file=sys.stderr, flush=True)
+        return preemption.PREEMPTED_EXIT_CODE
+    return 0
