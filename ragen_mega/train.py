@@ -15,8 +15,8 @@ loop's steps. It costs one sync per warm-up step (under 1% of a CPU demo step).
 
 With ``trainer.async_rollout`` step k+1's rollout plays on the engines (another thread) while
 step k trains, and is waited for before the sync: an engine must not change weights under a
-request. An engine restarted during that overlapped rollout gets the trainer's weights here, on
-this thread, and step k+1's rollout is then played again after the sync.
+request. An engine restarted during that overlapped rollout gets the trainer's weights in the
+sync, on this thread, and step k+1's rollout is then played again after it.
 
 :func:`~ragen_mega.ray.run.build_run` places the pieces; :func:`train` is the loop. Resuming
 (``trainer.resume=auto``, ``ray/checkpoints.py``) restarts after the newest complete step, and a
@@ -123,7 +123,7 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
     t1 = time.perf_counter()
     train, samples = update_models(cfg, run, step, played, metrics)
     t2 = time.perf_counter()
-    pending = None if next_rollout is None else join_rollout(run, next_rollout, metrics)
+    pending = None if next_rollout is None else join_rollout(next_rollout, metrics)
     t_sync = time.perf_counter()
     metrics.update(run.sync_weights(step))
     t3 = time.perf_counter()
@@ -197,11 +197,11 @@ def cut_values(cfg: RunConfig, run: Run, samples: list, window) -> torch.Tensor:
     return out
 
 
-def join_rollout(run: Run, next_rollout: Future, metrics: dict[str, float]) -> PlayedStep | None:
+def join_rollout(next_rollout: Future, metrics: dict[str, float]) -> PlayedStep | None:
     """Wait for the overlapped rollout (the engines must be idle before new weights go in).
-    An engine restarted under it has served the checkpoint it loaded since: it gets the
-    trainer's weights now, on the thread that holds the trainer, and the rollout is dropped
-    (None: the next step plays it again, after this step's sync)."""
+    An engine restarted under it has served the checkpoint it loaded since, so the rollout is
+    dropped (None: the next step plays it again, after this step's sync, which also gives that
+    engine the trainer's weights, on the thread that holds the trainer: ``Run.sync_weights``)."""
     from ragen_mega.ray.engine_group import ResyncDeferred
 
     start = time.perf_counter()
@@ -209,7 +209,6 @@ def join_rollout(run: Run, next_rollout: Future, metrics: dict[str, float]) -> P
         pending = next_rollout.result()
     except ResyncDeferred:
         pending = None
-        run.resync_engines(run.engines.take_unsynced())
     metrics["time/rollout_wait_s"] = time.perf_counter() - start
     return pending
 

@@ -183,7 +183,8 @@ class EngineGroup:
         """Within the block (an overlapped rollout on another thread, while the trainer
         trains), an engine restarted under a request is not given weights by ``resync`` (that
         would call the trainer from the rollout's thread, mid-update): the rollout ends with
-        :class:`ResyncDeferred` and the engine waits in :meth:`take_unsynced`."""
+        :class:`ResyncDeferred` and the engine waits in :meth:`take_unsynced` (the next weight
+        sync, ``Run.sync_weights``, takes it)."""
         self._defer_resync = True
         try:
             yield

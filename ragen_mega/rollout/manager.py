@@ -114,14 +114,16 @@ class RolloutManager:
     def rollout_in_background(self, step: int, weight_version: int) -> Future:
         """:meth:`rollout` on a daemon thread (``trainer.async_rollout``); its PlayedStep (or
         exception) in the returned future. The thread only drives the engines' HTTP clients and
-        the envs, on an event loop of its own: trainer calls stay on the caller's thread. A
-        daemon: if the step fails while it is in flight, the run's teardown stops the engines
+        the envs, on an event loop of its own: trainer calls stay on the caller's thread, so an
+        engine restarted under it ends it with ``ResyncDeferred`` instead of being given
+        weights from here (the next weight sync does, on the caller's thread). A daemon: if the step fails while it is in flight, the run's teardown stops the engines
         under it and the process can exit without waiting for it."""
         future: Future = Future()
 
         def work():
             try:
-                future.set_result(self.rollout(step, weight_version))
+                with self.engines.resyncs_deferred():  # no trainer call from this thread
+                    future.set_result(self.rollout(step, weight_version))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 future.set_exception(e)
         threading.Thread(target=work, name="overlapped-rollout", daemon=True).start()
