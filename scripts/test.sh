@@ -6,4 +6,6 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${RAGEN_MEGA_VENV:-$root/.venv}"  # as scripts/setup_env.sh
 "$root/scripts/setup_env.sh"
 cd "$root"
+# a crash in native code prints every thread's stack (tests/conftest.py: pytest_unconfigure)
+export PYTHONFAULTHANDLER=1
 exec "$venv/bin/python" -m pytest "$@"

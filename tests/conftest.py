@@ -300,3 +300,35 @@ def readme_scalars() -> set[str]:
     section = text.split("## TensorBoard scalars", 1)[1].split("\n## ", 1)[0]
     return {name for line in section.splitlines() if line.startswith("| `")
             for name in re.findall(r"`([^`]+)`", line.split("|")[1])}
+
+
+# ----------------------------------------------------------------- the test process's exit status
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    session.config.stash[_EXIT_STATUS] = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    """End the test process with pytest's own exit status once everything is reported.
+
+    A clean clone's full run once printed its summary and then died with SIGSEGV (exit 139) in
+    the interpreter's teardown: the session has loaded native extensions whose threads and
+    finalizers (Ray's core worker and its gRPC threads, gloo, SGLang's and xgrammar's
+    nanobind modules, torch's thread pools) outlive every test, and their teardown order at
+    exit is not ours to fix. Every fixture has stopped what it started by now (servers, Ray,
+    worker processes), so what is left to the teardown only frees memory: the process ends
+    here, Ray shut down first if a test left it connected, and a crash there can no longer
+    turn a green run red. ``PYTHONFAULTHANDLER=1`` (scripts/test.sh) prints the stacks of a
+    crash that happens before this point."""
+    import sys
+
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+    if _EXIT_STATUS in config.stash:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(config.stash[_EXIT_STATUS])
