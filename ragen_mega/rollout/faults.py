@@ -150,16 +150,3 @@ def _check_failure_rate(dropped: list[DroppedEpisode], played: int, step: int,
             f"rollout: {len(failed)} of {played} episodes of step {step} had an env that raised "
             f"({rate:.0%}; rollout.max_env_failure_rate={max_failure_rate}), "
             f"{kept} {kept_what}; the first failure: {first}")
-
-
-def check_skipped_updates(metrics: dict[str, float], limit: int) -> None:
-    """End the run (RuntimeError) once the actor or the critic has skipped ``limit`` updates in
-    a row (``trainer.max_skipped_updates_in_row``): the caller raises it before saving the step,
-    so the newest checkpoint is the last good one."""
-    for role in ("actor", "critic"):
-        in_row = metrics.get(f"{role}/updates_skipped_in_row", 0)
-        if in_row >= limit:
-            raise RuntimeError(
-                f"{role}: {int(in_row)} updates in a row had a NaN or inf loss or gradient "
-                f"(trainer.max_skipped_updates_in_row={limit}); the run stops, its newest "
-                f"checkpoint is the last good one")
