@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import threading
 import time
 
-from conftest import resumed_step_diffs, undocumented_scalars
+from conftest import (resumed_step_diffs, server_killed_under_first_request, server_pids,
+                      undocumented_scalars)
 from ragen_mega.config import load_run_config
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
@@ -42,7 +44,9 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
     - The engines, idle again at the boundary, serve the trainer's weights after each sync.
     - Resume: the checkpoint of step 2 holds step 3's rollout (played with step 1's weights);
       the resumed step 3 equals the straight one (a replayed rollout would be played with step
-      2's weights: staleness 0, different log-probs)."""
+      2's weights: staleness 0, different log-probs).
+    - An engine killed under the resumed run's overlapped rollout of step 4 is brought to the
+      trainer's weights by step 3's sync on the main thread, and step 4 is played again there."""
     events: list = []
     _timed(monkeypatch, RolloutManager, "rollout", events,
            lambda rollouts, step, version: ("play", step))
@@ -81,11 +85,40 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
         shutil.rmtree(ckpt / role / "step_3")
     (ckpt / "latest_step").write_text("2")
     events.clear()
-    resumed = train(load_run_config(DEMO, overrides))
-    assert [h["step"] for h in resumed] == [3]
-    assert not [label for label, _, _ in events if label[0] == "play"]  # trained on the saved one
+    # the resumed run goes one step further, and its engine dies under step 4's overlapped
+    # rollout (played on its own thread while step 3 trains): the restarted engine must not be
+    # given weights from that thread (the trainer is mid-update there); step 4 is played again
+    # after step 3's sync, which brings the new engine to step 3's weights
+    killed = []
+    real_rollout = RolloutManager.rollout
+
+    def engine_dies_under_overlapped_rollout(rollouts, step, version):
+        if step != 4 or threading.current_thread().name != "overlapped-rollout" or killed:
+            return real_rollout(rollouts, step, version)
+        killed.append(server_pids(tmp_path)[-1])
+        with server_killed_under_first_request(rollouts.engines, killed[-1]):
+            return real_rollout(rollouts, step, version)
+
+    monkeypatch.setattr(RolloutManager, "rollout", engine_dies_under_overlapped_rollout)
+    longer = [o for o in overrides if not o.startswith("trainer.total_steps=")]
+    resumed = train(load_run_config(DEMO, longer + ["trainer.total_steps=4"]))
+    assert [h["step"] for h in resumed] == [3, 4]
+    # step 3 trained on the saved rollout; step 4's overlapped try met the dead engine, then
+    # step 4 was played again on the main thread
+    assert [label for label, _, _ in events if label[0] == "play"] == [("play", 4)] * 2
+    assert killed and server_pids(tmp_path)[-2] == killed[0]
 
     want, got = straight[2], resumed[0]
-    assert set(got) == set(want)
-    diffs = resumed_step_diffs(want, got)
+    # what only the resumed run has at step 3: the next step's overlap, the engine restart
+    overlap = {"time/rollout_wait_s", "fault/engine_restarts", "fault/episodes_retried"}
+    assert set(got) - overlap == set(want) - overlap
+    assert got["fault/engine_restarts"] == 1.0
+    diffs = resumed_step_diffs({k: v for k, v in want.items() if k not in overlap}, got)
     assert not diffs, json.dumps(diffs, indent=1)
+    step4 = resumed[1]
+    # played with the weights of step 3 (staleness 0), on an engine that serves them: its
+    # log-probs are the trainer's, as at step 1 (a restarted engine left on the checkpoint it
+    # loaded, or given other weights, would differ by > 1e-4 as steps 2-3 do)
+    assert step4["rollout/weight_staleness"] == 0.0
+    assert step4["train/rollout_vs_trainer_logprob_diff"] < 1e-5, step4
+    assert step4["sync/max_logprob_diff"] < 1e-3
