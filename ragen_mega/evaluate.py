@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from ragen_mega.config import RunConfig, load_run_config
-from ragen_mega.ray import checkpoints
+from ragen_mega import checkpoints
 from ragen_mega.rollout.metrics import summarize
 
 #: summary keys of one tag (from ``summarize``'s ``val/...`` names) -> the names printed / written

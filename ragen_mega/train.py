@@ -19,10 +19,10 @@ request. An engine restarted during that overlapped rollout gets the trainer's w
 sync, on this thread, and step k+1's rollout is then played again after it.
 
 :func:`~ragen_mega.ray.run.build_run` places the pieces; :func:`train` is the loop. Resuming
-(``trainer.resume=auto``, ``ray/checkpoints.py``) restarts after the newest complete step, and a
+(``trainer.resume=auto``, ``checkpoints.py``) restarts after the newest complete step, and a
 resumed step replays the uninterrupted run's. SIGUSR1 or SIGTERM (slurm's warning before
 preemption or the time limit) stops the loop after the step under way, saved
-(``ray/preemption.py``).
+(``preemption.py``).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import torch
 from ragen_mega.algo.estimators import compute_advantages
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import ConfigError, to_dict
-from ragen_mega.ray import checkpoints, preemption
+from ragen_mega import checkpoints, preemption
 from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, cut_value_batch, filter_groups
 from ragen_mega.rollout.manager import PlayedStep
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 def train(cfg: RunConfig) -> list[dict[str, float]]:
     """Run the loop; returns every step's metrics (also in TensorBoard and metrics.jsonl).
-    Raises :class:`~ragen_mega.ray.preemption.Preempted` after a stop signal (SIGUSR1/SIGTERM),
+    Raises :class:`~ragen_mega.preemption.Preempted` after a stop signal (SIGUSR1/SIGTERM),
     once the step under way is checkpointed and the run's processes are stopped."""
     from ragen_mega.logging import RunLogger
     from ragen_mega.ray.cluster import init_ray
@@ -72,7 +72,7 @@ def train(cfg: RunConfig) -> list[dict[str, float]]:
 def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
              ) -> list[dict[str, float]]:
     """Resume, then step until ``trainer.total_steps`` or until ``stop`` is requested: the step
-    under way is finished and saved, then :class:`~ragen_mega.ray.preemption.Preempted`."""
+    under way is finished and saved, then :class:`~ragen_mega.preemption.Preempted`."""
     t, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
     history = []
     #: trainer.async_rollout: the next step's rollout, played while this step trained (and

@@ -1,4 +1,4 @@
-"""A checkpoint's extra state (``ray/checkpoints.py``) is plain data read with
+"""A checkpoint's extra state (``ragen_mega/checkpoints.py``) is plain data read with
 ``torch.load(weights_only=True)``: the pending async rollout, the RNG states and the env streams
 round-trip exactly through a real ``torch.save``, and a state file of an older version that
 pickled classes is refused naming the file, not taken for a corrupt one. No processes: the
@@ -19,7 +19,7 @@ import torch
 from ragen_mega.agent import AgentConfig
 from ragen_mega.backends.megatron import checkpoint as ckpt
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import checkpoints
+from ragen_mega import checkpoints
 from ragen_mega.rollout.episode import EnvPart, Generation, group_specs, run_episode
 from ragen_mega.rollout.faults import FaultCounters
 from ragen_mega.rollout.manager import PlayedStep

@@ -24,7 +24,7 @@ from ragen_mega.config import load_run_config
 from ragen_mega.ray.trainer_group import TrainerGroup
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
-from ragen_mega.ray import checkpoints
+from ragen_mega import checkpoints
 
 REPO = Path(__file__).resolve().parents[1]
 def _running(process) -> bool:

@@ -25,7 +25,7 @@ from ragen_mega.agent import AgentConfig
 from ragen_mega.config import AlgoConfig, load_run_config
 from ragen_mega.config_tree import ConfigError
 from ragen_mega.train import train
-from ragen_mega.ray import checkpoints
+from ragen_mega import checkpoints
 from ragen_mega.algo.estimators import compute_advantages
 from ragen_mega.rollout.batch import build_batch, filter_groups
 from ragen_mega.rollout.episode import (EpisodeSpec, Generation, PromptTooLong, group_specs,

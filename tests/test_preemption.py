@@ -13,7 +13,7 @@ from unittest import mock
 import pytest
 
 from ragen_mega.config import load_run_config
-from ragen_mega.ray import checkpoints, preemption
+from ragen_mega import checkpoints, preemption
 import ragen_mega.train as training
 from ragen_mega.train import run_loop
 

@@ -25,7 +25,7 @@ from ragen_mega.backends.sglang.server import launch_server
 from conftest import resumed_step_diffs, undocumented_scalars
 from ragen_mega.config import load_run_config
 from ragen_mega.train import train
-from ragen_mega.ray import checkpoints
+from ragen_mega import checkpoints
 
 DEMO = "examples/bandit_cpu_demo.yaml"
 

@@ -21,7 +21,7 @@ from ragen_mega.backends.megatron.checkpoint import read_checkpoint_state
 from ragen_mega.config import load_run_config
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
-from ragen_mega.ray import checkpoints
+from ragen_mega import checkpoints
 
 DEMO = "examples/bandit_cpu_demo.yaml"
 MIX = ("env.mix=[{tag: crafter, kwargs: {max_steps: 400}, env_groups: 1, max_turns: 300},"
