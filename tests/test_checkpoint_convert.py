@@ -134,18 +134,18 @@ def _ckpt_worker(rank, world_size, hf_dir, other_hf_dir, converted_root, root, b
     out["resumed_weights"] = dict(t.export_hf_state())
 
     # 3. an exception inside the commit leaves only a temp dir behind
-    original = ckpt._commit
+    original = ckpt.commit_dir
 
     def crash(*args):
         raise RuntimeError("simulated crash before commit")
 
-    ckpt._commit = crash
+    ckpt.commit_dir = crash
     try:
         t.save_checkpoint(root, 3)
     except RuntimeError as err:  # on every rank: rank 0 tells the others
         out["crashed"] = str(err)
     finally:
-        ckpt._commit = original
+        ckpt.commit_dir = original
     return out
 
 
@@ -205,7 +205,7 @@ def _killed_save_worker(rank, world_size, hf_dir, root):
 
     chunks = build_model(hf_dir)
     ckpt.save_checkpoint(root, 5, chunks, hf_dir=hf_dir)
-    ckpt._commit = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.commit_dir = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
     ckpt.save_checkpoint(root, 6, chunks, hf_dir=hf_dir)
 
 

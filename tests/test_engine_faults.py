@@ -143,11 +143,11 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
 
 STARTER = """
 import functools, multiprocessing, os, subprocess, time
-from ragen_mega.backends.megatron.checkpoint import _writers_die_with_this_process
+from ragen_mega.backends.megatron.checkpoint import writers_die_with_this_process
 from ragen_mega.backends.parent_death import die_with_parent
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 if __name__ == "__main__":
-    _writers_die_with_this_process()
+    writers_die_with_this_process()
     writer = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
     writer.start()
     server = subprocess.Popen(["sleep", "600"], start_new_session=True,  # as launch_server does

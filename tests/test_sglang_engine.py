@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ragen_mega.backends.sglang.client import EngineClient, EngineError, _dtype_name
+from ragen_mega.backends.sglang.client import EngineClient, EngineError, dtype_name
 from ragen_mega.backends.sglang.cpu_standins import STANDIN_ROOT
 from ragen_mega.backends.sglang.server import launch_server
 from ragen_mega.backends.sglang.weight_sender import (BucketedWeightSender, flatten_bucket,
@@ -302,7 +302,7 @@ def test_flattened_bucket_roundtrips_through_sglangs_receiver():
               ("c", torch.randint(0, 100, (9,), generator=gen).to(torch.int8)),
               ("d", torch.randn(2, 3, generator=gen).double())]
     names, dtypes, shapes, flat = flatten_bucket(bucket)
-    received = FlattenedTensorBucket.empty(names, [_dtype_name(d) for d in dtypes], shapes, "cpu")
+    received = FlattenedTensorBucket.empty(names, [dtype_name(d) for d in dtypes], shapes, "cpu")
     received.get_flattened_tensor().copy_(flat)
     rebuilt = dict(received.reconstruct_tensors())
     for name, tensor in bucket:
@@ -310,7 +310,7 @@ def test_flattened_bucket_roundtrips_through_sglangs_receiver():
 
 
 def test_startup_failures_carry_the_log_tail_and_leave_nothing_behind(tmp_path, tiny_dir):
-    from ragen_mega.backends.sglang.server import EngineStartupError, _group_alive
+    from ragen_mega.backends.sglang.server import EngineStartupError, group_alive
 
     bad = tmp_path / "bad-model"
     bad.mkdir()
@@ -323,7 +323,7 @@ def test_startup_failures_carry_the_log_tail_and_leave_nothing_behind(tmp_path, 
     with pytest.raises(EngineStartupError, match="was not healthy after 1 s") as err:
         launch_server(tiny_dir, startup_timeout=1)  # still importing SGLang after 1 s
     pid = int(str(err.value).split("(pid ")[1].split(")")[0])
-    assert not _group_alive(pid)  # the whole process group was stopped
+    assert not group_alive(pid)  # the whole process group was stopped
     with pytest.raises(FileNotFoundError, match="has no config.json"):
         launch_server(tmp_path)
 

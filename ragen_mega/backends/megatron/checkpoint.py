@@ -131,15 +131,16 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _commit(tmp: Path, final: Path) -> None:
-    """Make the checkpoint visible: one rename of the finished temp dir."""
+def commit_dir(tmp: Path, final: Path) -> None:
+    """Make the checkpoint visible: one rename of the finished temp dir (the one moment a save
+    becomes complete; a test that kills a save at this point replaces it)."""
     os.rename(tmp, final)
 
 
 _WRITERS: dict = {}  # this process's torch_dist writer queue, once made
 
 
-def _writers_die_with_this_process() -> None:
+def writers_die_with_this_process() -> None:
     """Megatron's torch_dist save forks writer processes and collects their results through a
     queue served by a spawned ``multiprocessing`` manager, made on the first save and kept for
     the process's life. Both would outlive a killed trainer rank (the manager as an orphan, for
@@ -159,7 +160,7 @@ def _writers_die_with_this_process() -> None:
     manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
     manager.start(initializer=die_with_parent, initargs=(parent,))
     filesystem_async._results_queue = _WRITERS["queue"] = manager.Queue()
-    register_after_fork(_writers_die_with_this_process, lambda _: die_with_parent(parent))
+    register_after_fork(writers_die_with_this_process, lambda _: die_with_parent(parent))
 
 
 def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
@@ -187,7 +188,7 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
         (tmp / "dist").mkdir(parents=True)
     _barrier()
 
-    _writers_die_with_this_process()
+    writers_die_with_this_process()
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd}
     if optimizer is not None:
@@ -211,7 +212,7 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
                 for name in _HF_SIDE_FILES:
                     if (Path(hf_dir) / name).exists():
                         shutil.copy2(Path(hf_dir) / name, tmp / "hf" / name)
-            _commit(tmp, final)
+            commit_dir(tmp, final)
         except Exception as err:  # noqa: BLE001 - re-raised below, after telling the others
             error = err
     # Every rank learns whether rank 0 committed, so none reports a save that did not happen.
@@ -328,7 +329,7 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCh
         raise ValueError(f"checkpoint {ckpt_dir} holds no optimizer state (weights only); "
                          "load it with optimizer=None")
 
-    _writers_die_with_this_process()
+    writers_die_with_this_process()
     # A never-stepped optimizer's checkpoint (zero moments, and no step: Megatron drops a step of
     # 0) is a fresh optimizer: start from one instead of loading it.
     never_stepped = optimizer is not None and meta["optimizer_steps"] == 0

@@ -77,7 +77,7 @@ def _check_input_ids(input_ids: Any) -> bool:
                      f"list of non-empty list[int]; got {str(input_ids)[:200]}")
 
 
-def _dtype_name(dtype) -> str:
+def dtype_name(dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"`` (SGLang resolves it with getattr(torch, name))."""
     return str(dtype).removeprefix("torch.")
 
@@ -342,7 +342,7 @@ class AsyncEngineClient:
             raise ValueError("update_weights_from_distributed: load_format must be None or "
                              f"'flattened_bucket', got {load_format!r}")
         await self._control("/update_weights_from_distributed", {
-            "names": list(names), "dtypes": [_dtype_name(d) for d in dtypes],
+            "names": list(names), "dtypes": [dtype_name(d) for d in dtypes],
             "shapes": [list(s) for s in shapes], "group_name": group_name,
             "flush_cache": flush_cache, "load_format": load_format,
             "weight_version": weight_version}, timeout=timeout)

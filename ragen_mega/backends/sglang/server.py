@@ -82,7 +82,7 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
     """True while any non-zombie process of group ``pgid`` exists (Linux /proc; else kill 0)."""
     proc = Path("/proc")
     if not proc.is_dir():
@@ -183,9 +183,9 @@ class EngineServer:
                     self.process.wait(timeout=0.2)
                 except subprocess.TimeoutExpired:
                     continue
-                if not _group_alive(pgid):
+                if not group_alive(pgid):
                     break
-            if not _group_alive(pgid):
+            if not group_alive(pgid):
                 break
         try:
             self.process.wait(timeout=5)
