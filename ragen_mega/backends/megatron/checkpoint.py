@@ -133,7 +133,7 @@ def _rank() -> int:
 
 def commit_dir(tmp: Path, final: Path) -> None:
     """Make the checkpoint visible: one rename of the finished temp dir (the one moment a save
-    becomes complete; a test that kills a save at this point replaces it)."""
+    becomes complete)."""
     os.rename(tmp, final)
 
 
