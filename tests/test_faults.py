@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import faulty_envs
+import nan_objective
 from conftest import readme_scalars
 from ragen_mega.agent import AgentConfig
 from ragen_mega.config import AlgoConfig, load_run_config
@@ -217,7 +218,7 @@ def _dist_tensors(step_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:
 
 
 def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkeypatch):
-    monkeypatch.setenv("RAGEN_MEGA_INJECT_NAN_LOSS", "actor:2,4,5")  # read by the trainer ranks
+    nan_objective.install(monkeypatch, "actor", updates=[2])  # step 2's update
     overrides = [o for o in tiny_run_overrides(tmp_path, total_steps=3)
                  if not o.startswith(("critic.", "algo.adv_estimator", "env.name"))] + [
         "critic.enable=false", "algo.adv_estimator=grpo", f"env.name={faulty_envs.NAME}",
@@ -274,6 +275,8 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
         f.truncate(shard.stat().st_size // 2)
     overrides5 = [o for o in overrides if not o.startswith("trainer.total_steps")] + [
         "trainer.total_steps=5"]
+    # the resumed run's trainer makes the updates of steps 3, 4, 5: NaN at steps 4 and 5
+    nan_objective.install(monkeypatch, "actor", updates=[2, 3])
     with pytest.warns(UserWarning, match=rf"refusing step 3: .*shard {re.escape(str(shard))} "
                                          r"is truncated"), \
             pytest.raises(RuntimeError, match=r"actor: 2 updates in a row had a NaN"):

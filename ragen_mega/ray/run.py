@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ragen_mega.algo.objectives import OBJECTIVES
 from ragen_mega.config import RunConfig
 from ragen_mega.models.prepare import resolve_model
 from ragen_mega.ray.placement import ResourcePlan
@@ -148,12 +149,13 @@ def _place(run: Run, with_trainers: bool) -> None:
     place = dict(num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
                  threads=res.trainer_threads, seed=t.seed)
     run.actor = TrainerGroup("actor", run.model_dir, cfg.actor, pg, res.actor_bundles, **place,
+                             objective=OBJECTIVES["actor"](cfg.actor),
                              total_steps=max(t.total_steps - cfg.critic.warmup_steps,
                                              cfg.actor.lr_warmup_steps + 1),
                              temperature=max(cfg.rollout.temperature, 1e-6))
     if cfg.critic.enable:
         run.critic = TrainerGroup("critic", run.model_dir, cfg.critic, pg, res.critic_bundles,
-                                  **place,
+                                  **place, objective=OBJECTIVES["critic"](cfg.critic),
                                   total_steps=max(t.total_steps, cfg.critic.lr_warmup_steps + 1))
     run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
                               mode="tensor" if t.colocate else "distributed",

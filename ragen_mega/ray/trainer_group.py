@@ -158,11 +158,13 @@ class TrainerGroup:
     def __init__(self, role: str, hf_dir: str, config: ActorConfig | CriticConfig, pg,
                  bundles: list[int], *, num_cpus: float, num_gpus: float = 0.0,
                  threads: int | None = None, total_steps: int, temperature: float = 1.0,
-                 seed: int):
-        """``total_steps``, ``temperature``, ``seed``: what the run derives for the trainer
-        (see :class:`~ragen_mega.backends.megatron.train.MegatronTrainer`)."""
+                 seed: int, objective=None):
+        """``total_steps``, ``temperature``, ``seed``: what the run derives for the trainer;
+        ``objective``: the loss it minimises (``algo/objectives.py``; None: the role's), sent
+        to every rank (see :class:`~ragen_mega.backends.megatron.train.MegatronTrainer`)."""
         init_method = rendezvous_on_bundle(pg, bundles[0])
-        derived = dict(total_steps=total_steps, temperature=temperature, seed=seed)
+        derived = dict(total_steps=total_steps, temperature=temperature, seed=seed,
+                       objective=objective)
         self.group = ActorGroup(TrainerWorker, pg, bundles, num_cpus=num_cpus, num_gpus=num_gpus,
                                 init_args=(init_method, role, hf_dir, config, derived, threads))
         self.role = role

@@ -28,22 +28,23 @@ verl's LR schedule counts training steps), so checkpoints stay named by the run'
 An update whose loss or gradients hold a NaN or inf on any rank is skipped on every rank (one
 all-reduced flag, so the ranks never disagree about their weights): no optimizer step, so the
 weights and the Adam state stay exactly as they were; the metrics count it
-(``updates_skipped``, ``updates_skipped_in_row``) and the driver ends a run that skips too many
-in a row. ``RAGEN_MEGA_INJECT_NAN_LOSS=ROLE:STEP[,STEP...]`` (e.g. ``actor:2``) turns the
-loss of every update of those training steps into NaN: the way tests reach this path for real.
+(``updates_skipped``, ``updates_skipped_in_row``) and the loop ends a run that skips too many
+in a row.
+
+The loss itself is the objective the trainer is given (``algo/objectives.py``: StarPO's policy
+objective for the actor, the clipped value objective for the critic); the trainer computes the
+model outputs it needs and the global normaliser, and calls it per micro-batch.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from ragen_mega.algo.losses import (aggregate, highlight_first_tokens, kl_penalty,
-                                    loss_normalizer, policy_loss, truncated_is_weights,
-                                    value_loss)
+from ragen_mega.algo.losses import loss_normalizer
+from ragen_mega.algo.objectives import OBJECTIVES, Normalization
 from ragen_mega.backends.megatron import checkpoint as ckpt
 from ragen_mega.backends.megatron.cpu_compat import cuda_tensor_type_names
 from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_values,
@@ -118,34 +119,16 @@ def _check_batch(batch: dict, keys: tuple[str, ...], fn: str) -> None:
                              f"input_ids has {shape} (per-token values are aligned with tokens)")
 
 
-def _nan_injection(role: str) -> set[int]:
-    """The training steps whose loss ``RAGEN_MEGA_INJECT_NAN_LOSS`` makes NaN for ``role``."""
-    spec = os.environ.get("RAGEN_MEGA_INJECT_NAN_LOSS", "")
-    target, _, steps = spec.partition(":")
-    if target != role:
-        return set()
-    try:
-        return {int(s) for s in steps.split(",")}
-    except ValueError:
-        raise ValueError(f"RAGEN_MEGA_INJECT_NAN_LOSS: expected ROLE:STEP[,STEP...], e.g. "
-                         f"'actor:2', got {spec!r}") from None
-
-
-def _nan_loss(loss_fn):
-    """``loss_fn`` with its loss times NaN: the gradients of every parameter become NaN."""
-    def poisoned(outputs, mb):
-        loss, extra = loss_fn(outputs, mb)
-        return loss * float("nan"), extra
-    return poisoned
-
-
 class MegatronTrainer:
     """Model chunks in Megatron DDP, Megatron's (distributed) Adam, LR schedule, grad clipping."""
 
     def __init__(self, config: ActorConfig | CriticConfig, hf_dir, role: str = "actor", *,
-                 total_steps: int = 1000, temperature: float = 1.0, seed: int = 1234):
+                 total_steps: int = 1000, temperature: float = 1.0, seed: int = 1234,
+                 objective=None):
         """``total_steps``: the LR schedule's decay horizon (min_lr afterwards); ``temperature``:
-        log-probs and entropy are those of the sampling distribution at this temperature."""
+        log-probs and entropy are those of the sampling distribution at this temperature;
+        ``objective``: the loss ``train`` minimises (``algo/objectives.py``; default: the
+        role's, built from ``config``)."""
         from megatron.core import parallel_state as mpu
         from megatron.core import tensor_parallel
 
@@ -172,12 +155,12 @@ class MegatronTrainer:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.role, self.hf_dir, self.steps = role, hf_dir, 0
         self.skipped_in_row = 0
-        self.nan_loss_steps = _nan_injection(role)
+        self.objective = objective if objective is not None else OBJECTIVES[role](config)
         self.dtype = torch.bfloat16 if config.bf16 else torch.float32
         self.model = self._wrap_ddp(self._load(role))
         self.optimizer, self.scheduler = self._build_optimizer()
         self.ref_model = None
-        if role == "actor" and config.kl_coef > 0:
+        if self.objective.needs_reference:
             self.ref_model = self._load("actor")
             for chunk in self.ref_model:
                 chunk.requires_grad_(False)
@@ -230,8 +213,8 @@ class MegatronTrainer:
 
     def compute_ref_logprobs(self, batch: dict) -> torch.Tensor:
         if self.ref_model is None:
-            raise RuntimeError("compute_ref_logprobs: no reference model (ActorConfig.kl_coef "
-                               "is 0, or this is a critic)")
+            raise RuntimeError("compute_ref_logprobs: no reference model (the objective needs "
+                               "none: ActorConfig.kl_coef is 0, or this is a critic)")
         return self._logprobs(self.ref_model, batch)
 
     def _logprobs(self, chunks, batch):
@@ -281,12 +264,21 @@ class MegatronTrainer:
         this DP rank's rows. ``old_logprobs`` / ``old_values`` stay the rollout policy's for every
         update, so from the second update on the PPO clip acts. Metrics: the mean over the
         updates, plus ``ppo_updates``; the defaults (whole batch, one epoch) make exactly one
-        update, the same as ``train_actor`` / ``train_critic`` on the DP shard."""
+        update. The same metrics on every rank.
+
+        The actor's (StarPO: PPO clipped surrogate with asymmetric and dual clip, minus the
+        entropy bonus, plus the KL to the reference when ``kl_coef`` > 0), under verl's names
+        where verl has the quantity: loss, pg_loss, entropy (token-mean), kl_loss, pg_clipfrac
+        (either ratio clip active), pg_clipfrac_ratio_high / _ratio_low (each side alone),
+        pg_clipfrac_lower (the dual clip active: verl's name), ppo_kl (k1 KL old -> new),
+        tis_weight / tis_clipfrac (``tis_cap`` set: mean truncated IS weight, share of tokens at
+        the cap). The critic's (the clipped value loss): vf_loss, vf_clipfrac, vpred_mean. Both:
+        grad_norm, lr, update_successful, ppo_updates, updates_skipped, updates_skipped_in_row,
+        padding_frac (``algo/objectives.py`` has the losses)."""
         c = self.config
-        update = self._actor_update if self.role == "actor" else self._critic_update
         minibatches = ppo_minibatches(batch, c.ppo_mini_batch_size)
-        return self._phase(update, [dp_shard(mb) for _ in range(c.ppo_epochs)
-                                    for mb in minibatches])
+        return self._phase(self._update, [dp_shard(mb) for _ in range(c.ppo_epochs)
+                                          for mb in minibatches])
 
     def _phase(self, update, local_batches: list[dict]) -> dict:
         """One training step: the LR schedule advances once, then one update per batch."""
@@ -324,8 +316,6 @@ class MegatronTrainer:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        if self.scheduler.num_steps in self.nan_loss_steps:
-            loss_fn = _nan_loss(loss_fn)
         results = run_schedule(self.model, microbatches,
                                make_forward_step(temperature=self.temperature,
                                                  loss_fn=loss_fn), forward_only=False)
@@ -351,100 +341,26 @@ class MegatronTrainer:
 
         return float(num_microbatches * mpu.get_data_parallel_world_size())
 
-    def train_actor(self, batch: dict) -> dict:
-        """One StarPO update on this DP rank's rows (one mini-batch): PPO clipped surrogate
-        (asymmetric + dual clip), minus entropy bonus, plus KL to the reference (kl_coef > 0).
-        Returns global metrics (same on every rank), under verl's names where verl has the
-        quantity: loss, pg_loss, entropy (token-mean), kl_loss, pg_clipfrac (either ratio clip
-        active), pg_clipfrac_ratio_high / _ratio_low (each side alone), pg_clipfrac_lower (the
-        dual clip active: verl's name), ppo_kl (k1 KL old -> new), tis_weight / tis_clipfrac
-        (``tis_cap`` set: mean truncated IS weight, share of tokens at the cap), grad_norm, lr,
-        update_successful, ppo_updates, updates_skipped, updates_skipped_in_row, padding_frac."""
-        if self.role != "actor":
-            raise RuntimeError("train_actor needs role='actor'")
-        return self._phase(self._actor_update, [batch])
-
-    def _actor_update(self, batch: dict) -> dict:
-        c = self.config
-        keys = ("old_logprobs", "advantages")
-        if c.kl_coef > 0:
-            if "ref_logprobs" not in batch:
-                batch = {**batch, "ref_logprobs": self.compute_ref_logprobs(batch)}
-            keys += ("ref_logprobs",)
-        if c.tis_cap is not None:
-            keys += ("rollout_logprobs",)
-        _check_batch(batch, keys, "train_actor")
-        batch = _to_device(batch)
-        microbatches, normalizer, global_tokens, width, padding = self._microbatches(batch, keys)
+    def _update(self, batch: dict) -> dict:
+        """One optimizer update on this DP rank's rows (one mini-batch) of the objective this
+        trainer was given: its batch keys checked, the global normaliser taken, each
+        micro-batch's loss scaled to its share of the global mean (module doc)."""
+        objective = self.objective
+        if objective.needs_reference and "ref_logprobs" not in batch:
+            batch = {**batch, "ref_logprobs": self.compute_ref_logprobs(batch)}
+        _check_batch(batch, objective.keys, "train")
+        batch = _to_device(objective.prepare(batch))
+        microbatches, normalizer, global_tokens, width, padding = self._microbatches(
+            batch, objective.keys)
         scale = self._scale(len(microbatches))
-        agg = dict(mode=c.loss_agg_mode, normalizer=normalizer, horizon=c.loss_horizon or width)
-        names = ("loss", "pg_loss", "entropy", "kl_loss", "pg_clipfrac", "pg_clipfrac_ratio_high",
-                 "pg_clipfrac_ratio_low", "pg_clipfrac_lower", "ppo_kl") + (
-                     ("tis_weight", "tis_clipfrac") if c.tis_cap is not None else ())
+        norm = Normalization(self.config.loss_agg_mode, normalizer,
+                             self.config.loss_horizon or width, global_tokens)
 
         def loss_fn(outputs, mb):
-            mask = mb["loss_mask"]
-            logprobs, entropy = outputs["logprobs"], outputs["entropy"]
-            weights = None if c.tis_cap is None else truncated_is_weights(
-                mb["old_logprobs"], mb["rollout_logprobs"], c.tis_cap)
-            pg, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
-                                c.clip_ratio_low, c.clip_ratio_high, c.clip_ratio_c,
-                                agg=agg["mode"], normalizer=normalizer, horizon=agg["horizon"],
-                                is_weights=weights)
-            loss = pg
-            if c.entropy_coeff:
-                loss = loss - c.entropy_coeff * aggregate(entropy, mask, **agg)
-            kl = loss.new_zeros(())
-            if c.kl_coef:
-                kl = aggregate(kl_penalty(logprobs, mb["ref_logprobs"], c.kl_kind), mask, **agg)
-                loss = loss + c.kl_coef * kl
-            with torch.no_grad():
-                share = mask.sum() / global_tokens  # token-weighted metric share
-                stats = torch.stack([
-                    loss, pg, (entropy * mask).sum() / global_tokens, kl,
-                    m["clip_frac"] * share, m["clip_frac_upper"] * share,
-                    m["clip_frac_lower"] * share, m["dual_clip_frac"] * share,
-                    m["approx_kl"] * share] + ([] if weights is None else [
-                        (weights * mask).sum() / global_tokens,
-                        ((weights >= c.tis_cap) * mask).sum() / global_tokens])).detach().float()
+            loss, stats = objective(outputs, mb, norm)
             return loss * scale, {"stats": stats}
 
-        return {**self._step(microbatches, loss_fn, names), "padding_frac": padding}
-
-    def train_critic(self, batch: dict) -> dict:
-        """One critic update on this DP rank's rows (one mini-batch): the clipped value loss
-        against ``returns`` (``old_values`` are the critic's values at rollout time), each
-        response's first token counted ``highlight_first`` times. Metrics
-        (verl's names): vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr, update_successful,
-        ppo_updates, updates_skipped, updates_skipped_in_row, padding_frac."""
-        if self.role != "critic":
-            raise RuntimeError("train_critic needs role='critic'")
-        return self._phase(self._critic_update, [batch])
-
-    def _critic_update(self, batch: dict) -> dict:
-        c = self.config
-        keys = ("returns", "old_values")
-        _check_batch(batch, keys, "train_critic")
-        # the loss mask counts each response's first token highlight_first times: in the loss,
-        # in the global normaliser and in the token-mean metrics alike
-        batch = _to_device({**batch, "loss_mask": highlight_first_tokens(batch["loss_mask"],
-                                                                         c.highlight_first)})
-        microbatches, normalizer, global_tokens, width, padding = self._microbatches(batch, keys)
-        scale = self._scale(len(microbatches))
-
-        def loss_fn(outputs, mb):
-            mask = mb["loss_mask"]
-            values = outputs["values"][:, :-1]  # V(tokens < t+1) predicts token t+1's return
-            loss, m = value_loss(values, mb["old_values"], mb["returns"], mask, c.value_clip,
-                                 agg=c.loss_agg_mode, normalizer=normalizer,
-                                 horizon=c.loss_horizon or width)
-            with torch.no_grad():
-                share = mask.sum() / global_tokens
-                stats = torch.stack([loss, m["vf_clip_frac"] * share,
-                                     m["vpred_mean"] * share]).detach().float()
-            return loss * scale, {"stats": stats}
-
-        return {**self._step(microbatches, loss_fn, ("vf_loss", "vf_clipfrac", "vpred_mean")),
+        return {**self._step(microbatches, loss_fn, objective.stat_names),
                 "padding_frac": padding}
 
     # ------------------------------------------------------------------ state

@@ -1,0 +1,119 @@
+"""The losses a trainer minimises, assembled from ``algo/losses.py``: StarPO's policy objective
+(the actor) and the clipped value objective (the critic), by role (:data:`OBJECTIVES`).
+
+A trainer backend computes the model outputs (log-probs and entropy, or values) of one
+micro-batch and hands them to the objective it was given; the objective returns the loss and its
+statistics, under verl's names where verl has the quantity (:attr:`stat_names`). How the loss is
+normalised over micro-batches and data-parallel ranks (``algo/losses.py``'s module doc) is the
+backend's: it passes the global normaliser in :class:`Normalization`, and the token-weighted
+statistics are shares of the global batch's (``global_tokens``), so they sum to its means.
+
+``settings`` is the role's config section (any object with the attributes an objective reads),
+so an objective's new knob is one config field and nothing in between passes it along.
+Pure tensor functions, as the rest of ``algo/``.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ragen_mega.algo.losses import (aggregate, highlight_first_tokens, kl_penalty, policy_loss,
+                                    truncated_is_weights, value_loss)
+
+
+@dataclasses.dataclass(frozen=True)
+class Normalization:
+    """How one micro-batch's loss counts in the global batch's: ``mode`` (``loss_agg_mode``),
+    the global ``normalizer`` and ``horizon`` (``algo.losses.aggregate``), and the global
+    loss-token count the token-weighted statistics are shares of."""
+    mode: str
+    normalizer: torch.Tensor
+    horizon: int
+    global_tokens: torch.Tensor
+
+    def aggregate(self, loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return aggregate(loss_mat, mask, self.mode, normalizer=self.normalizer,
+                         horizon=self.horizon)
+
+
+class PolicyObjective:
+    """StarPO's actor loss on one micro-batch: the PPO clipped surrogate (asymmetric clip
+    ``clip_ratio_low``/``clip_ratio_high``, dual clip ``clip_ratio_c``), optionally weighted by
+    the truncated IS weight of the engine's log-probs (``tis_cap``), minus ``entropy_coeff``
+    times the entropy, plus ``kl_coef`` times the KL to the reference policy (``kl_kind``)."""
+
+    def __init__(self, settings):
+        self.s = settings
+        self.needs_reference = settings.kl_coef > 0
+        self.keys = ("old_logprobs", "advantages") + (
+            ("ref_logprobs",) if self.needs_reference else ()) + (
+            ("rollout_logprobs",) if settings.tis_cap is not None else ())
+        self.stat_names = ("loss", "pg_loss", "entropy", "kl_loss", "pg_clipfrac",
+                           "pg_clipfrac_ratio_high", "pg_clipfrac_ratio_low",
+                           "pg_clipfrac_lower", "ppo_kl") + (
+            ("tis_weight", "tis_clipfrac") if settings.tis_cap is not None else ())
+
+    def prepare(self, batch: dict) -> dict:
+        return batch
+
+    def __call__(self, outputs: dict, mb: dict, norm: Normalization
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        s, mask = self.s, mb["loss_mask"]
+        logprobs, entropy = outputs["logprobs"], outputs["entropy"]
+        weights = None if s.tis_cap is None else truncated_is_weights(
+            mb["old_logprobs"], mb["rollout_logprobs"], s.tis_cap)
+        pg, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                            s.clip_ratio_low, s.clip_ratio_high, s.clip_ratio_c, agg=norm.mode,
+                            normalizer=norm.normalizer, horizon=norm.horizon, is_weights=weights)
+        loss = pg
+        if s.entropy_coeff:
+            loss = loss - s.entropy_coeff * norm.aggregate(entropy, mask)
+        kl = loss.new_zeros(())
+        if s.kl_coef:
+            kl = norm.aggregate(kl_penalty(logprobs, mb["ref_logprobs"], s.kl_kind), mask)
+            loss = loss + s.kl_coef * kl
+        with torch.no_grad():
+            share = mask.sum() / norm.global_tokens  # token-weighted metric share
+            stats = torch.stack([
+                loss, pg, (entropy * mask).sum() / norm.global_tokens, kl,
+                m["clip_frac"] * share, m["clip_frac_upper"] * share,
+                m["clip_frac_lower"] * share, m["dual_clip_frac"] * share,
+                m["approx_kl"] * share] + ([] if weights is None else [
+                    (weights * mask).sum() / norm.global_tokens,
+                    ((weights >= s.tis_cap) * mask).sum() / norm.global_tokens])).detach().float()
+        return loss, stats
+
+
+class ValueObjective:
+    """The critic's clipped value loss against ``returns`` (``old_values``: the critic's values
+    at rollout time; ``value_clip``), each response's first token counted ``highlight_first``
+    times (Verlog's first-token weight: in the loss, its normaliser and the metrics alike)."""
+
+    needs_reference = False
+    keys = ("returns", "old_values")
+    stat_names = ("vf_loss", "vf_clipfrac", "vpred_mean")
+
+    def __init__(self, settings):
+        self.s = settings
+
+    def prepare(self, batch: dict) -> dict:
+        """``batch`` with the first-token weight in its loss mask (before it is normalised)."""
+        return {**batch, "loss_mask": highlight_first_tokens(batch["loss_mask"],
+                                                             self.s.highlight_first)}
+
+    def __call__(self, outputs: dict, mb: dict, norm: Normalization
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = mb["loss_mask"]
+        values = outputs["values"][:, :-1]  # V(tokens < t+1) predicts token t+1's return
+        loss, m = value_loss(values, mb["old_values"], mb["returns"], mask, self.s.value_clip,
+                             agg=norm.mode, normalizer=norm.normalizer, horizon=norm.horizon)
+        with torch.no_grad():
+            share = mask.sum() / norm.global_tokens
+            stats = torch.stack([loss, m["vf_clip_frac"] * share,
+                                 m["vpred_mean"] * share]).detach().float()
+        return loss, stats
+
+
+#: role -> the objective its trainer minimises
+OBJECTIVES = {"actor": PolicyObjective, "critic": ValueObjective}
