@@ -115,11 +115,11 @@ def _megatron_worker(rank, world_size, hf_dir, batch, micro_batch, steps, bf16, 
             torch.cuda.reset_peak_memory_stats()
         trainer = MegatronTrainer(ActorConfig(tp=world_size, micro_batch_size=micro_batch,
                                               lr=1e-5, bf16=bf16, **overrides), hf_dir)
-        metrics = trainer.train_actor(batch)  # warm-up
+        metrics = trainer.train(batch)  # warm-up
         _sync()
         start = time.perf_counter()
         for _ in range(steps):
-            trainer.train_actor(batch)
+            trainer.train(batch)
         _sync()
         out[label] = (time.perf_counter() - start) / steps, _peak_gib(), metrics["padding_frac"]
         del trainer

@@ -122,15 +122,15 @@ def _ckpt_worker(rank, world_size, hf_dir, other_hf_dir, converted_root, root, b
     init_parallel(rank, world_size, "", tp=1, pp=1)
     cfg = ActorConfig(use_distributed_optimizer=True, **TRAIN)
     t = MegatronTrainer(cfg, hf_dir, total_steps=10)
-    t.train_actor(batch)
+    t.train(batch)
     out["saved"] = str(t.save_checkpoint(root, 1, extra={"cursor": 7, "rank0": rank == 0}))
-    out["uninterrupted"] = [t.train_actor(batch) for _ in range(2)]
+    out["uninterrupted"] = [t.train(batch) for _ in range(2)]
     out["uninterrupted_weights"] = dict(t.export_hf_state())
     del t
     t = MegatronTrainer(cfg, hf_dir, total_steps=10)
     out["extra"] = t.load_checkpoint(root)
     out["resumed_steps"] = t.steps
-    out["resumed"] = [t.train_actor(batch) for _ in range(2)]
+    out["resumed"] = [t.train(batch) for _ in range(2)]
     out["resumed_weights"] = dict(t.export_hf_state())
 
     # 3. an exception inside the commit leaves only a temp dir behind

@@ -59,7 +59,7 @@ def _gpu_worker(rank, world_size, hf_dir, batch, actor_settings):
                     out["flash_logprobs"] = trainer.compute_logprobs(batch).cpu()
             except RuntimeError as e:
                 out["flash_logprobs"] = repr(e)
-        metrics = trainer.train_actor({**batch, "old_logprobs": logprobs + batch["noise"]})
+        metrics = trainer.train({**batch, "old_logprobs": logprobs + batch["noise"]})
         out[name] = {"logprobs": logprobs, "unfused_logprobs": unfused_logprobs,
                      "metrics": metrics,
                      "weights": {n: t.float().cpu() for n, t in trainer.export_hf_state()}}

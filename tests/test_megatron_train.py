@@ -37,11 +37,11 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
         init_parallel(rank, world_size, file_init_method("/nonexistent"), tp=tp, pp=pp, vpp=vpp)
         trainer = MegatronTrainer(ActorConfig(tp=tp, pp=pp, vpp=vpp, **actor_settings, **extra),
                                   hf_dir, total_steps=10)
-        local = dp_shard(batch)
-        logprobs = trainer.compute_logprobs(local)
-        # old policy = current policy + noise, so clipped and dual-clipped tokens both occur
-        local = {**local, "old_logprobs": logprobs + local["noise"]}
-        metrics = trainer.train_actor(local)
+        logprobs = trainer.compute_logprobs(dp_shard(batch))  # this DP rank's rows
+        # old policy = current policy + noise, so clipped and dual-clipped tokens both occur;
+        # the training step takes the global batch and cuts this rank's rows itself
+        old = trainer.compute_logprobs(batch) + batch["noise"]
+        metrics = trainer.train({**batch, "old_logprobs": old})
         weights = dict(trainer.export_hf_state())
         out[name] = {"metrics": metrics, "logprobs": logprobs,
                      "weights": weights if rank == 0 else None}
@@ -52,14 +52,14 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
     critic = MegatronTrainer(CriticConfig(tp=2, micro_batch_size=2, lr=1e-2, grad_clip=1.0,
                                           value_clip=None), hf_dir, role="critic")
     values0 = critic.compute_values(batch)
-    losses = [critic.train_critic({**batch, "old_values": values0})["vf_loss"]
+    losses = [critic.train({**batch, "old_values": values0})["vf_loss"]
               for _ in range(6)]
     out["critic"] = {"values0": values0, "losses": losses}
     del critic
     gc.collect()
     highlighted = MegatronTrainer(CriticConfig(tp=2, micro_batch_size=2, value_clip=None,
                                                highlight_first=3.0), hf_dir, role="critic")
-    out["critic"]["highlighted_loss"] = highlighted.train_critic(
+    out["critic"]["highlighted_loss"] = highlighted.train(
         {**batch, "old_values": values0})["vf_loss"]
     return out
 

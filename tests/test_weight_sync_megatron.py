@@ -92,7 +92,7 @@ def _train_step(trainer, observed: dict, sign: float) -> dict:
                                     "loss_mask": loss_mask})
     adv = torch.full(ids.shape, -sign)
     adv[0] = sign
-    return trainer.train_actor({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
+    return trainer.train({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
                                 "old_logprobs": old, "advantages": adv * loss_mask})
 
 
