@@ -1,9 +1,11 @@
 """One rank of the Megatron actor or critic: StarPO policy step, critic step, log-probs, values.
 
 Every rank of the TP x PP x DP world calls the same methods in step (``init_parallel`` first).
-The trainer takes its section of the run config (:class:`~ragen_mega.config.ActorConfig` or
-:class:`~ragen_mega.config.CriticConfig`) plus what the run derives: the LR schedule's horizon,
-the sampling temperature its log-probs are taken at, and the seed.
+The trainer takes its settings (any object with the parallel layout, optimizer, LR schedule,
+micro-batching and loss-aggregation fields it reads, and a ``validate()``: the app passes its
+``actor`` or ``critic`` config section; the backend imports nothing of the app), the objective
+it minimises, plus what the run derives: the LR schedule's horizon, the sampling temperature
+its log-probs are taken at, and the seed.
 
 Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them;
 ``train`` alone takes the global batch, cuts its mini-batches and shards them itself):
@@ -53,7 +55,6 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
                                                 load_hf_checkpoint)
 from ragen_mega.backends.megatron.parallel import local_device
-from ragen_mega.config import ActorConfig, CriticConfig
 
 def _dp_group():
     from megatron.core import parallel_state as mpu
@@ -122,7 +123,7 @@ def _check_batch(batch: dict, keys: tuple[str, ...], fn: str) -> None:
 class MegatronTrainer:
     """Model chunks in Megatron DDP, Megatron's (distributed) Adam, LR schedule, grad clipping."""
 
-    def __init__(self, config: ActorConfig | CriticConfig, hf_dir, role: str = "actor", *,
+    def __init__(self, config, hf_dir, role: str = "actor", *,
                  total_steps: int = 1000, temperature: float = 1.0, seed: int = 1234,
                  objective=None):
         """``total_steps``: the LR schedule's decay horizon (min_lr afterwards); ``temperature``:
@@ -139,12 +140,8 @@ class MegatronTrainer:
             if getattr(config, field) != actual:
                 raise ValueError(f"{type(config).__name__}.{field}={getattr(config, field)} but "
                                  f"the process groups were initialised with {field}={actual}")
-        expected = {"actor": ActorConfig, "critic": CriticConfig}.get(role)
-        if expected is None:
+        if role not in OBJECTIVES:
             raise ValueError(f"MegatronTrainer: role must be 'actor' or 'critic', got {role!r}")
-        if not isinstance(config, expected):
-            raise TypeError(f"MegatronTrainer: role {role!r} takes a {expected.__name__}, got "
-                            f"{type(config).__name__}")
         if total_steps <= config.lr_warmup_steps:
             raise ValueError(f"total_steps: must be > lr_warmup_steps={config.lr_warmup_steps} "
                              f"(got {total_steps})")
