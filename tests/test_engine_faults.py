@@ -114,6 +114,9 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
             if len(actor_updates) == 2:  # step 2: outside any rollout, before the sync
                 seen["killed_in_train"] = server_pids(tmp_path)[-1]
                 os.kill(seen["killed_in_train"], signal.SIGKILL)
+                deadline = time.monotonic() + 30  # dead, as one that died during the updates
+                while _alive(seen["killed_in_train"]) and time.monotonic() < deadline:
+                    time.sleep(0.05)
         return metrics
 
     monkeypatch.setattr(RolloutManager, "episodes", faulted_rollout)
