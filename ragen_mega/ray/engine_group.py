@@ -165,19 +165,6 @@ class EngineGroup:
             # blocking Ray calls: off the loop the episodes run on
             await asyncio.to_thread(self.resync, {engine: self.urls[engine]})
 
-    def restart_dead(self) -> dict[int, str]:
-        """Restart every engine whose server has exited (found outside a rollout, e.g. before a
-        weight sync); returns ``{engine: new url}``. Counted like a restart during a rollout;
-        the caller brings the new servers to the trainer's weights."""
-        import ray
-
-        dead = [e for e, exited in enumerate(ray.get(
-            [w.server_exited.remote() for w in self.group.actors])) if exited]
-        for engine in dead:
-            self._allow_restart(engine, None)
-            self._replace_client(engine, ray.get(self.group.actors[engine].restart.remote()))
-        return {e: self.urls[e] for e in dead}
-
     @contextlib.contextmanager
     def resyncs_deferred(self):
         """Within the block (an overlapped rollout on another thread, while the trainer
