@@ -8,7 +8,7 @@ One SGLang server (CPU way, ``--cpu-threads`` for its torch) on a small random Q
 with seeded sampling as the driver uses it (``rollout.seeded``): every request carries the seed
 of its (episode, turn), so every phase samples the very same responses. Phases:
 
-- **rollout**: the driver's path (``Run.rollout``: every episode its own ``run_episode``
+- **rollout**: the driver's path (``RolloutManager.episodes``: every episode its own ``run_episode``
   coroutine with its own seeded generate function, all gathered; chat-template prompts as token
   ids, parsing, env steps). Its prompts (every turn's ``prompt_ids``) are the token load of the
   other phases.
@@ -44,7 +44,7 @@ around the last turn; the whole chat stops at the turn whose prompt no longer fi
 ``--streamed`` compares the two rollout modes on one load whose episode lengths vary: Sokoban
 episodes in three tags with turn limits ``--turn-limits`` (4, 8, 16 by default: the random
 model never solves a puzzle, so each plays to its limit, and the longest is 4x the shortest),
-``--groups`` groups of ``--group-size`` per tag. Episodes mode is ``Run.rollout``'s shape (all of
+``--groups`` groups of ``--group-size`` per tag. Episodes mode is ``RolloutManager.episodes``'s shape (all of
 a step's episodes at once, the step over when its longest is); streamed mode is
 ``EnvStreams.play`` with ``turns_per_step`` = the episodes-mode turns per step / streams, rounded
 down, so both modes play about as many turns a step. ``--steps`` steps each, after an untimed
@@ -183,7 +183,7 @@ def main() -> None:
                         return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
                     return generate
 
-                async def rollout():  # Run.rollout's shape: one generate function per episode
+                async def rollout():  # RolloutManager.episodes' shape: one generate function per episode
                     episodes.append(list(await asyncio.gather(*(run_episode(
                         spec, tokenizer=tokenizer, agent=agent,
                         generate=episode_generate(spec.episode_id), sampling=sampling,
