@@ -42,7 +42,7 @@ def _policy(tokenizer):
 
 
 def _played_step(tokenizer, run_dir: Path) -> PlayedStep:
-    """Step 3's rollout as the driver's ``Run.play`` makes it: real FrozenLake episodes, their
+    """Step 3's rollout as ``RolloutManager.rollout`` makes it: real FrozenLake episodes, their
     ``rollout/*`` metrics, counters with a fault recorded, samples stamped with a version."""
     specs = group_specs("frozen_lake", {"is_slippery": False}, env_groups=2, group_size=2,
                         first_seed=11, env_tag="lake")
