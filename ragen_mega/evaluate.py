@@ -7,7 +7,10 @@ evaluation (``rollout/manager.py``'s :meth:`RolloutManager.episodes` with ``eval
 :func:`summarize`), so the numbers are those a run logs under ``val/``. It prints one row per
 env tag and, with ``--out``, writes
 them as JSON: ``success``, ``valid_action_rate``, ``episodes``, ``mean_turns``,
-``response_length``, ``pass@k`` where k > 1, and ``per_tag`` (tag -> the same keys).
+``response_length``, ``pass@k`` where k > 1, ``references`` (the lines of
+:mod:`ragen_mega.envs.references` on the same held-out seeds and budget: ``random_valid``,
+``example_copy``, ``best_fixed``, ``optimal``, those that apply; left out when an env has none),
+and ``per_tag`` (tag -> the same keys).
 
 ``PATH`` is ``smollm2``, a Hugging Face model directory, a run directory (``trainer.run_dir``:
 its newest complete step) or one step's actor checkpoint (``.../checkpoints/actor/step_N``).
@@ -24,8 +27,14 @@ from pathlib import Path
 
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega import checkpoints
+from ragen_mega.agent.prompt import example_answer
+from ragen_mega.envs import registry
+from ragen_mega.envs.references import REFERENCE_KEYS, reference_lines
+from ragen_mega.rollout.episode import mix_specs
 from ragen_mega.rollout.metrics import summarize
 
+#: the run directory's file of its held-out reference lines (written by ``ragen-mega train``)
+REFERENCES_FILE = "references.json"
 #: summary keys of one tag (from ``summarize``'s ``val/...`` names) -> the names printed / written
 _KEYS = {"success": "success", "valid_action_rate": "valid_action_rate",
          "num_turns": "mean_turns", "response_length": "response_length"}
@@ -74,9 +83,41 @@ def evaluate(cfg: RunConfig, checkpoint: str) -> dict:
     metrics = summarize(episodes, "val")
     tags = sorted({e.samples[0].env_tag for e in episodes})
     counts = {tag: sum(e.samples[0].env_tag == tag for e in episodes) for tag in tags}
+    lines, tag_lines = held_out_references(cfg)
     report = {**pick(metrics, "val"), "episodes": len(episodes), "per_tag": {
         tag: {**pick(metrics, f"val/{tag}"), "episodes": counts[tag]} for tag in tags}}
+    if lines:
+        report["references"] = lines
+    for tag, row in report["per_tag"].items():
+        if tag in tag_lines:
+            row["references"] = tag_lines[tag]
     return report
+
+
+def held_out_references(cfg: RunConfig) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """The reference lines of the held-out evaluation: (over all its episodes, per env tag), on
+    the seeds it plays, with each env's turn limit and ``agent.max_actions_per_turn``. A tag
+    whose env has no lines is absent; the overall lines (episode-weighted means) exist when
+    every tag has them, with the keys all tags share."""
+    specs = mix_specs(cfg.env.val_parts(), group_size=cfg.env.val_group_size,
+                      first_seed=cfg.env.val_seed)
+    per_tag, weights = {}, {}
+    for part in cfg.env.val_parts():
+        seeds = [s.seed for s in specs if s.env_tag == part.tag]
+        example = example_answer(cfg.agent, registry.make(part.name, **part.kwargs).valid_actions)
+        lines = reference_lines(part.name, part.kwargs, seeds,
+                                max_turns=part.max_turns or cfg.env.max_turns,
+                                max_actions_per_turn=cfg.agent.max_actions_per_turn,
+                                example_answer=example)
+        if lines:
+            per_tag[part.tag], weights[part.tag] = lines, len(seeds)
+    if len(per_tag) < len(cfg.env.val_parts()):
+        return {}, per_tag
+    total = sum(weights.values())
+    shared = [k for k in REFERENCE_KEYS if all(k in lines for lines in per_tag.values())]
+    overall = {k: sum(lines[k] * weights[tag] for tag, lines in per_tag.items()) / total
+               for k in shared}
+    return overall, per_tag
 
 
 def pick(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -102,14 +143,16 @@ def play(cfg: RunConfig, model_dir: str) -> list:
 
 
 def format_table(report: dict) -> str:
-    """One row per env tag, then the total."""
-    ks = sorted({k for row in [report, *report["per_tag"].values()] for k in row
-                 if k.startswith("pass@")})
-    cols = ["episodes", "success", *ks, "valid_action_rate", "mean_turns", "response_length"]
+    """One row per env tag, then the total; the reference lines next to the success."""
     rows = [(tag, report["per_tag"][tag]) for tag in report["per_tag"]] + [("all", report)]
+    ks = sorted({k for _, row in rows for k in row if k.startswith("pass@")})
+    refs = [k for k in REFERENCE_KEYS if any(k in row.get("references", {}) for _, row in rows)]
+    cols = ["episodes", "success", *refs, *ks, "valid_action_rate", "mean_turns",
+            "response_length"]
     width = max(len(t) for t, _ in rows)
     lines = [f"{'env':<{width}}  " + "  ".join(f"{c:>17}" for c in cols)]
     for tag, row in rows:
+        row = {**row, **row.get("references", {})}
         cells = [f"{row[c]:>17d}" if c == "episodes" else
                  (f"{row[c]:>17.3f}" if c in row else f"{'-':>17}") for c in cols]
         lines.append(f"{tag:<{width}}  " + "  ".join(cells))

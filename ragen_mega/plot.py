@@ -4,14 +4,19 @@ Reads each run's own ``metrics.jsonl`` (one JSON object per training step, writt
 and draws, by step: success and valid-action rate (training rollouts solid, held-out evaluation
 dashed where the run evaluated), the in-group reward std before and after the StarPO-S filter
 (the echo-trap signal), the actor's entropy and grad norm, and the time of each phase. Several
-runs share the axes, one colour per run, so a comparison is one picture. matplotlib's Agg
-backend: no display needed.
+runs share the axes, one colour per run, so a comparison is one picture. The success panel also
+draws the held-out reference lines of ``RUN_DIR/references.json`` where a run has one (random
+valid play, the prompt's example copied, the best fixed answer, the optimum: see
+:mod:`ragen_mega.envs.references`) as thin horizontal lines, once when all runs share them, else
+in each run's colour. matplotlib's Agg backend: no display needed.
 """
 from __future__ import annotations
 
 import json
 import sys
 from pathlib import Path
+
+from ragen_mega.evaluate import REFERENCES_FILE
 
 #: panel title -> [(metric key, line style label)]; a key a run never logged is left out
 PANELS: dict[str, list[tuple[str, str]]] = {
@@ -26,6 +31,9 @@ PANELS: dict[str, list[tuple[str, str]]] = {
                        ("time/sync_s", "sync"), ("time/eval_s", "eval")],
 }
 _STYLES = ["-", "--", ":", "-."]
+#: reference line -> its dash pattern on the success panel
+_REFERENCE_STYLES = {"random_valid": (0, (1, 2)), "example_copy": (0, (4, 2)),
+                     "best_fixed": (0, (6, 2, 1, 2)), "optimal": (0, (8, 2))}
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
@@ -47,6 +55,28 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def load_references(run_dir: str | Path) -> dict[str, float]:
+    """The run's overall held-out reference lines ({} when it has none)."""
+    path = Path(run_dir) / REFERENCES_FILE
+    if not path.is_file():
+        return {}
+    try:
+        return dict(json.loads(path.read_text()).get("references", {}))
+    except (json.JSONDecodeError, AttributeError, TypeError, ValueError) as e:
+        raise ValueError(f"ragen-mega plot: {path} is not a references file: {e}") from None
+
+
+def draw_references(ax, runs: list[tuple[str, dict[str, float]]], colors: list[str]) -> None:
+    """Horizontal reference lines: once, grey, when every run has the same; else per run."""
+    distinct = {tuple(sorted(lines.items())) for _, lines in runs if lines}
+    shared = len(distinct) == 1 and all(lines for _, lines in runs)
+    for r, (name, lines) in enumerate(runs[:1] if shared else runs):
+        for key, value in lines.items():
+            ax.axhline(value, linestyle=_REFERENCE_STYLES.get(key, ":"), linewidth=1,
+                       color="grey" if shared else colors[r % len(colors)],
+                       label=key if shared else f"{name} {key}")
+
+
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of ``key`` over the steps that logged it."""
     pairs = [(int(r["step"]), float(r[key])) for r in rows if key in r]
@@ -55,13 +85,15 @@ def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None):
     """Draw the panels for every run (overlaid) and save to ``out`` if given; returns the Figure
-    (its axes' lines carry the plotted data, labelled ``<run> <series>``)."""
+    (its axes' lines carry the plotted data, labelled ``<run> <series>``, reference lines
+    ``<key>`` or ``<run> <key>``)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = [(Path(d).name or str(d), load_metrics(d)) for d in run_dirs]
+    references = [(name, load_references(d)) for (name, _), d in zip(runs, run_dirs)]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (title, keys) in zip(axes.flat, PANELS.items()):
@@ -71,6 +103,8 @@ def plot_runs(run_dirs: list[str | Path], out: str | Path | None = None):
                 if steps:
                     ax.plot(steps, values, _STYLES[k % len(_STYLES)], marker=".",
                             color=colors[r % len(colors)], label=f"{name} {label}".strip())
+        if title == "success":
+            draw_references(ax, references, colors)
         ax.set_title(title)
         ax.set_xlabel("step")
         if ax.lines:

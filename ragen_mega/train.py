@@ -38,6 +38,7 @@ from ragen_mega.algo.estimators import compute_advantages
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import ConfigError, to_dict
 from ragen_mega import checkpoints, preemption
+from ragen_mega.evaluate import REFERENCES_FILE, held_out_references
 from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, cut_value_batch, filter_groups
 from ragen_mega.rollout.manager import PlayedStep
@@ -62,11 +63,25 @@ def train(cfg: RunConfig) -> list[dict[str, float]]:
     init_ray(cfg.trainer.ray_address)  # first: ray.init puts its own handler on SIGTERM
     with preemption.stop_on_signals() as stop, build_run(cfg) as run:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        write_references(cfg, run_dir)
         logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
         try:
             return run_loop(cfg, run, logger, stop)
         finally:
             logger.close()
+
+
+def write_references(cfg: RunConfig, run_dir: Path) -> None:
+    """``RUN_DIR/references.json``: the held-out evaluation's reference lines (``{"references":
+    ..., "per_tag": ...}``, as ``ragen-mega eval --out`` writes them), which ``ragen-mega plot``
+    draws on the success panel; not written when the run does not evaluate or its envs have
+    none."""
+    if not cfg.trainer.eval_every:
+        return
+    lines, per_tag = held_out_references(cfg)
+    if per_tag:
+        payload = {**({"references": lines} if lines else {}), "per_tag": per_tag}
+        (run_dir / REFERENCES_FILE).write_text(json.dumps(payload, indent=2) + "\n")
 
 
 def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest

@@ -167,3 +167,49 @@ def test_step_limit_invalid_actions_and_errors():
         env.reset(-1)
     with pytest.raises(ValueError, match="symbol"):
         env.load_level("#####\n#P?O#\n#####")
+
+
+def test_move_reward_is_the_reward_of_every_valid_move():
+    """``move_reward`` replaces gym-sokoban's -0.1 per move (kept as the default); a move that
+    changes no box pays exactly it, a plain step or a bump into a wall alike."""
+    for kwargs, cost in [({}, -0.1), ({"move_reward": -0.01}, -0.01), ({"move_reward": 0}, 0.0),
+                         ({"move_reward": 0.25}, 0.25)]:
+        env = make("sokoban", **kwargs)
+        for seed in range(5):
+            walls, targets, boxes, (r, c) = parse(env.reset(seed))
+            free = [m for m, (dr, dc) in MOVES.items()
+                    if (r + dr, c + dc) not in walls | boxes]
+            _, reward, done, info = env.step(free[0])        # onto an empty cell or a target
+            assert (reward, done, info["action_is_effective"]) == (cost, False, True), seed
+        env.load_level("#####\n#_P_#\n#XO_#\n#####")
+        _, reward, _, info = env.step("Up")                  # into the wall
+        assert (reward, info["action_is_effective"]) == (cost, False)
+        _, reward, _, info = env.step("north")               # invalid: the env pays 0
+        assert reward == 0.0 and not info["action_is_valid"]
+
+
+def test_move_reward_is_added_to_the_box_bonuses():
+    """HAND_LEVEL's script (test_rewards_on_a_hand_worked_level) with move_reward=-0.01: every
+    move pays -0.01; a push off a target -1, onto one +1, the finish +10 on top."""
+    env = make("sokoban", dim_room=(5, 7), num_boxes=2, move_reward=-0.01)
+    env.load_level(HAND_LEVEL)
+    moves = ["Up", "Right", "Down", "Right", "Right", "Up", "Left", "Down", "Left", "Left",
+             "Down", "Right", "Right", "Right"]
+    rewards = [env.step(move)[1] for move in moves]
+    assert rewards[1] == pytest.approx(-1.01)    # -0.01 - 1: box pushed off its target
+    assert rewards[6] == pytest.approx(0.99)     # -0.01 + 1: box pushed back onto it
+    assert rewards[13] == pytest.approx(10.99)   # -0.01 + 1 + 10: last box on, level solved
+    assert [r for i, r in enumerate(rewards) if i not in (1, 6, 13)] == [-0.01] * 11
+    assert sum(rewards) == pytest.approx(11 * -0.01 - 1.01 + 0.99 + 10.99)
+    # one box, one push: the solving push pays move_reward + 1 + 10
+    env = make("sokoban", move_reward=0)
+    env.load_level("#####\n#PXO#\n#####")
+    _, reward, done, info = env.step("Right")
+    assert reward == pytest.approx(11.0) and done and info["success"]
+
+
+@pytest.mark.parametrize("bad", [True, False, float("nan"), float("inf"), -float("inf"), None,
+                                 "-0.1", [-0.1]])
+def test_move_reward_rejects_non_numbers(bad):
+    with pytest.raises(ValueError, match="move_reward"):
+        make("sokoban", move_reward=bad)

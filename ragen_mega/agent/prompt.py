@@ -55,14 +55,21 @@ def system_prompt(config: AgentConfig) -> str:
     return f"You're a helpful assistant. You are playing a text game, one turn at a time. {rule}"
 
 
+def example_answer(config: AgentConfig, valid_actions: Sequence[str]) -> list[str] | None:
+    """The action words of the example answer the prompt shows (``config.example_answer``): the
+    env's first (up to two) action words; None when the prompt shows none."""
+    if not (config.example_answer and valid_actions):
+        return None
+    return list(valid_actions)[:min(2, config.max_actions_per_turn)]
+
+
 def format_hint(config: AgentConfig, valid_actions: Sequence[str] = ()) -> str:
     """The response format the rules line asks for. With ``config.example_answer`` the answer
     is an example made of the env's first (up to two) action words instead of a placeholder:
     SmolLM2-135M copies ``[your answer]`` or the grid, but writes ``Left || Down`` after seeing
     one (FrozenLake, 32 samples at temperature 1: 3 valid first actions against 0)."""
-    answer = "[your answer]"
-    if config.example_answer and valid_actions:
-        answer = f" {config.action_sep} ".join(list(valid_actions)[:min(2, config.max_actions_per_turn)])
+    example = example_answer(config, valid_actions)
+    answer = "[your answer]" if example is None else f" {config.action_sep} ".join(example)
     if config.think:
         return f"<think> [Your thoughts] </think> <answer> {answer} </answer>"
     return f"<answer> {answer} </answer>"

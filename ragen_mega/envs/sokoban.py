@@ -1,13 +1,26 @@
 """Sokoban as a text game, with gym-sokoban's rewards and RAGEN's grid symbols.
 
 Levels come from :mod:`ragen_mega.envs.sokoban_generator` (seeded reverse play, so every level is
-solvable). Rewards follow gym-sokoban, which RAGEN trains on: -0.1 per move, +1 when a push puts
-a box on a target, -1 when a push takes one off, +10 when every box is on a target.
+solvable). Rewards follow gym-sokoban, which RAGEN trains on: ``move_reward`` (default -0.1) per
+move, +1 when a push puts a box on a target, -1 when a push takes one off, +10 when every box is
+on a target. The bonuses are added on top of the move's ``move_reward``: the push that solves the
+level pays ``move_reward + 1 + 10``.
 
 Steps: a move into a wall, or a push against a wall or another box, is a valid action that
-changes nothing (``action_is_effective`` False) and costs the step penalty. Text that is not one
-of the four action words is an invalid-action step: nothing changes, reward 0, no step counted.
+changes nothing (``action_is_effective`` False) and still pays ``move_reward``. Text that is not
+one of the four action words is an invalid-action step: nothing changes, reward 0, no step
+counted.
 The episode ends when solved or after ``max_steps`` valid moves; ``step`` after that raises.
+
+Why ``move_reward`` is a kwarg: the penalty for an invalid turn does not come from this env (it
+pays 0) but from the rollout, which adds ``agent.format_penalty`` (RAGEN: -0.1) once to a turn
+whose response breaks the format or holds an unknown action
+(:func:`ragen_mega.rollout.episode.play_turn`). With the defaults a move costs -0.1 too, so an
+episode that will not be solved scores no worse by writing invalid turns than by moving (and
+better than with turns of several moves, each paying -0.1): moving is not worth it to a loser.
+RAGEN has the same trap; the default keeps RAGEN's -0.1. Set e.g. ``move_reward=0`` or ``-0.01``
+to make a move cheaper than an invalid turn. The sign is that of a reward: the value is *added*
+to each valid move's reward, so a cost is negative.
 """
 from __future__ import annotations
 
@@ -16,11 +29,11 @@ from typing import Any
 import numpy as np
 
 from ragen_mega.envs.base import TextEnv, invalid_action_info
-from ragen_mega.envs.checks import check_seed, ensure_steppable, is_int
+from ragen_mega.envs.checks import check_seed, ensure_steppable, is_int, is_real
 from ragen_mega.envs.text_actions import match_action, normalize_action, unknown_action_reason
 from ragen_mega.envs.sokoban_generator import DIRECTIONS, Level, generate_level, max_boxes
 
-STEP_PENALTY = -0.1
+MOVE_REWARD = -0.1  # gym-sokoban's and RAGEN's per-move reward (a cost)
 BOX_ON_TARGET = 1.0
 BOX_OFF_TARGET = -1.0
 FINISHED = 10.0
@@ -35,9 +48,14 @@ class SokobanEnv(TextEnv):
     """Push every box (X) onto a target (O); see the module docstring for rules and rewards."""
 
     def __init__(self, dim_room: tuple[int, int] = (6, 6), num_boxes: int = 1,
-                 max_steps: int = 100, search_depth: int = 100):
+                 max_steps: int = 100, search_depth: int = 100,
+                 move_reward: float = MOVE_REWARD):
         """``search_depth``: how many reverse moves from the solved position the generator looks
-        at when scrambling a level (smaller: boxes stay closer to their targets)."""
+        at when scrambling a level (smaller: boxes stay closer to their targets).
+        ``move_reward``: the reward added for every valid move, blocked ones included (default
+        -0.1 as RAGEN; negative is a cost); box and finish bonuses come on top. With the default
+        a move costs as much as an invalid turn's ``agent.format_penalty``; see the module
+        docstring."""
         if (not isinstance(dim_room, (tuple, list)) or len(dim_room) != 2
                 or not all(is_int(v) and v >= 5 for v in dim_room)):
             raise ValueError(f"sokoban: dim_room must be two ints >= 5 (rows, cols), "
@@ -50,7 +68,11 @@ class SokobanEnv(TextEnv):
             raise ValueError(f"sokoban: max_steps must be an int >= 1, got {max_steps!r}")
         if not is_int(search_depth) or search_depth < 1:
             raise ValueError(f"sokoban: search_depth must be an int >= 1, got {search_depth!r}")
+        if not is_real(move_reward):
+            raise ValueError(f"sokoban: move_reward must be a finite number (the reward added per "
+                             f"valid move, default {MOVE_REWARD}), got {move_reward!r}")
         self.num_boxes, self.max_steps, self.search_depth = num_boxes, max_steps, search_depth
+        self.move_reward = float(move_reward)
         self._level: Level | None = None
         self._steps = 0
         self._on_target = 0
@@ -65,8 +87,8 @@ class SokobanEnv(TextEnv):
                 "you cannot pull a box.\n"
                 f"The grid has one row per line. Symbols: {legend}.\n"
                 "Actions: Up, Down, Left, Right (one move each; case does not matter).\n"
-                "Rewards: -0.1 per move, +1 for a box pushed onto a target, -1 for a box pushed "
-                "off a target, +10 when all boxes are on targets.")
+                f"Rewards: {self.move_reward:g} per move, +1 for a box pushed onto a target, "
+                "-1 for a box pushed off a target, +10 when all boxes are on targets.")
 
     @property
     def valid_actions(self) -> list[str]:
@@ -90,7 +112,7 @@ class SokobanEnv(TextEnv):
         moved = self._move(list(DIRECTIONS.values())[index])
         level = self._level
         on_target = int((level.boxes & level.targets).sum())
-        reward = STEP_PENALTY
+        reward = self.move_reward
         if on_target > self._on_target:
             reward += BOX_ON_TARGET
         elif on_target < self._on_target:
