@@ -56,7 +56,8 @@ def test_sdpa_matches_unfused_attention_tp1_tp2(tiny_model):
 
 def test_local_attention_choice_is_validated(tiny_model):
     from ragen_mega.config import ActorConfig, ConfigError
-    from ragen_mega.models.hf_config import layer_spec, model_spec
+    from ragen_mega.backends.megatron.transformer_config import layer_spec
+    from ragen_mega.models.hf_config import model_spec
 
     with pytest.raises(ValueError, match="local_attention must be one of"):
         layer_spec(model_spec(tiny_model("qwen2")), use_te=False, local_attention="flash")

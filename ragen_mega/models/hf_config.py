@@ -1,8 +1,12 @@
-"""Hugging Face ``config.json`` -> ``ModelSpec`` -> megatron-core ``TransformerConfig`` + layer spec.
+"""Hugging Face ``config.json`` -> ``ModelSpec``: what a backend, the conversion and the weight
+sync read about a model, with no megatron-core import (the Megatron ``TransformerConfig`` and
+layer spec built from it live in ``backends/megatron/transformer_config.py``).
 
 :class:`ModelSpec` holds what the mapping and the model need from a config (with the vocabulary
-padded for TP); :func:`layer_spec` picks TransformerEngine's layer spec when it imports, the
-local one otherwise.
+padded for TP). ``LocalAttention`` / ``LOCAL_ATTENTIONS`` name the core attentions a layer spec
+without TransformerEngine can use; they are here, importing nothing, so the run's config
+validates ``local_attention`` and the Megatron backend builds it from one list without the
+config layer loading megatron.
 
 Supported families: llama (SmolLM2, Llama 2/3 without rope scaling), qwen2 (q/k/v biases),
 qwen3 (q/k RMSNorm per head, head_dim may differ from hidden/heads). Anything this trainer would
@@ -17,8 +21,6 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, get_args
-
-import torch
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -147,79 +149,7 @@ def model_spec(config_or_dir, *, vocab_divisor: int = 128) -> ModelSpec:
         qk_layernorm=arch == "qwen3", vocab_divisor=vocab_divisor)
 
 
-def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                    dtype: torch.dtype = torch.float32, **overrides):
-    """The ``TransformerConfig`` that computes what transformers computes for ``spec``.
-
-    Fusions are off and ``use_cpu_initialization`` on when there is no GPU (docs/cpu_stack.md);
-    ``moe_token_dispatcher_type="alltoall"`` + ``variable_seq_lengths`` let the pipeline schedule
-    take micro-batches of different lengths. ``overrides`` go straight to TransformerConfig.
-    """
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    spec.check_parallel(tp, pp, vpp)
-    cuda = torch.cuda.is_available()
-    kwargs = dict(
-        num_layers=spec.num_layers, hidden_size=spec.hidden_size,
-        num_attention_heads=spec.num_heads, num_query_groups=spec.num_kv_heads,
-        kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
-        normalization="RMSNorm", layernorm_epsilon=spec.rms_norm_eps,
-        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_layernorm,
-        hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=False,
-        params_dtype=dtype, pipeline_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
-        use_cpu_initialization=not cuda, variable_seq_lengths=True,
-        moe_token_dispatcher_type="alltoall", batch_p2p_sync=cuda,
-        masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
-    )
-    if vpp:
-        # Interleaved 1F1B with Megatron's default batched p2p trades activations and gradients
-        # with the same peer in one batch when pp=2 (next stage == previous stage): they arrive
-        # swapped (measured on gloo: wrong gradients, or a shape error for ragged micro-batches).
-        # Megatron-LM's own setting for interleaving, overlapped unbatched p2p, is exact.
-        kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
-    kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - any import failure means "no TE"
-        return False
-    return torch.cuda.is_available()
-
-
+# the local layer spec's core attention (backends/megatron/transformer_config.layer_spec):
+# "sdpa" = one fused scaled_dot_product_attention call, "unfused" = Megatron's DotProductAttention
 LocalAttention = Literal["sdpa", "unfused"]
 LOCAL_ATTENTIONS = get_args(LocalAttention)
-
-
-def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: LocalAttention = "sdpa"):
-    """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise.
-
-    ``local_attention`` picks the local spec's core attention: ``"sdpa"`` (one fused
-    ``scaled_dot_product_attention`` call: flash kernels on a GPU) or ``"unfused"`` (Megatron's
-    ``DotProductAttention``, materialised scores; kept as the reference and for comparison).
-    """
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
-
-    if local_attention not in LOCAL_ATTENTIONS:
-        raise ValueError(f"local_attention must be one of {LOCAL_ATTENTIONS}, "
-                         f"got {local_attention!r}")
-    if use_te is None:
-        use_te = te_available()
-    if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    layers = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
-    if local_attention == "sdpa":
-        from ragen_mega.models.sdpa_attention import SDPAttention
-
-        layers.submodules.self_attention.submodules.core_attention = SDPAttention
-    return layers
-

@@ -31,9 +31,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ragen_mega.backends.megatron.parallel import parallel_info
+from ragen_mega.backends.megatron.transformer_config import layer_spec, megatron_config
 from ragen_mega.models import mapping
-from ragen_mega.models.hf_config import (ConfigMismatchError, ModelSpec, layer_spec,
-                                         megatron_config, model_spec)
+from ragen_mega.models.hf_config import ConfigMismatchError, ModelSpec, model_spec
 
 
 class ValueHead(nn.Module):
@@ -55,7 +55,7 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
                 use_te: bool | None = None, local_attention: str = "sdpa",
                 config_overrides: dict | None = None) -> list[nn.Module]:
     """This rank's model chunks (random init; ``load_hf_checkpoint`` fills them).
-    ``use_te`` / ``local_attention``: the layer spec (``hf_config.layer_spec``)."""
+    ``use_te`` / ``local_attention``: the layer spec (``transformer_config.layer_spec``)."""
     from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module

@@ -8,14 +8,14 @@ causal softmax(q k^T / sqrt(d)) v with one SDPA call, which runs flash / memory-
 on CUDA (and torch's fused CPU kernel on a CPU) and handles GQA without copying K/V
 (``enable_gqa``).
 
-It is a drop-in ``core_attention`` (``layer_spec(..., local_attention="sdpa")``): same
-constructor and forward contract as ``DotProductAttention`` (query [sq, b, heads, d], key/value
-[sk, b, groups, d] -> context [sq, b, heads * d], this TP rank's heads), so TP splits it exactly as
-the original. Right padding needs no mask: with causal attention a real token never sees the
-padding after it, and the trainer zeroes everything computed at padded positions. What the
-trainer never uses is refused at build time or on the first call rather than computed differently:
-an explicit attention mask, attention bias, packed sequences, sliding windows, softmax variants,
-attention dropout.
+It is a drop-in ``core_attention`` (``transformer_config.layer_spec(...,
+local_attention="sdpa")``): same constructor and forward contract as ``DotProductAttention``
+(query [sq, b, heads, d], key/value [sk, b, groups, d] -> context [sq, b, heads * d], this TP
+rank's heads), so TP splits it exactly as the original. Right padding needs no mask: with causal
+attention a real token never sees the padding after it, and the trainer zeroes everything
+computed at padded positions. What the trainer never uses is refused at build time or on the
+first call rather than computed differently: an explicit attention mask, attention bias, packed
+sequences, sliding windows, softmax variants, attention dropout.
 """
 from __future__ import annotations
 
