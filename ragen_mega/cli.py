@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("ragen_mega.models.prepare", "write a local HF model directory (no hub)"),
     "convert": ("ragen_mega.backends.megatron.convert", "convert checkpoints HF <-> Megatron"),
     "train": ("ragen_mega.train", "train with StarPO / StarPO-S (CONFIG.yaml [key=value ...])"),
+    "sft": ("ragen_mega.sft", "supervised warm start on the same trainer (CONFIG.yaml [key=value ...])"),
     "eval": ("ragen_mega.evaluate", "held-out evaluation of a checkpoint (CONFIG.yaml --checkpoint PATH)"),
     "plot": ("ragen_mega.plot", "curves of runs' metrics.jsonl as a PNG (RUN_DIR ... --out FILE.png)"),
 }

@@ -479,6 +479,38 @@ class TrainerConfig:
 
 
 @dataclasses.dataclass
+class SFTConfig:
+    """The ``sft`` section: ``ragen-mega sft``, a supervised warm start of the actor on the
+    same Megatron trainer (``actor`` section: parallel layout, optimizer; ``trainer``: run_dir,
+    data_parallel, seed), loss on the target (assistant) tokens only."""
+    #: "format": the env's own first-turn prompts (env, agent sections) with uniformly random
+    #: valid answers, which teach the answer format, not the solution; else a JSONL file of chats
+    #: ({"messages": [...]}), loss on the assistant messages
+    data: str = "format"
+    steps: int = 20
+    batch_size: int = 16        # examples per step: a multiple of actor.micro_batch_size x
+                                # trainer.data_parallel
+    examples: int = 512         # "format": training examples generated (env seeds seed, ...)
+    heldout: int = 32           # examples kept out of training for the held-out loss ("format":
+                                # seeds after the training ones; a JSONL file: its last lines)
+    eval_every: int = 5         # held-out loss every this many steps (and at steps 0 and last)
+    lr: Optional[float] = None  # None: actor.lr
+    seed: int = 0
+    out: Optional[str] = None   # the Hugging Face directory written; None: <trainer.run_dir>/hf
+
+    def validate(self):
+        for key in ("steps", "batch_size", "examples", "heldout"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if self.eval_every < 0:
+            raise ConfigError(f"eval_every: must be >= 0, got {self.eval_every}")
+        if self.lr is not None and not self.lr > 0:
+            raise ConfigError(f"lr: must be > 0 (or null: actor.lr), got {self.lr}")
+        if not isinstance(self.data, str) or not self.data.strip():
+            raise ConfigError(f"data: 'format' or a JSONL file of chats, got {self.data!r}")
+
+
+@dataclasses.dataclass
 class RunConfig:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
@@ -490,6 +522,7 @@ class RunConfig:
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
     trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
     echo_trap: EchoTrapThresholds = dataclasses.field(default_factory=EchoTrapThresholds)
+    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
 
     def validate(self):
         if self.critic.warmup_steps and not self.critic.enable:

@@ -59,7 +59,7 @@ _CONSOLE_KEYS = (
     ("rollout/valid_action_rate", "valid"), ("actor/pg_loss", "pg"),
     ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("critic/vf_loss", "vf"),
     ("val/success", "val succ"), ("val/valid_action_rate", "val valid"),
-    ("time/step_s", "s/step"),
+    ("sft/loss", "loss"), ("sft/heldout_loss", "held-out loss"), ("time/step_s", "s/step"),
 )
 
 

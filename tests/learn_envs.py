@@ -132,6 +132,12 @@ class FirstLetterGame(_LetterGame):
                                            "success": won}
 
 
+def first_letter_references(env_kwargs, seeds, max_turns, max_actions_per_turn, example_answer):
+    """FirstLetterGame's reference lines (``envs/references.py``'s signature), by hand: a random
+    valid answer (A or B) wins half the time; always A, and so the best policy, always wins."""
+    return {"random_valid": 0.5, "best_fixed": 1.0, "optimal": 1.0}
+
+
 class DoorThenPayGame(_LetterGame):
     """Two turns, told apart by their prompts' marker words. Turn 1 ("Pick a door:") picks a door
     by the answer's first letter and pays nothing; turn 2 ("Now pay:") pays 1 only if the door

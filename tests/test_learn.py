@@ -17,12 +17,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from ragen_mega.config import load_run_config
 from ragen_mega.envs import registry
+from ragen_mega.envs.references import REFERENCES
 from ragen_mega.evaluate import evaluate
 from ragen_mega.evaluate import main as eval_main
 from ragen_mega.models.prepare import cache_dir
 from ragen_mega.train import train
 
-from learn_envs import DoorThenPayGame, FirstLetterGame, make_letter_model
+from learn_envs import (DoorThenPayGame, FirstLetterGame, first_letter_references,
+                        make_letter_model)
 
 DEMO = "examples/bandit_cpu_demo.yaml"
 
@@ -36,6 +38,7 @@ def learn_setup(tiny_model):
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(registry._CLASSES, "first_letter", FirstLetterGame)
         mp.setitem(registry._CLASSES, "door_then_pay", DoorThenPayGame)
+        mp.setitem(REFERENCES, "first_letter", first_letter_references)
         mp.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rm_ray_"))
         mp.setenv("RAY_AUTH_MODE", "disabled")
         yield make_letter_model(cache_dir() / "tiny" / "tiny-qwen2-letters-by-turn-v3", tiny_model("qwen2"))
@@ -68,7 +71,8 @@ def assert_learns(success: list[float], gain: float) -> None:
 
 @pytest.fixture(scope="module")
 def one_turn_run(learn_setup, tiny_run_overrides, tmp_path_factory):
-    """Critic-free (GRPO) training on the one-turn game, evaluated (16 held-out seeds x 2
+    """Critic-free (GRPO) training on the one-turn game (reference lines registered for it),
+    evaluated (16 held-out seeds x 2
     episodes at temperature 1) before the first and after the last step, which is saved."""
     run_dir = tmp_path_factory.mktemp("one_turn")
     overrides = learn_overrides(
@@ -86,14 +90,22 @@ def test_learn_one_turn(one_turn_run):
     assert_learns(success, 0.25)
 
 
-def test_eval_of_learned_checkpoint(one_turn_run, learn_setup, tmp_path):
+def test_eval_of_learned_checkpoint(one_turn_run, learn_setup, tmp_path, capsys):
     """``ragen-mega eval`` of the run directory (its final Megatron checkpoint, exported to HF)
     reproduces the run's own final evaluation exactly (same held-out seeds and sampling seeds,
-    same weights), and that of the start model the run's step-0 evaluation; trained > start."""
+    same weights), and that of the start model the run's step-0 evaluation; trained > start.
+    The game's reference lines are in the JSON (overall and per tag), in the printed table and
+    in the run directory's references.json (what ``ragen-mega plot`` draws)."""
     overrides, history, run_dir = one_turn_run
     out = tmp_path / "eval.json"
     assert eval_main([DEMO, *overrides, "--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    header, *_ = capsys.readouterr().out.splitlines()
+    assert header.split()[1:6] == ["episodes", "success", "random_valid", "best_fixed", "optimal"]
     trained = json.loads(out.read_text())
+    lines = {"random_valid": 0.5, "best_fixed": 1.0, "optimal": 1.0}
+    assert trained["references"] == trained["per_tag"]["first_letter"]["references"] == lines
+    assert json.loads((run_dir / "references.json").read_text()) == {
+        "references": lines, "per_tag": {"first_letter": lines}}
     final = history[-1]
     assert trained["episodes"] == 32 and trained["per_tag"]["first_letter"]["episodes"] == 32
     for key in ("success", "valid_action_rate", "pass@2", "mean_turns", "response_length"):
@@ -172,3 +184,52 @@ def test_learn_credit_across_turns(estimator, learn_setup, tiny_run_overrides, t
     success = curve(history)
     print(f"credit ({estimator}): paid (door A, then B) by step", success)
     assert_learns(success, 0.25)
+
+
+FROZEN_LAKE_DEMO = "examples/frozen_lake_cpu_demo.yaml"
+
+
+def test_sft_warm_start_lowers_heldout_loss_and_serves(learn_setup, tiny_model, tmp_path, capsys):
+    """``ragen-mega sft`` on the FrozenLake demo's format targets with a tiny random Qwen2 (the
+    Megatron actor at TP 2, no engine): the held-out loss falls; the Hugging Face directory it
+    writes is a valid ``model.path``, and SGLang serves it (the held-out episodes ``eval`` plays,
+    greedy) with transformers' greedy tokens for the same prompts. Bad input fails before
+    anything starts."""
+    from ragen_mega.evaluate import play
+    from ragen_mega.sft import main as sft_main
+
+    from test_sglang_engine import hf_greedy, hf_model
+
+    base = tiny_model("qwen2")
+    out = tmp_path / "warm"
+    overrides = [f"model.path={base}", f"trainer.run_dir={tmp_path / 'run'}", f"sft.out={out}",
+                 "sft.steps=6", "sft.batch_size=8", "sft.examples=48", "sft.heldout=8",
+                 "sft.eval_every=3", "sft.lr=1e-3", "actor.tp=2", "actor.micro_batch_size=4"]
+    assert sft_main([FROZEN_LAKE_DEMO, *overrides, "sft.batch_size=6"]) == 2
+    assert "sft.batch_size: must be a multiple of actor.micro_batch_size" in capsys.readouterr().err
+    assert sft_main([FROZEN_LAKE_DEMO, *overrides, f"sft.data={tmp_path / 'nope.jsonl'}"]) == 2
+    assert str(tmp_path / "nope.jsonl") in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()  # nothing started, nothing written
+
+    assert sft_main([FROZEN_LAKE_DEMO, *overrides]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text()
+            .splitlines()]
+    held = {r["step"]: r["sft/heldout_loss"] for r in rows if "sft/heldout_loss" in r}
+    print("sft: held-out loss by step", held)
+    assert sorted(held) == [0, 3, 6] and [r["step"] for r in rows] == list(range(7))
+    assert held[6] < 0.5 * held[0]
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert {"sft/loss", "sft/heldout_loss", "sft/grad_norm", "sft/lr"} <= set(acc.Tags()["scalars"])
+    assert sft_main([FROZEN_LAKE_DEMO, *overrides]) == 2  # sft.out is taken now: lose nothing
+    assert f"sft.out: {out} exists and is not empty" in capsys.readouterr().err
+
+    cfg = load_run_config(FROZEN_LAKE_DEMO, [
+        f"model.path={out}", f"trainer.run_dir={tmp_path / 'eval'}", "env.val_groups=2",
+        "env.max_turns=1", "rollout.val_temperature=0.0", "rollout.max_new_tokens=8"])
+    episodes = play(cfg, str(out))
+    warm, start = hf_model(out), hf_model(base)
+    for sample in (e.samples[0] for e in episodes):
+        expected, _ = hf_greedy(warm, sample.prompt_ids, len(sample.response_ids))
+        assert sample.response_ids == expected
+    assert hf_greedy(start, sample.prompt_ids, 8)[0] != hf_greedy(warm, sample.prompt_ids, 8)[0]

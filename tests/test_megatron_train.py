@@ -1,5 +1,5 @@
-"""The Megatron trainer's actor and critic steps against an independent transformers + torch.optim
-reference, and across TP x PP x DP layouts.
+"""The Megatron trainer's actor, critic and SFT steps against an independent transformers +
+torch.optim reference, and across TP x PP x DP layouts.
 
 One 2-process launch visits every layout (DP2, TP2, PP2, PP2 with interleaving) and a critic;
 the parent computes the reference with transformers, the algo loss functions and
@@ -25,10 +25,15 @@ LAYOUTS = {
 }
 
 
+#: the SFT step: Adam with weight decay and an active clip, as the actor step's
+SFT_SETTINGS = dict(micro_batch_size=1, lr=1e-3, weight_decay=0.1, adam_eps=1e-6, grad_clip=0.05)
+
+
 def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
     import gc
 
     from ragen_mega.backends.megatron.parallel import file_init_method, init_parallel
+    from ragen_mega.algo.objectives import SFTObjective
     from ragen_mega.backends.megatron.train import MegatronTrainer, dp_shard
     from ragen_mega.config import ActorConfig, CriticConfig
 
@@ -61,6 +66,12 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
                                                highlight_first=3.0), hf_dir, role="critic")
     out["critic"]["highlighted_loss"] = highlighted.train(
         {**batch, "old_values": values0})["vf_loss"]
+    del highlighted
+    gc.collect()
+    # ragen-mega sft's step: the same trainer given the SFT objective (TP2, micro-batches of 1)
+    sft = MegatronTrainer(ActorConfig(tp=2, **SFT_SETTINGS), hf_dir, total_steps=10,
+                          objective=SFTObjective())
+    out["sft"] = {"metrics": sft.train(batch), "weights": dict(sft.export_hf_state())}
     return out
 
 
@@ -152,3 +163,36 @@ def test_critic_highlight_first_loss_is_the_hand_weighted_mean(results, batch):
     assert got == pytest.approx(expected.item(), rel=1e-5)
     assert got != pytest.approx(results[0]["critic"]["losses"][0], rel=1e-3)  # not today's loss
     assert got == results[1]["critic"]["highlighted_loss"]
+
+
+def test_sft_step_matches_transformers_and_adamw(results, model_dir, batch):
+    """``ragen-mega sft``'s step: the token-mean NLL of the loss-mask tokens only (prompt
+    tokens and row 0's observation carry none), its gradient norm and the clipped AdamW update,
+    against transformers and torch.optim.AdamW on the full batch."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    logits = model(input_ids=batch["input_ids"],
+                   attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    lp = torch.log_softmax(logits, -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    mask = (batch["loss_mask"] * batch["attention_mask"])[:, 1:]
+    loss = -(lp * mask).sum() / mask.sum()
+    loss.backward()
+    params = list(model.parameters())
+    grad_norm = torch.norm(torch.stack([p.grad.norm() for p in params])).item()
+    torch.nn.utils.clip_grad_norm_(params, SFT_SETTINGS["grad_clip"])
+    decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
+    rest = [p for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")]
+    torch.optim.AdamW([{"params": decay, "weight_decay": SFT_SETTINGS["weight_decay"]},
+                       {"params": rest, "weight_decay": 0.0}], lr=SFT_SETTINGS["lr"],
+                      eps=SFT_SETTINGS["adam_eps"]).step()
+    for r in range(2):
+        m = results[r]["sft"]["metrics"]
+        assert m["update_successful"] == 1.0
+        assert m["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        assert m["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+    assert grad_norm > SFT_SETTINGS["grad_clip"]  # clipping was active
+    reference = model.state_dict()
+    for hf_name, tensor in results[0]["sft"]["weights"].items():
+        torch.testing.assert_close(tensor, reference[hf_name], atol=1e-5, rtol=0,
+                                   msg=lambda msg: f"sft {hf_name}: {msg}")

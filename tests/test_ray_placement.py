@@ -27,8 +27,12 @@ def test_disaggregated_and_colocated_plans():
     assert colo.bundles[0] == {"CPU": 0.5}
     with pytest.raises(ValueError, match="colocate: 3 engines x engine_tp 2 need 6 devices"):
         plan_placement(num_trainer_ranks=4, num_engines=3, engine_tp=2, colocate=True)
-    with pytest.raises(ValueError, match="num_trainer_ranks must be >= 0"):
+    with pytest.raises(ValueError, match="num_trainer_ranks and num_engines must be >= 0"):
         plan_placement(num_trainer_ranks=-1, num_engines=1)
+    with pytest.raises(ValueError, match="nothing to place"):
+        plan_placement(num_trainer_ranks=0, num_engines=0)
+    trainer_only = plan_placement(num_trainer_ranks=2, num_engines=0)
+    assert trainer_only.trainer_bundles == [0, 1] and trainer_only.engine_bundles == []
     with pytest.raises(ValueError, match="colocate: 1 engines x engine_tp 1 need 1 devices"):
         plan_placement(num_trainer_ranks=0, num_engines=1, colocate=True)
     engines_only = plan_placement(num_trainer_ranks=0, num_engines=2, num_env_workers=1)
@@ -72,6 +76,14 @@ def test_resource_plans_from_the_config_by_hand():
     assert (res.actor_world, res.critic_world) == (0, 0)
     assert res.placement.bundles == [{"CPU": 1.0}] * 2
     assert res.placement.engine_bundles == [[0, 1]] and res.engine_cpus == 1.0
+    # trainer ranks only (ragen-mega sft): no engine, no env worker, colocate moot; an actor of
+    # TP 2 takes both cores as 2 bundles of 1 CPU and may use 2 // 2 threads a rank
+    cfg = load_run_config(None, ["trainer.colocate=true", "actor.tp=2", "critic.enable=false",
+                                 "algo.adv_estimator=grpo", "rollout.env_workers=2"])
+    res = plan_resources(cfg, cluster_cpus=2, host_cpus=2, use_gpu=False, with_engines=False)
+    assert res.placement.bundles == [{"CPU": 1.0}] * 2 and res.actor_bundles == [0, 1]
+    assert res.placement.engine_bundles == [] and res.placement.env_worker_bundles == []
+    assert (res.trainer_cpus, res.trainer_threads) == (1.0, 1)
 
 
 class _Where:

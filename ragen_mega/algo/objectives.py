@@ -1,5 +1,6 @@
 """The losses a trainer minimises, assembled from ``algo/losses.py``: StarPO's policy objective
-(the actor) and the clipped value objective (the critic), by role (:data:`OBJECTIVES`).
+(the actor) and the clipped value objective (the critic), by role (:data:`OBJECTIVES`); and the
+supervised warm start's (:class:`SFTObjective`, ``ragen-mega sft``).
 
 A trainer backend computes the model outputs (log-probs and entropy, or values) of one
 micro-batch and hands them to the objective it was given; the objective returns the loss and its
@@ -112,6 +113,32 @@ class ValueObjective:
             share = mask.sum() / norm.global_tokens
             stats = torch.stack([loss, m["vf_clip_frac"] * share,
                                  m["vpred_mean"] * share]).detach().float()
+        return loss, stats
+
+
+class SFTObjective:
+    """Supervised fine-tuning (``ragen-mega sft``): the negative log-likelihood of the target
+    tokens (``loss_mask``: the assistant's), normalised over micro-batches and ranks as the
+    actor's loss is (``loss_agg_mode``, the backend's :class:`Normalization`); the mean
+    target-token entropy as a statistic."""
+
+    needs_reference = False
+    keys = ()
+    stat_names = ("loss", "entropy")
+
+    def __init__(self, settings=None):
+        self.s = settings
+
+    def prepare(self, batch: dict) -> dict:
+        return batch
+
+    def __call__(self, outputs: dict, mb: dict, norm: Normalization
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = mb["loss_mask"]
+        loss = norm.aggregate(-outputs["logprobs"], mask)
+        with torch.no_grad():
+            entropy = (outputs["entropy"] * mask).sum() / norm.global_tokens
+            stats = torch.stack([loss, entropy]).detach().float()
         return loss, stats
 
 

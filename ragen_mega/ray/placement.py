@@ -35,11 +35,15 @@ def plan_placement(*, num_trainer_ranks: int, num_engines: int, engine_tp: int =
                    num_env_workers: int = 0, colocate: bool = False, use_gpu: bool = False,
                    cpus_per_bundle: float = 1.0, cpus_per_env_worker: float = 0.1) -> PlacementPlan:
     """Lay out bundles for a run; impossible layouts raise ``ValueError`` naming the knob.
-    ``num_trainer_ranks=0``: engines (and env workers) only, as ``ragen-mega eval`` places them."""
-    if num_trainer_ranks < 0:
-        raise ValueError(f"num_trainer_ranks must be >= 0, got {num_trainer_ranks}")
-    if num_engines < 1 or engine_tp < 1:
-        raise ValueError(f"num_engines and engine_tp must be >= 1, got {num_engines}, {engine_tp}")
+    ``num_trainer_ranks=0``: engines (and env workers) only, as ``ragen-mega eval`` places them;
+    ``num_engines=0``: trainer ranks only, as ``ragen-mega sft`` places them."""
+    if num_trainer_ranks < 0 or num_engines < 0:
+        raise ValueError(f"num_trainer_ranks and num_engines must be >= 0, got "
+                         f"{num_trainer_ranks}, {num_engines}")
+    if num_trainer_ranks + num_engines == 0:
+        raise ValueError("nothing to place: num_trainer_ranks and num_engines are both 0")
+    if engine_tp < 1:
+        raise ValueError(f"engine_tp must be >= 1, got {engine_tp}")
     if cpus_per_bundle <= 0:
         raise ValueError(f"cpus_per_bundle must be > 0, got {cpus_per_bundle}")
     device = {"GPU": 1.0} if use_gpu else {}
@@ -96,23 +100,26 @@ class ResourcePlan:
 
 
 def plan_resources(cfg: RunConfig, *, cluster_cpus: float, host_cpus: int, use_gpu: bool,
-                   with_trainers: bool = True) -> ResourcePlan:
+                   with_trainers: bool = True, with_engines: bool = True) -> ResourcePlan:
     """The run's bundles and per-process reservations from its config and the cluster's size.
 
     Colocated, an engine and a trainer rank share a bundle, so each takes half its CPUs (and, on
     GPU, half the device). Ray gives an actor with a fractional CPU one OpenMP thread; on CPU the
     phases (rollout, critic, actor) run one after another, so each trainer rank may use the
     ``host_cpus`` it shares with the ranks of the other role. ``with_trainers=False``: engines
-    and env workers only (``ragen-mega eval``)."""
-    dp, colocate = cfg.trainer.data_parallel, cfg.trainer.colocate and with_trainers
+    and env workers only (``ragen-mega eval``); ``with_engines=False``: the trainer ranks only
+    (``ragen-mega sft``)."""
+    dp = cfg.trainer.data_parallel
+    colocate = cfg.trainer.colocate and with_trainers and with_engines
     actor_world = cfg.actor.tp * cfg.actor.pp * dp if with_trainers else 0
     critic_world = cfg.critic.tp * cfg.critic.pp * dp if cfg.critic.enable and with_trainers else 0
-    engine_devices = cfg.rollout.num_engines * cfg.rollout.engine_tp
+    num_engines = cfg.rollout.num_engines if with_engines else 0
+    engine_devices = num_engines * cfg.rollout.engine_tp
     n_bundles = actor_world + critic_world + (0 if colocate else engine_devices)
-    n_env = cfg.rollout.env_workers
+    n_env = cfg.rollout.env_workers if with_engines else 0
     cpus, env_cpus = bundle_cpus(cluster_cpus, n_bundles, n_env, use_gpu)
     placement = plan_placement(num_trainer_ranks=actor_world + critic_world,
-                               num_engines=cfg.rollout.num_engines,
+                               num_engines=num_engines,
                                engine_tp=cfg.rollout.engine_tp, colocate=colocate,
                                use_gpu=use_gpu, cpus_per_bundle=cpus, num_env_workers=n_env,
                                cpus_per_env_worker=env_cpus)
