@@ -18,7 +18,8 @@ def episode(tag, group, episode_id, reward, success, lengths):
                       reward=0.0, episode_id=episode_id, group_id=group, turn=t + 1, done=False,
                       last=t == len(lengths) - 1, env_tag=tag, seed=0)
                for t, n in enumerate(lengths)]
-    return Episode(samples, {"success": float(success), "reward": float(reward)})
+    return Episode(samples, {"success": float(success), "reward": float(reward),
+                             "num_turns": float(len(lengths))})
 
 
 EPISODES = [  # tag "box": groups 0 and 1; tag "lake": group 2; groups of two episodes
@@ -51,6 +52,12 @@ def test_summarize_overall_and_per_tag_by_hand():
     assert m["rollout/lake/response_length"] == pytest.approx(6.0)
     assert m["rollout/lake/pass@2"] == pytest.approx(1.0)
     assert m["rollout/lake/group_reward_std_before_filter"] == pytest.approx(math.sqrt(0.5))
+    # groups with both a win and a loss: group 0 of 0, 1, 2; wins after turn 1: the lake's two
+    # (two turns each), not the box's (one)
+    assert m["rollout/mixed_groups"] == pytest.approx(1 / 3)
+    assert m["rollout/box/mixed_groups"] == 0.5 and m["rollout/lake/mixed_groups"] == 0.0
+    assert m["rollout/wins_after_turn_1"] == pytest.approx(2 / 3)
+    assert m["rollout/box/wins_after_turn_1"] == 0.0 and m["rollout/lake/wins_after_turn_1"] == 1.0
     # the run-wide in-group std is the StarPO-S filter's, not summarize's
     assert "rollout/group_reward_std_before_filter" not in m
     tags = {k.split("/")[1] for k in m if k.count("/") == 2}

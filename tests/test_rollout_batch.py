@@ -100,7 +100,7 @@ def test_summarize_means_and_pass_at_k():
     from ragen_mega.rollout.episode import Episode
 
     def episode(group, success, reward):
-        metrics = {"success": success, "reward": reward}
+        metrics = {"success": success, "reward": reward, "num_turns": 1.0}
         return Episode([turn(0, group, 1, reward, True, response=(1, 2, 3))], metrics)
 
     eps = [episode(0, 1.0, 1.0), episode(0, 0.0, 0.0), episode(1, 0.0, 0.0), episode(1, 0.0, 2.0)]
@@ -109,3 +109,23 @@ def test_summarize_means_and_pass_at_k():
     assert out["rollout/pass@2"] == 0.5          # group 0 has a success, group 1 none
     assert out["rollout/response_length"] == 3.0
     assert out["rollout/reward_std"] == pytest.approx(torch.tensor([1.0, 0, 0, 2]).std().item())
+    assert out["rollout/mixed_groups"] == 0.5    # group 0 won once and lost once, group 1 never won
+    assert out["rollout/wins_after_turn_1"] == 0.0  # its one win came in its first (only) turn
+
+
+def test_summarize_wins_after_the_first_turn():
+    from ragen_mega.rollout.metrics import summarize
+    from ragen_mega.rollout.episode import Episode
+
+    def episode(group, success, turns):
+        return Episode([turn(0, group, t, 0.0, t == turns, response=(1,))
+                        for t in range(1, turns + 1)],
+                       {"success": success, "reward": success, "num_turns": float(turns)})
+
+    eps = [episode(0, 1.0, 1), episode(0, 1.0, 3), episode(1, 1.0, 2), episode(1, 0.0, 5)]
+    out = summarize(eps, "val")
+    assert out["val/wins_after_turn_1"] == pytest.approx(2 / 3)  # 2 of the 3 wins
+    assert out["val/mixed_groups"] == 0.5                        # group 1 only
+    out = summarize([episode(0, 0.0, 2), episode(0, 0.0, 1)], "val")
+    assert "val/wins_after_turn_1" not in out and out["val/mixed_groups"] == 0.0
+    assert "val/mixed_groups" not in summarize([episode(0, 1.0, 1), episode(1, 0.0, 1)], "val")

@@ -145,3 +145,27 @@ def test_mixed_episodes_play_their_own_env(tokenizer, scripted):
     bandit_prompt = tokenizer.decode(episodes[0].samples[0].prompt_ids)
     sokoban_prompt = tokenizer.decode(episodes[2].samples[0].prompt_ids)
     assert "Phoenix" in bandit_prompt and "Phoenix" not in sokoban_prompt
+
+
+def test_example_copy_rate_counts_turns_that_answer_the_prompts_example(tokenizer, scripted):
+    """FrozenLake's example answer is ``Left || Down`` (its first two action words): a turn
+    answering exactly that, case and spaces aside, copies it; another answer, or a prompt that
+    shows no example, does not."""
+    spec = EpisodeSpec("frozen_lake", {"is_slippery": False}, seed=0, episode_id=0, group_id=0)
+
+    def rate(answers, example_answer=True):
+        agent = AgentConfig(think=False, max_actions_per_turn=2, example_answer=example_answer)
+        gen = scripted(tokenizer, answers)
+
+        async def go():
+            return await run_episodes([spec], tokenizer=tokenizer, agent=agent,
+                                      generate=lambda ids, sp: gen(ids, {**sp, "episode_key": 0}),
+                                      sampling={}, max_turns=4)
+        [episode] = asyncio.run(go())
+        return episode.metrics["example_copy_rate"], episode.metrics["num_turns"]
+
+    copied, turns = rate([" Up </answer>", " left ||down </answer>"])  # the second on, every turn
+    assert turns > 1 and copied == pytest.approx((turns - 1) / turns)
+    assert rate([" Left || Down </answer>"])[0] == 1.0
+    assert rate([" Down || Left </answer>"])[0] == 0.0
+    assert rate([" Left || Down </answer>"], example_answer=False)[0] == 0.0

@@ -117,6 +117,8 @@ class PromptBuilder:
             raise ValueError(f"PromptBuilder: tokenizer {getattr(tokenizer, 'name_or_path', tokenizer)!r} "
                              f"has no chat template")
         self.tokenizer, self.config = tokenizer, config
+        #: the action words of the example answer the prompt shows (None: it shows none)
+        self.example = example_answer(config, valid_actions)
         self.prefix_ids = self._encode(response_prefix(config))
         self._special_ids = set(tokenizer.all_special_ids)
         self._system = system_prompt(config)
@@ -131,6 +133,12 @@ class PromptBuilder:
         # not the whole chat again (SmolLM2, Sokoban: build 0.7 -> 0.2 ms per turn at turn 5,
         # 1.6 -> 0.2 ms at turn 20). Only the last prompt's pieces are kept: bounded memory.
         self._encoded: dict[str, list[int]] = {}
+
+    def copies_example(self, actions: Sequence[str]) -> bool:
+        """Whether an answer's actions are the prompt's example answer (case and spaces aside):
+        a 135M model copies it, the echo trap's favourite answer."""
+        return self.example is not None and [a.strip().lower() for a in actions] == [
+            w.lower() for w in self.example]
 
     @classmethod
     def for_env(cls, tokenizer, config: AgentConfig, env) -> "PromptBuilder":

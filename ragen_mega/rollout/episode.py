@@ -130,6 +130,7 @@ class EpisodeState:
     n_valid: int = 0
     n_effective: int = 0
     n_format_ok: int = 0
+    n_copied: int = 0           # turns whose answer is exactly the prompt's example answer
     too_long: bool = False      # ended because the next prompt outgrew the engine's context
 
     @property
@@ -158,6 +159,7 @@ class EpisodeState:
                 "valid_action_rate": self.n_valid / n if n else 0.0,
                 "effective_action_rate": self.n_effective / n if n else 0.0,
                 "format_ok_rate": self.n_format_ok / self.turn if self.turn else 0.0,
+                "example_copy_rate": self.n_copied / self.turn if self.turn else 0.0,
                 "prompt_too_long": float(self.too_long)}
 
 
@@ -207,6 +209,7 @@ async def play_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
     state.turn += 1
     state.reward += reward
     state.n_format_ok += parsed.format_ok
+    state.n_copied += state.builder.copies_example(parsed.actions)
     state.history.record(gen.output_ids, parsed, reward)
     return Sample(
         prompt_ids=prompt.ids, response_ids=list(gen.output_ids),

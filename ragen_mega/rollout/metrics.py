@@ -13,8 +13,10 @@ from ragen_mega.rollout.sample import Sample
 
 
 def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
-    """Means of the per-episode metrics, reward mean/std, response length and pass@k over groups
-    of k episodes: over all episodes under ``prefix/`` and for each env tag under
+    """Means of the per-episode metrics, reward mean/std, response length, pass@k over groups
+    of k episodes, ``mixed_groups`` (the share of groups with both a won and a lost episode) and
+    ``wins_after_turn_1`` (the share of won episodes that won after their first turn; absent when
+    none won): over all episodes under ``prefix/`` and for each env tag under
     ``prefix/<tag>/``. Per tag also the mean in-group reward std, the echo-trap signal of that
     env (the run-wide one is the StarPO-S filter's own ``filter/in_group_std``)."""
     out = _episode_stats(episodes, prefix)
@@ -79,4 +81,9 @@ def _episode_stats(episodes: list[Episode], prefix: str) -> dict[str, float]:
     k = min(len(g) for g in groups.values())
     if k > 1:  # pass@k: a group counts if any of its k episodes succeeded
         out[f"{prefix}/pass@{k}"] = sum(max(g) for g in groups.values()) / len(groups)
+    if max(len(g) for g in groups.values()) > 1:  # a group-relative estimator's signal
+        out[f"{prefix}/mixed_groups"] = sum(max(g) > min(g) for g in groups.values()) / len(groups)
+    won = [e for e in episodes if e.metrics["success"]]
+    if won:  # a win after turn 1 used what the env showed after the first answer
+        out[f"{prefix}/wins_after_turn_1"] = sum(e.metrics["num_turns"] > 1 for e in won) / len(won)
     return out
