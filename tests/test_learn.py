@@ -204,7 +204,7 @@ def test_sft_warm_start_lowers_heldout_loss_and_serves(learn_setup, tiny_model, 
     out = tmp_path / "warm"
     overrides = [f"model.path={base}", f"trainer.run_dir={tmp_path / 'run'}", f"sft.out={out}",
                  "sft.steps=6", "sft.batch_size=8", "sft.examples=48", "sft.heldout=8",
-                 "sft.eval_every=3", "sft.lr=1e-3", "actor.tp=2", "actor.micro_batch_size=4"]
+                 "sft.eval_every=3", "sft.lr=1e-2", "actor.tp=2", "actor.micro_batch_size=4"]
     assert sft_main([FROZEN_LAKE_DEMO, *overrides, "sft.batch_size=6"]) == 2
     assert "sft.batch_size: must be a multiple of actor.micro_batch_size" in capsys.readouterr().err
     assert sft_main([FROZEN_LAKE_DEMO, *overrides, f"sft.data={tmp_path / 'nope.jsonl'}"]) == 2
