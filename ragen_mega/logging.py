@@ -9,6 +9,7 @@ off a dead curve afterwards.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import sys
 from pathlib import Path
@@ -91,6 +92,12 @@ def format_console_line(step: int, total: int, metrics: Mapping[str, float]) -> 
                 part += " (" + ", ".join(f"{t} {v:.3g}" for t, v in tags.items()) + ")"
             parts.append(part)
     return " | ".join(parts)
+
+
+def append_metrics(run_dir: str | Path, step: int, metrics: Mapping[str, float]) -> None:
+    """One line of ``RUN_DIR/metrics.jsonl`` (what ``ragen-mega plot`` reads)."""
+    with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 class RunLogger:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import sys
 from pathlib import Path
@@ -166,7 +165,7 @@ def run(p: Prepared) -> list[dict[str, float]]:
     """Train (module doc); returns every logged step's metrics (step 0: the held-out loss of
     the start weights) and leaves the Hugging Face directory at :func:`output_dir`."""
     from ragen_mega.backends.megatron.convert import megatron_to_hf
-    from ragen_mega.logging import RunLogger
+    from ragen_mega.logging import RunLogger, append_metrics
     from ragen_mega.ray.cluster import init_ray
     from ragen_mega.sft_data import collate_examples
 
@@ -181,8 +180,7 @@ def run(p: Prepared) -> list[dict[str, float]]:
     def log(step: int, metrics: dict[str, float]) -> None:
         logger.log(step, metrics)
         history.append({"step": step, **metrics})
-        with open(run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(history[-1]) + "\n")
+        append_metrics(run_dir, step, metrics)
 
     try:
         with placed_actor(cfg, p.model_dir, s.steps) as actor:

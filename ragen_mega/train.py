@@ -39,6 +39,7 @@ from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import ConfigError, to_dict
 from ragen_mega import checkpoints, preemption
 from ragen_mega.evaluate import REFERENCES_FILE, held_out_references
+from ragen_mega.logging import append_metrics
 from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, cut_value_batch, filter_groups
 from ragen_mega.rollout.manager import PlayedStep
@@ -99,7 +100,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     if start == 0 and t.eval_every:  # step 0: the start weights, the base of every curve
         metrics = run.rollouts.evaluate()
         logger.log(0, metrics)
-        _append_metrics(run_dir, 0, metrics)
+        append_metrics(run_dir, 0, metrics)
     for step in range(start + 1, t.total_steps + 1):
         if stop.requested:  # signalled before the first step: the resumed checkpoint is newest
             raise preemption.Preempted(stop.signal_name, start)
@@ -109,7 +110,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
             metrics.update(run.rollouts.evaluate())
         logger.log(step, metrics)
         history.append({"step": step, **metrics})
-        _append_metrics(run_dir, step, metrics)
+        append_metrics(run_dir, step, metrics)
         check_skipped_updates(metrics, t.max_skipped_updates_in_row)  # before saving this step
         last = step == t.total_steps
         if last or stop.requested or (t.save_every and step % t.save_every == 0):
@@ -239,12 +240,6 @@ def check_skipped_updates(metrics: dict[str, float], limit: int) -> None:
                 f"{role}: {int(in_row)} updates in a row had a NaN or inf loss or gradient "
                 f"(trainer.max_skipped_updates_in_row={limit}); the run stops, its newest "
                 f"checkpoint is the last good one")
-
-
-def _append_metrics(run_dir: Path, step: int, metrics: dict[str, float]) -> None:
-    """One line of ``RUN_DIR/metrics.jsonl`` (what ``ragen-mega plot`` reads)."""
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
