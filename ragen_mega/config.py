@@ -261,9 +261,11 @@ class FilterConfig:
 class AlgoConfig:
     #: a name in algo/estimators.py's registry. gae: a critic, GAE over turns then over the
     #: tokens of each turn (bi-level; RAGEN StarPO-S, Verlog for long horizons); grpo:
-    #: critic-free, episode score vs. its group
+    #: critic-free, episode score vs. its group; gigpo: critic-free, grpo plus a step term
+    #: comparing the turns taken from the same state within a group (verl-agent's GiGPO)
     adv_estimator: str = "gae"
-    gamma: float = 1.0           # across turns (RAGEN uses 1.0)
+    gamma: float = 1.0           # across turns (RAGEN uses 1.0; gigpo: its step returns' discount,
+                                 # 0.95 in verl-agent)
     lam: float = 1.0
     grpo_norm_by_std: bool = True
     #: gae: whiten the advantages over the batch's response tokens (zero mean, unit variance),
@@ -277,6 +279,12 @@ class AlgoConfig:
     #: them with the actor (slime's --use-rollout-logprobs): saves a forward pass. Checked equal
     #: to the trainer's in fp32 at temperature 1 only, hence allowed only there.
     use_rollout_logprobs: bool = False
+    #: gigpo: the step term's weight omega in A = A_episode + omega * A_step (verl-agent's
+    #: step_advantage_w, 1.0)
+    gigpo_step_weight: float = 1.0
+    #: gigpo: None matches anchor states exactly (equal ``TextEnv.state_key``); a ratio in (0, 1)
+    #: also groups near-identical ones (difflib ratio; verl-agent's similarity_thresh, 0.9)
+    gigpo_similarity: Optional[float] = None
 
     def validate(self):
         if self.adv_estimator not in ESTIMATORS:
@@ -285,6 +293,17 @@ class AlgoConfig:
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"{key}: must be in [0, 1], got {getattr(self, key)}")
+        if not 0.0 <= self.gigpo_step_weight < float("inf"):
+            raise ConfigError(f"gigpo_step_weight: must be a finite number >= 0, got "
+                              f"{self.gigpo_step_weight}")
+        if self.gigpo_similarity is not None:
+            if self.adv_estimator != "gigpo":
+                raise ConfigError(f"gigpo_similarity: groups GiGPO's anchor states and is read "
+                                  f"by adv_estimator=gigpo only, got adv_estimator="
+                                  f"{self.adv_estimator!r}; leave it unset")
+            if not 0.0 < self.gigpo_similarity < 1.0:
+                raise ConfigError(f"gigpo_similarity: must be in (0, 1) (leave it unset for "
+                                  f"exact matching), got {self.gigpo_similarity}")
 
 
 LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
@@ -543,9 +562,14 @@ class RunConfig:
             self._validate_turns_mode()
         if self.trainer.async_rollout:
             self._validate_async_rollout()
-        if self.algo.adv_estimator == "grpo" and self.env.group_size < 2:
-            raise ConfigError("env.group_size: grpo compares episodes within a group, so it "
-                              f"needs group_size >= 2, got {self.env.group_size}")
+        if self.algo.adv_estimator in ("grpo", "gigpo") and self.env.group_size < 2:
+            raise ConfigError(f"env.group_size: {self.algo.adv_estimator} compares episodes "
+                              f"within a group, so it needs group_size >= 2, got "
+                              f"{self.env.group_size}")
+        if self.algo.adv_estimator == "gigpo" and self.critic.enable:
+            raise ConfigError("critic.enable: algo.adv_estimator=gigpo is critic-free (its "
+                              "step term replaces the critic's credit); set critic.enable=false "
+                              "or algo.adv_estimator=gae")
 
 
     def _validate_async_rollout(self):
@@ -571,10 +595,11 @@ class RunConfig:
     def _validate_turns_mode(self):
         """What streamed steps rule out: their episodes are mostly unfinished, so no estimator
         or normalisation that needs an episode's total score applies."""
-        if self.algo.adv_estimator != "gae":
+        if self.algo.adv_estimator not in ("gae", "gigpo"):
             raise ConfigError(f"algo.adv_estimator: rollout.mode=turns needs gae (an episode cut "
-                              f"by a step's end bootstraps from the critic's value; "
-                              f"{self.algo.adv_estimator} scores whole episodes only), got "
+                              f"by a step's end bootstraps from the critic's value) or gigpo "
+                              f"(streams of a group compared by their window's rewards); "
+                              f"{self.algo.adv_estimator} scores whole episodes only, got "
                               f"{self.algo.adv_estimator!r}")
         if self.algo.reward_norm != "identity":
             raise ConfigError(f"algo.reward_norm: rollout.mode=turns needs identity (the "

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragen_mega.algo.estimators import compute_advantages
+from ragen_mega.algo.gigpo import step_group_metrics
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import ConfigError, to_dict
 from ragen_mega import checkpoints, preemption
@@ -163,7 +164,8 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
     samples, filter_metrics = filter_groups(played.samples, cfg.filter.ratio, cfg.filter.mode,
                                             by_stream=played.window is not None)
     metrics.update(filter_metrics)
-    batch = build_batch(samples, pad_id=run.tokenizer.pad_token_id)
+    batch = build_batch(samples, pad_id=run.tokenizer.pad_token_id,
+                        state_similarity=cfg.algo.gigpo_similarity)
     agg_modes = [cfg.actor.loss_agg_mode] + (
         [cfg.critic.loss_agg_mode] if cfg.critic.enable else [])
     layout = pack_trajectories(samples, batch, enabled=layouts_agree(
@@ -184,6 +186,8 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
     batch = compute_advantages(batch, cfg.algo, token_values=values, bootstrap_values=None
                                if played.window is None else cut_values(cfg, run, samples,
                                                                         played.window))
+    if "step_advantages" in batch:
+        metrics.update(step_group_metrics(batch["state_group"], batch["step_advantages"]))
     for key in ("advantages", "returns"):
         if key in batch:
             train[key] = layout.to_train(batch[key])

@@ -221,7 +221,7 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
     nan_objective.install(monkeypatch, "actor", updates=[2])  # step 2's update
     overrides = [o for o in tiny_run_overrides(tmp_path, total_steps=3)
                  if not o.startswith(("critic.", "algo.adv_estimator", "env.name"))] + [
-        "critic.enable=false", "algo.adv_estimator=grpo", f"env.name={faulty_envs.NAME}",
+        "critic.enable=false", "algo.adv_estimator=gigpo", f"env.name={faulty_envs.NAME}",
         # step 1 plays seeds 0-3: seed 1 raises at reset (group 0 keeps one member); seed 2's
         # second prompt holds two padded observations, longer than the model's 2048 tokens
         "env.kwargs={raise_at_reset: [1], long_seeds: [2], long_words: 900}",

@@ -34,7 +34,7 @@ def test_defaults_are_ragen_starpo_s():
     (["filter.mode=top"], "filter.mode: 'top' is not allowed; allowed values: 'std', 'std_rev'"),
     (["agent.format_penalty=0.5"], "agent: AgentConfig.format_penalty"),
     (["critic.enable=false"], "algo.adv_estimator: 'gae' needs a critic"),
-    (["algo.adv_estimator=ppo"], "algo.adv_estimator: must be one of ['gae', 'grpo'], got 'ppo'"),
+    (["algo.adv_estimator=ppo"], "algo.adv_estimator: must be one of ['gae', 'gigpo', 'grpo'], got 'ppo'"),
     (["algo.adv_estimator=grpo", "env.group_size=1"], "env.group_size: grpo compares episodes"),
     (["rollout.top_p=0"], "rollout.top_p: must be in (0, 1]"),
     (["rollout.mem_fraction=1.5"], "rollout.mem_fraction: must be in (0, 1) or null"),

@@ -19,6 +19,7 @@ import torch
 
 from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, grpo,
                                         masked_whiten, normalize_scores, turn_level_gae)
+from ragen_mega.algo.gigpo import gigpo
 
 Estimator = Callable[..., dict]
 ESTIMATORS: dict[str, Estimator] = {}
@@ -69,6 +70,24 @@ def grpo_advantages(batch, settings, *, token_values=None, bootstrap_values=None
     adv = grpo(scores, group_ids, norm_by_std=settings.grpo_norm_by_std)
     per_sample = adv[torch.searchsorted(episode_ids, batch["episode_id"])]
     batch["advantages"] = broadcast_to_tokens(per_sample, batch["loss_mask"])
+    return batch
+
+
+@estimator("gigpo")
+def gigpo_advantages(batch, settings, *, token_values=None, bootstrap_values=None):
+    """GiGPO (:mod:`.gigpo`): GRPO's episode term plus ``gigpo_step_weight`` times a step term
+    that compares each turn's discounted return (``gamma``) with those of the turns taken from
+    the same anchor state (``batch["state_group"]``, from ``build_batch``) in its group. Each
+    group member is scored by ``batch["member"]``: its episode, or in streamed steps its env
+    stream. Also adds ``step_advantages`` [B], the step term alone (the step's ``gigpo/*``
+    scalars)."""
+    adv, _, step_term = gigpo(
+        batch["reward"], batch["episode_id"], batch["group_id"], batch["turn"],
+        batch["state_group"], step_weight=settings.gigpo_step_weight, gamma=settings.gamma,
+        norm_by_std=settings.grpo_norm_by_std, reward_norm=settings.reward_norm,
+        members=batch["member"])
+    batch["advantages"] = broadcast_to_tokens(adv, batch["loss_mask"])
+    batch["step_advantages"] = step_term
     return batch
 
 

@@ -45,6 +45,14 @@ class TextEnv(abc.ABC):
     def valid_actions(self) -> list[str]:
         """Action words the env accepts (for the prompt); matching is case-insensitive."""
 
+    def state_key(self, observation: str) -> str:
+        """The key of the state the agent acts in, given the observation it was shown: turns of
+        a rollout group with equal keys are GiGPO's anchor states (``algo.adv_estimator:
+        gigpo``), compared with each other. The default is the observation itself; override it
+        when the text holds what does not identify the state (a turn counter, a random flavour
+        line) or misses what does (hidden state)."""
+        return observation
+
     def close(self) -> None:
         """Release resources; the default has nothing to release."""
 

@@ -47,6 +47,9 @@ class EnvWorker:
     def step(self, episode_id: int, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         return self._env(episode_id).step(action)
 
+    def state_key(self, episode_id: int, observation: str) -> str:
+        return self._env(episode_id).state_key(observation)
+
     def close(self, episode_id: int) -> None:
         env = self._env(episode_id)
         del self.envs[episode_id]  # first: an env whose close raises is gone all the same
@@ -80,6 +83,9 @@ class RemoteEnv:
 
     async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         return await self._call("step", action)
+
+    async def state_key(self, observation: str) -> str:
+        return await self._call("state_key", observation)
 
     async def close(self) -> None:
         await self._call("close")

@@ -20,6 +20,7 @@ import torch
 
 from ragen_mega.algo.estimators import episode_scores
 from ragen_mega.algo.filter import select_groups
+from ragen_mega.algo.gigpo import anchor_groups
 from ragen_mega.rollout.sample import Sample, collate
 
 
@@ -48,10 +49,14 @@ def filter_groups(samples: Sequence[Sample], ratio: float, mode: str, by_stream:
     return [s for s in samples if s.group_id in kept], metrics
 
 
-def build_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
+def build_batch(samples: Sequence[Sample], pad_id: int, state_similarity: float | None = None
+                ) -> dict[str, torch.Tensor]:
     """:func:`collate` plus per-sample ``reward``, ``episode_id``, ``group_id``, ``turn``,
     ``last`` (the episode's final turn, treated as terminal), ``cut`` (the step's last turn of
-    an episode that goes on, ``rollout.mode: turns``)."""
+    an episode that goes on, ``rollout.mode: turns``), ``member`` (what a group member's score
+    sums over: its episode, or in streamed steps its env stream, as :func:`filter_groups`
+    scores it) and ``state_group`` (GiGPO's step groups: :func:`anchor_groups` of the samples'
+    state keys, matched exactly or, with ``state_similarity``, approximately)."""
     batch = collate(samples, pad_id)
     batch["reward"] = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     batch["episode_id"] = torch.tensor([s.episode_id for s in samples])
@@ -59,6 +64,10 @@ def build_batch(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tenso
     batch["turn"] = torch.tensor([s.turn for s in samples])
     batch["last"] = torch.tensor([s.last for s in samples])
     batch["cut"] = torch.tensor([s.cut for s in samples])
+    batch["member"] = torch.tensor([s.episode_id if s.stream is None else s.stream
+                                    for s in samples])
+    batch["state_group"] = anchor_groups([s.state_key for s in samples],
+                                         [s.group_id for s in samples], state_similarity)
     return batch
 
 

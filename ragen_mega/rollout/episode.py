@@ -73,6 +73,8 @@ class EnvHandle(Protocol):
 
     async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]: ...
 
+    async def state_key(self, observation: str) -> str: ...
+
     async def close(self) -> None: ...
 
 
@@ -93,6 +95,9 @@ class LocalEnv:
 
     async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
         return await self._call(self.env.step, action)
+
+    async def state_key(self, observation: str) -> str:
+        return self.env.state_key(observation)
 
     async def close(self) -> None:
         self.env.close()
@@ -190,6 +195,7 @@ async def play_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
     spec = state.spec
     state.observe(state.history, agent)
     prompt = state.builder.build(state.history)
+    state_key = await _env_call(spec, "state_key", state.env.state_key, state.obs)
     gen = await generate(prompt.ids, sampling)
     parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent,
                             finished=gen.finish_reason == "stop")
@@ -216,7 +222,8 @@ async def play_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
         rollout_logprobs=list(gen.logprobs), reward=reward, episode_id=spec.episode_id,
         group_id=spec.group_id, turn=state.turn, done=state.done, last=state.over,
         env_tag=spec.env_tag or spec.env_name, seed=spec.seed,
-        info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason})
+        info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason},
+        state_key=state_key)
 
 
 async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, generate: GenerateFn,

@@ -34,6 +34,9 @@ class Sample:
     weight_version: int = 0
     stream: int | None = None
     cut: bool = False
+    #: the key of the env state this turn acted in (``TextEnv.state_key`` of the observation
+    #: it was given): turns of a group with equal keys are GiGPO's anchor states
+    state_key: str = ""
 
     def __post_init__(self):
         if len(self.rollout_logprobs) != len(self.response_ids):
@@ -56,7 +59,7 @@ class Sample:
                 "last": bool(self.last), "env_tag": str(self.env_tag), "seed": int(self.seed),
                 "info": _plain(self.info, "info"), "weight_version": int(self.weight_version),
                 "stream": None if self.stream is None else int(self.stream),
-                "cut": bool(self.cut)}
+                "cut": bool(self.cut), "state_key": str(self.state_key)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
