@@ -198,6 +198,15 @@ def normalize_scores(scores: torch.Tensor, group_ids: torch.Tensor, method: str 
     return torch.where(count > 1, out, torch.zeros_like(out))
 
 
+def episode_scores(episode_id: torch.Tensor, group_id: torch.Tensor, reward: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-turn fields -> per episode (sorted ids): ``(episode_ids, group_ids, total reward)``."""
+    episode_ids, inverse = torch.unique(episode_id, return_inverse=True)
+    scores = torch.zeros(len(episode_ids)).index_add_(0, inverse, reward.float())
+    group_ids = torch.zeros(len(episode_ids), dtype=torch.long).index_put_((inverse,), group_id)
+    return episode_ids, group_ids, scores
+
+
 def broadcast_to_tokens(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Give every loss token of row i the value ``per_sample[i]`` (0 elsewhere): how a
     sequence-level advantage (GRPO, turn-level GAE) becomes a token-level one."""

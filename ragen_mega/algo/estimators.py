@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, grpo,
-                                        masked_whiten, normalize_scores, turn_level_gae)
+from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, episode_scores,
+                                        grpo, masked_whiten, normalize_scores, turn_level_gae)
 from ragen_mega.algo.gigpo import gigpo
 
 Estimator = Callable[..., dict]
@@ -46,15 +46,6 @@ def compute_advantages(batch: dict[str, torch.Tensor], settings, *,
                          f"{', '.join(sorted(ESTIMATORS))}")
     return ESTIMATORS[name](batch, settings, token_values=token_values,
                             bootstrap_values=bootstrap_values)
-
-
-def episode_scores(episode_id: torch.Tensor, group_id: torch.Tensor, reward: torch.Tensor
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-turn fields -> per episode (sorted ids): ``(episode_ids, group_ids, total reward)``."""
-    episode_ids, inverse = torch.unique(episode_id, return_inverse=True)
-    scores = torch.zeros(len(episode_ids)).index_add_(0, inverse, reward.float())
-    group_ids = torch.zeros(len(episode_ids), dtype=torch.long).index_put_((inverse,), group_id)
-    return episode_ids, group_ids, scores
 
 
 def _scores_of(batch: dict[str, torch.Tensor]):

@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from ragen_mega.algo.advantages import (_episode_layout, _masked_gae_scan, _check_samples,
-                                        grpo, normalize_scores)
+                                        episode_scores, grpo, normalize_scores)
 
 
 def anchor_groups(state_keys: Sequence[str], group_ids: Sequence[int],
@@ -106,12 +106,9 @@ def gigpo(rewards: torch.Tensor, episode_ids: torch.Tensor, group_ids: torch.Ten
     _check_samples(rewards=rewards, episode_ids=episode_ids, group_ids=group_ids,
                    turn_indices=turn_indices, step_groups=step_groups)
     members = episode_ids if members is None else members
-    member_ids, inverse = torch.unique(members, return_inverse=True)
-    scores = torch.zeros(len(member_ids), dtype=torch.float32).index_add_(
-        0, inverse, rewards.float())
-    member_groups = torch.zeros(len(member_ids), dtype=group_ids.dtype).index_put_(
-        (inverse,), group_ids)
+    member_ids, member_groups, scores = episode_scores(members, group_ids, rewards)
     scores = normalize_scores(scores, member_groups, reward_norm)
+    inverse = torch.searchsorted(member_ids, members)
     episode_term = grpo(scores, member_groups, norm_by_std=norm_by_std)[inverse]
     returns = step_returns(rewards.float(), episode_ids, turn_indices, gamma)
     step_term = grpo(returns, step_groups, norm_by_std=norm_by_std)

@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from ragen_mega.algo.estimators import episode_scores
+from ragen_mega.algo.advantages import episode_scores
 from ragen_mega.algo.filter import select_groups
 from ragen_mega.algo.gigpo import anchor_groups
 from ragen_mega.rollout.sample import Sample, collate
