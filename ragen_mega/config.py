@@ -16,6 +16,7 @@ import torch
 
 from ragen_mega.agent.config import AgentConfig
 from ragen_mega.algo.estimators import ESTIMATORS, NEEDS_CRITIC
+from ragen_mega.algo.filter import GROUP_METRICS, STRATEGIES
 from ragen_mega.algo.losses import AGG_MODES, KL_KINDS, AggMode, KlKind
 from ragen_mega.config_tree import ConfigError, load_config
 from ragen_mega.logging import EchoTrapThresholds
@@ -248,13 +249,54 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class FilterConfig:
-    """StarPO-S: keep the top ``ratio`` of groups by in-group reward std; 1.0 = StarPO."""
+    """Which rollout groups the step trains on (``algo/filter.py`` says each option and where
+    it differs from RAGEN's code). The defaults are StarPO-S: the top ``ratio`` of groups by
+    in-group reward std; ``ratio: 1.0`` is plain StarPO."""
+    #: top_k: the top ``ratio`` of groups; top_p: the fewest top groups holding ``top_p`` of the
+    #: score mass (RAGEN-2); min_p: every group scoring >= ``min_p`` x the best
+    strategy: str = "top_k"
     ratio: float = 0.25
-    mode: Literal["std", "std_rev"] = "std"
+    top_p: Optional[float] = None         # strategy top_p only, in (0, 1]
+    top_p_mode: Literal["linear", "softmax"] = "linear"
+    selection_eps: float = 0.01           # top_p linear: the mass threshold's slack (RAGEN's)
+    min_p: Optional[float] = None         # strategy min_p only, in (0, 1]
+    #: the group score: reward_std (StarPO-S), reward_variance, reward (mean), entropy (mean
+    #: token NLL of the sampled answers), length (mean response tokens)
+    metric: str = "reward_std"
+    #: largest or smallest scores first; std / std_rev are StarPO-S's names for largest /
+    #: smallest reward std
+    mode: Literal["std", "std_rev", "largest", "smallest"] = "std"
+    include_zero: bool = True             # false: groups scoring 0 are never kept
+    #: scale the kept samples' advantages by the kept share of groups (linear) or its root
+    loss_scaling: Literal["none", "linear", "sqrt"] = "none"
+    #: weigh each kept group's advantages by its reward std over the largest kept one
+    #: (RAGEN-2's soft reweighting; critic-free estimators only)
+    soft_reweight: bool = False
 
     def validate(self):
+        if self.strategy not in STRATEGIES:
+            raise ConfigError(f"strategy: must be one of {sorted(STRATEGIES)}, got "
+                              f"{self.strategy!r}")
+        if self.metric not in GROUP_METRICS:
+            raise ConfigError(f"metric: must be one of {sorted(GROUP_METRICS)}, got "
+                              f"{self.metric!r}")
         if not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"ratio: must be in (0, 1], got {self.ratio}")
+        for key in ("top_p", "min_p"):
+            value = getattr(self, key)
+            if self.strategy == key and value is None:
+                raise ConfigError(f"{key}: filter.strategy={key} needs filter.{key} in (0, 1]")
+            if value is not None and self.strategy != key:
+                raise ConfigError(f"{key}: read only by filter.strategy={key}, and the strategy "
+                                  f"is {self.strategy!r}; unset it or set filter.strategy={key}")
+            if value is not None and not 0.0 < value <= 1.0:
+                raise ConfigError(f"{key}: must be in (0, 1], got {value}")
+        if self.selection_eps < 0:
+            raise ConfigError(f"selection_eps: must be >= 0, got {self.selection_eps}")
+        if self.mode in ("std", "std_rev") and self.metric != "reward_std":
+            order = "largest" if self.mode == "std" else "smallest"
+            raise ConfigError(f"mode: {self.mode!r} means {order} reward std; with "
+                              f"filter.metric={self.metric} say largest or smallest")
 
 
 @dataclasses.dataclass
@@ -566,6 +608,11 @@ class RunConfig:
             raise ConfigError(f"env.group_size: {self.algo.adv_estimator} compares episodes "
                               f"within a group, so it needs group_size >= 2, got "
                               f"{self.env.group_size}")
+        if self.filter.soft_reweight and self.critic.enable:
+            raise ConfigError("filter.soft_reweight: weighs a group's advantages by its reward "
+                              "std, which a critic-free estimator's advantages are measured "
+                              "against (RAGEN-2 applies it to GRPO); set critic.enable=false "
+                              "with algo.adv_estimator=grpo or gigpo, or leave it false")
         if self.algo.adv_estimator == "gigpo" and self.critic.enable:
             raise ConfigError("critic.enable: algo.adv_estimator=gigpo is critic-free (its "
                               "step term replaces the critic's credit); set critic.enable=false "

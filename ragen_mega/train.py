@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ragen_mega.algo.estimators import compute_advantages
+from ragen_mega.algo.filter import FILTER_SETTINGS
 from ragen_mega.algo.gigpo import step_group_metrics
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.config_tree import ConfigError, to_dict
@@ -146,7 +147,7 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
     t3 = time.perf_counter()
     if cfg.trainer.check_weight_sync:
         metrics["sync/max_logprob_diff"] = max_logprob_diff(run.engines, run.actor, run.tokenizer)
-    tokens = int(train["attention_mask"].sum())
+    tokens = 0 if train is None else int(train["attention_mask"].sum())
     metrics.update({"time/rollout_s": played.rollout_s, "time/train_s": t2 - t1,
                     "time/sync_s": t3 - t_sync, "time/step_s": t3 - t0,
                     "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
@@ -158,12 +159,17 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
 
 
 def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
-                  metrics: dict[str, float]) -> tuple[dict[str, torch.Tensor], list]:
+                  metrics: dict[str, float]) -> tuple[dict[str, torch.Tensor] | None, list]:
     """Filter, batch, old log-probs and values, advantages, then the critic's and the actor's
-    updates (``metrics`` gains theirs). Returns the trained batch and its samples."""
-    samples, filter_metrics = filter_groups(played.samples, cfg.filter.ratio, cfg.filter.mode,
-                                            by_stream=played.window is not None)
+    updates (``metrics`` gains theirs). Returns the trained batch and its samples; ``(None,
+    [])`` when the filter kept no group (RAGEN skips such a step too: ``top_p`` linear keeps
+    nothing when no group's score is above 0), where neither model moves."""
+    samples, filter_metrics, weights = filter_groups(
+        played.samples, by_stream=played.window is not None,
+        **{key: getattr(cfg.filter, key) for key in FILTER_SETTINGS})
     metrics.update(filter_metrics)
+    if not samples:  # the filter found no group worth training on: no update this step
+        return None, samples
     batch = build_batch(samples, pad_id=run.tokenizer.pad_token_id,
                         state_similarity=cfg.algo.gigpo_similarity)
     agg_modes = [cfg.actor.loss_agg_mode] + (
@@ -186,6 +192,8 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
     batch = compute_advantages(batch, cfg.algo, token_values=values, bootstrap_values=None
                                if played.window is None else cut_values(cfg, run, samples,
                                                                         played.window))
+    if not bool((weights == 1).all()):  # filter.loss_scaling, filter.soft_reweight
+        batch["advantages"] = batch["advantages"] * weights[:, None]
     if "step_advantages" in batch:
         metrics.update(step_group_metrics(batch["state_group"], batch["step_advantages"]))
     for key in ("advantages", "returns"):

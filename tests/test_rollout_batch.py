@@ -20,9 +20,9 @@ def test_filter_keeps_the_most_varied_group():
                turn(2, 1, 1, 0.0, True), turn(3, 1, 1, 2.0, True),       # group 1: std sqrt(2)
                turn(4, 2, 1, 0.0, False), turn(4, 2, 2, 0.5, True),      # group 2: totals 0.5, 0
                turn(5, 2, 1, 0.0, True)]
-    kept, metrics = filter_groups(samples, ratio=0.34, mode="std")
+    kept, metrics, _ = filter_groups(samples, ratio=0.34, mode="std")
     assert {s.episode_id for s in kept} == {2, 3}
-    kept_rev, _ = filter_groups(samples, ratio=0.34, mode="std_rev")
+    kept_rev, _, _ = filter_groups(samples, ratio=0.34, mode="std_rev")
     assert {s.episode_id for s in kept_rev} == {0, 1}
     assert metrics["filter/kept_groups"] == 1.0
     assert metrics["filter/in_group_std"] == pytest.approx((0 + 2 ** 0.5 + 0.5 / 2 ** 0.5) / 3)
@@ -33,11 +33,40 @@ def test_filter_counts_kept_groups_per_env_tag():
     samples = [turn(0, 0, 1, 1.0, True, tag="a"), turn(1, 0, 1, 1.0, True, tag="a"),
                turn(2, 1, 1, 0.0, True, tag="a"), turn(3, 1, 1, 3.0 / 2 ** 0.5, True, tag="a"),
                turn(4, 2, 1, 0.0, True, tag="b"), turn(5, 2, 1, 1.0 / 2 ** 0.5, True, tag="b")]
-    kept, metrics = filter_groups(samples, ratio=0.67, mode="std")
+    kept, metrics, _ = filter_groups(samples, ratio=0.67, mode="std")
     assert {s.group_id for s in kept} == {1, 2}
     assert metrics["filter/a/kept_groups"] == 1.0 and metrics["filter/b/kept_groups"] == 1.0
-    _, one_env = filter_groups([s for s in samples if s.env_tag == "a"], ratio=1.0, mode="std")
+    _, one_env, _ = filter_groups([s for s in samples if s.env_tag == "a"], ratio=1.0)
     assert not any(k.count("/") > 1 for k in one_env)  # one env: no per-tag duplicates
+
+
+def test_filter_scores_members_by_entropy_and_length_and_weighs_advantages():
+    """A member's entropy is the mean over its turns of a turn's mean token NLL (the engine's
+    log-probs), its length the response tokens of all its turns."""
+    def with_logprobs(sample, logprobs):
+        sample.rollout_logprobs = list(logprobs)
+        sample.response_ids = list(range(len(logprobs)))
+        return sample
+
+    samples = [  # group 0: episode 0 turns NLL 1 and 3 (mean 2), episode 1 NLL 0.5 -> 1.25
+        with_logprobs(turn(0, 0, 1, 0.0, False), [-1.0, -1.0]),
+        with_logprobs(turn(0, 0, 2, 1.0, True), [-3.0]),
+        with_logprobs(turn(1, 0, 1, 0.0, True), [-0.5, -0.5, -0.5, -0.5]),
+        # group 1: NLL 1.5 and 1.0 -> 1.25 too, but 6 + 7 tokens against group 0's 3 + 4
+        with_logprobs(turn(2, 1, 1, 2.0, True), [-1.5] * 6),
+        with_logprobs(turn(3, 1, 1, 0.0, True), [-1.0] * 7)]
+    _, metrics, _ = filter_groups(samples, ratio=0.5, metric="entropy", mode="largest")
+    assert metrics["filter/score"] == pytest.approx(1.25)
+    kept, _, _ = filter_groups(samples, ratio=0.5, metric="length", mode="largest")
+    assert {s.group_id for s in kept} == {1}
+    kept, metrics, weights = filter_groups(samples, ratio=0.5, metric="length", mode="smallest")
+    assert {s.group_id for s in kept} == {0} and metrics["filter/chosen_score"] == 3.5
+    # rewards: group 0 scores 1 and 0 (std 1/sqrt 2), group 1 2 and 0 (std sqrt 2); both kept,
+    # each weighed by its std over the larger one, then by sqrt(kept share) = 1
+    kept, _, weights = filter_groups(samples, ratio=1.0, soft_reweight=True,
+                                     loss_scaling="sqrt")
+    assert [s.group_id for s in kept] == [0, 0, 0, 1, 1]
+    assert weights.tolist() == pytest.approx([0.5] * 3 + [1.0] * 2, abs=1e-5)
 
 
 def test_grpo_advantages_per_episode_score():
@@ -129,3 +158,21 @@ def test_summarize_wins_after_the_first_turn():
     out = summarize([episode(0, 0.0, 2), episode(0, 0.0, 1)], "val")
     assert "val/wins_after_turn_1" not in out and out["val/mixed_groups"] == 0.0
     assert "val/mixed_groups" not in summarize([episode(0, 1.0, 1), episode(1, 0.0, 1)], "val")
+
+
+def test_a_step_whose_filter_keeps_nothing_moves_no_model():
+    """top_p linear keeps no group when none varies (RAGEN's empty step): the loop's update
+    returns before it reaches a model (``run`` is never touched here) and says so in the
+    filter's scalars."""
+    from ragen_mega.config import load_run_config
+    from ragen_mega.rollout.faults import FaultCounters
+    from ragen_mega.rollout.manager import PlayedStep
+    from ragen_mega.train import update_models
+
+    cfg = load_run_config(None, ["filter.strategy=top_p", "filter.top_p=0.9"])
+    flat = [turn(0, 0, 1, 1.0, True), turn(1, 0, 1, 1.0, True),
+            turn(2, 1, 1, 0.0, True), turn(3, 1, 1, 0.0, True)]
+    metrics = {}
+    played = PlayedStep(flat, {}, 0.0, FaultCounters(step=1))
+    assert update_models(cfg, None, 1, played, metrics) == (None, [])
+    assert metrics["filter/kept_groups"] == 0.0 and metrics["filter/zero_groups"] == 2.0

@@ -84,6 +84,23 @@ def test_defaults_are_ragen_starpo_s():
      "version stale"),
     (["trainer.async_rollout=true"], "actor.tis_cap: trainer.async_rollout trains on samples "
                                      "one weight version stale"),
+    # the rollout filter (RAGEN-2's strategies): each value read by its strategy only
+    (["filter.strategy=top_q"], "filter.strategy: must be one of ['min_p', 'top_k', 'top_p']"),
+    (["filter.strategy=top_p"], "filter.top_p: filter.strategy=top_p needs filter.top_p in "
+                                "(0, 1]"),
+    (["filter.strategy=top_p", "filter.top_p=1.5"], "filter.top_p: must be in (0, 1], got 1.5"),
+    (["filter.strategy=top_p", "filter.top_p=0"], "filter.top_p: must be in (0, 1], got 0"),
+    (["filter.min_p=0.5"], "filter.min_p: read only by filter.strategy=min_p, and the "
+                           "strategy is 'top_k'"),
+    (["filter.strategy=min_p"], "filter.min_p: filter.strategy=min_p needs filter.min_p"),
+    (["filter.metric=variance"], "filter.metric: must be one of ['entropy', 'length', "
+                                 "'reward', 'reward_std', 'reward_variance']"),
+    (["filter.metric=entropy"], "filter.mode: 'std' means largest reward std; with "
+                                "filter.metric=entropy say largest or smallest"),
+    (["filter.selection_eps=-0.1"], "filter.selection_eps: must be >= 0"),
+    (["filter.loss_scaling=log"], "filter.loss_scaling: 'log' is not allowed"),
+    (["filter.soft_reweight=true"], "filter.soft_reweight: weighs a group's advantages by its "
+                                    "reward std"),
     (["model.path=/nonexistent/model"],
      "model.path: '/nonexistent/model' is not a Hugging Face model directory (no config.json"),
 ])

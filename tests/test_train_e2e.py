@@ -49,12 +49,17 @@ def test_colocated_step_with_env_workers(tiny_run_overrides, tmp_path, private_r
     """Colocated mode: the engine shares the trainer's bundles, frees its memory for the train
     phase (a no-op on CPU, the protocol still runs) and takes the new weights through the
     tensor path (shared memory here, CUDA IPC on GPUs) instead of a broadcast. The envs live in
-    two Ray env workers here (``rollout.env_workers``)."""
+    two Ray env workers here (``rollout.env_workers``). The filter is RAGEN-2's ``min_p`` over
+    the groups' mean reward: the step trains on the best-scoring groups' turns only."""
     overrides = tiny_run_overrides(tmp_path, total_steps=1) + [
-        "trainer.colocate=true", "trainer.save_every=0", "rollout.env_workers=2"]
+        "trainer.colocate=true", "trainer.save_every=0", "rollout.env_workers=2",
+        "filter.strategy=min_p", "filter.min_p=1.0", "filter.metric=reward",
+        "filter.mode=largest", "filter.loss_scaling=linear"]
     history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
     assert [h["step"] for h in history] == [1]
     h = history[0]
+    assert h["filter/kept_groups"] >= 1 and h["filter/chosen_score"] >= h["filter/score"]
+    assert h["train/batch_samples"] == 2 * h["filter/kept_groups"]  # 2 one-turn episodes each
     assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
     assert h["weight_version"] == 1 and h["actor/update_successful"] == 1.0
     log = (tmp_path / "logs" / "engine_0.log").read_text()

@@ -3,7 +3,8 @@
 The steps between rollout and trainer, kept as plain functions over :class:`Sample` records and
 tensors (the estimators themselves are ``algo/estimators.py``, by name):
 
-1. :func:`filter_groups` - StarPO-S: keep the groups whose episode rewards vary most.
+1. :func:`filter_groups` - StarPO-S (and RAGEN-2's generalisation, ``algo/filter.py``): keep
+   the groups whose episode rewards vary most.
 2. :func:`build_batch` - :func:`collate` (from :mod:`.sample`) plus the per-turn fields the
    estimators need.
 3. :func:`cut_value_batch` - the critic's input for the states after the cut of a streamed step.
@@ -18,35 +19,49 @@ from typing import Sequence
 
 import torch
 
-from ragen_mega.algo.advantages import episode_scores
 from ragen_mega.algo.filter import select_groups
 from ragen_mega.algo.gigpo import anchor_groups
 from ragen_mega.rollout.sample import Sample, collate
 
 
-def filter_groups(samples: Sequence[Sample], ratio: float, mode: str, by_stream: bool = False
-                  ) -> tuple[list[Sample], dict[str, float]]:
-    """StarPO-S: the samples of the kept groups, and the filter's metrics. The filter ranks all
-    groups together (as RAGEN does); a mixed-env step also reports how many groups of each env
-    tag it kept (``filter/<tag>/kept_groups``), since one env can crowd out another.
+def filter_groups(samples: Sequence[Sample], by_stream: bool = False, **settings
+                  ) -> tuple[list[Sample], dict[str, float], torch.Tensor]:
+    """The rollout filter (StarPO-S by default; ``settings`` are :func:`select_groups`'s, the
+    ``filter`` section): the samples of the kept groups, the filter's metrics, and each kept
+    sample's advantage weight (1 unless ``filter.loss_scaling`` or ``filter.soft_reweight``).
+    The filter ranks all groups together (as RAGEN does); a mixed-env step also reports how
+    many groups of each env tag it kept (``filter/<tag>/kept_groups``), since one env can crowd
+    out another. The kept list may be empty (``top_p``/``min_p`` find no group worth training).
 
-    A group member's score is its episode's total reward; ``by_stream`` (``rollout.mode:
-    turns``) scores each env stream instead by the reward of its turns in this step's window:
-    every stream of a group played the same seeds for the same number of turns, so their window
-    sums are comparable where their episodes are not (docs/design.md, "Long horizons")."""
-    members = [s.stream if by_stream else s.episode_id for s in samples]
-    _, group_ids, scores = episode_scores(torch.tensor(members),
-                                          torch.tensor([s.group_id for s in samples]),
-                                          torch.tensor([s.reward for s in samples]))
-    selection = select_groups(scores, group_ids, ratio=ratio, mode=mode)
-    kept = set(selection.kept_group_ids.tolist())
+    A group member is an episode, scored by its total reward, its turns' mean token NLL
+    (``entropy``) and its response tokens (``length``); ``by_stream`` (``rollout.mode:
+    turns``) takes each env stream's turns in this step's window instead: every stream of a
+    group played the same seeds for the same number of turns, so their window sums are
+    comparable where their episodes are not (docs/design.md, "Long horizons")."""
+    members, member_of = torch.unique(
+        torch.tensor([s.stream if by_stream else s.episode_id for s in samples]),
+        return_inverse=True)
+
+    def per_member(values, dtype=torch.float64):  # summed over each member's turns
+        return torch.zeros(members.numel(), dtype=dtype).index_add_(
+            0, member_of, torch.tensor(values, dtype=dtype))
+
+    group_ids = torch.zeros(members.numel(), dtype=torch.long).index_put_(
+        (member_of,), torch.tensor([s.group_id for s in samples]))
+    turn_nll = [-sum(s.rollout_logprobs) / max(len(s.rollout_logprobs), 1) for s in samples]
+    selection = select_groups(
+        per_member([float(s.reward) for s in samples], torch.float32), group_ids, **settings,
+        entropy=per_member(turn_nll) / per_member([1.0] * len(samples)),
+        length=per_member([float(len(s.response_ids)) for s in samples]))
+    weight_of = dict(zip(selection.kept_group_ids.tolist(), selection.weights.tolist()))
     metrics = {f"filter/{k}": float(v) for k, v in selection.metrics.items()}
     tags = {s.env_tag for s in samples}
     if len(tags) > 1:
         for tag in sorted(tags):
             metrics[f"filter/{tag}/kept_groups"] = float(
-                len({s.group_id for s in samples if s.env_tag == tag and s.group_id in kept}))
-    return [s for s in samples if s.group_id in kept], metrics
+                len({s.group_id for s in samples if s.env_tag == tag and s.group_id in weight_of}))
+    kept = [s for s in samples if s.group_id in weight_of]
+    return kept, metrics, torch.tensor([weight_of[s.group_id] for s in kept], dtype=torch.float32)
 
 
 def build_batch(samples: Sequence[Sample], pad_id: int, state_similarity: float | None = None
