@@ -12,8 +12,6 @@ import dataclasses
 from pathlib import Path
 from typing import Literal, Optional, get_args
 
-import torch
-
 from ragen_mega.agent.config import AgentConfig
 from ragen_mega.algo.estimators import ESTIMATORS, NEEDS_CRITIC
 from ragen_mega.algo.filter import GROUP_METRICS, STRATEGIES
@@ -38,17 +36,14 @@ class ModelConfig:
 _TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
-def _check_env(name: str, kwargs: dict, name_key: str, kwargs_key: str) -> None:
-    """``name`` is a registered env that accepts ``kwargs``; else a ConfigError naming the key."""
-    from ragen_mega.envs import list_envs, make
+def _check_env_name(name: str, name_key: str) -> None:
+    """``name`` is a registered env; else a ConfigError naming the key. (Whether the env builds
+    with its kwargs is the start-up check's: ``preflight.py``.)"""
+    from ragen_mega.envs import list_envs
 
     if name not in list_envs():
         raise ConfigError(f"{name_key}: unknown env {name!r}; registered envs: "
                           f"{', '.join(list_envs())}")
-    try:  # building the env once checks its kwargs before any worker starts
-        make(name, **kwargs).close()
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{kwargs_key}: {e}") from e
 
 
 @dataclasses.dataclass
@@ -139,10 +134,9 @@ class EnvConfig:
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if not self.mix:
-            _check_env(self.name, self.kwargs, "name", "kwargs")
-            if self.val_name is not None or self.val_kwargs:
-                [val] = self.val_parts()
-                _check_env(val.name, val.kwargs, "val_name", "val_kwargs")
+            _check_env_name(self.name, "name")
+            if self.val_name is not None:
+                _check_env_name(self.val_name, "val_name")
             return
         self._validate_mix()
 
@@ -163,8 +157,8 @@ class EnvConfig:
                 raise ConfigError(f"{key}.tag: duplicate tag {m.tag!r}; each env of the mix "
                                   f"needs its own tag")
             tags.add(m.tag)
-            _check_env(m.env_name, m.kwargs, f"{key}.name" if m.name is not None else
-                       f"{key}.tag (no name given, so the tag names the env)", f"{key}.kwargs")
+            _check_env_name(m.env_name, f"{key}.name" if m.name is not None else
+                            f"{key}.tag (no name given, so the tag names the env)")
             for count in ("env_groups", "val_groups"):
                 if (getattr(m, count) or 0) < 0:
                     raise ConfigError(f"{key}.{count}: must be >= 0, got {getattr(m, count)}")
@@ -429,8 +423,6 @@ class ModelTrainingConfig:
             bad("loss_horizon", "must be None or >= 1")
         if self.local_attention not in LOCAL_ATTENTIONS:
             bad("local_attention", f"must be one of {LOCAL_ATTENTIONS}")
-        if self.bf16 and not torch.cuda.is_available():
-            bad("bf16", "bf16 training needs a GPU; this machine has none (use bf16=False)")
         return self
 
 

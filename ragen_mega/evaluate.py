@@ -26,6 +26,7 @@ import tempfile
 from pathlib import Path
 
 from ragen_mega.config import RunConfig, load_run_config
+from ragen_mega.preflight import preflight
 from ragen_mega import checkpoints
 from ragen_mega.agent.prompt import example_answer
 from ragen_mega.envs import registry
@@ -173,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     try:  # a bad config or checkpoint fails before any engine starts
-        report = evaluate(load_run_config(args.config, args.overrides), args.checkpoint)
+        cfg = preflight(load_run_config(args.config, args.overrides))
+        report = evaluate(cfg, args.checkpoint)
     except (ConfigError, FileNotFoundError, checkpoints.UnreadablePointer) as e:
         kind = "config error: " if isinstance(e, ConfigError) else ""
         print(f"ragen-mega eval: {kind}{e}", file=sys.stderr)

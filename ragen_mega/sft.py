@@ -32,6 +32,7 @@ import torch
 
 from ragen_mega.algo.objectives import SFTObjective
 from ragen_mega.config import RunConfig, load_run_config
+from ragen_mega.preflight import preflight
 from ragen_mega.config_tree import ConfigError
 
 #: the trainer's metric -> the name sft logs it under
@@ -214,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=40")
     args = parser.parse_args(argv)
     try:  # bad config or data fails before any process starts
-        prepared = prepare(load_run_config(args.config, args.overrides))
+        prepared = prepare(preflight(load_run_config(args.config, args.overrides)))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         kind = "config error: " if isinstance(e, ConfigError) else ""
         print(f"ragen-mega sft: {kind}{e}", file=sys.stderr)

@@ -38,6 +38,7 @@ from ragen_mega.algo.estimators import compute_advantages
 from ragen_mega.algo.filter import FILTER_SETTINGS
 from ragen_mega.algo.gigpo import step_group_metrics
 from ragen_mega.config import RunConfig, load_run_config
+from ragen_mega.preflight import preflight
 from ragen_mega.config_tree import ConfigError, to_dict
 from ragen_mega import checkpoints, preemption
 from ragen_mega.evaluate import REFERENCES_FILE, held_out_references
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6")
     args = parser.parse_args(argv)
     try:
-        cfg = load_run_config(args.config, args.overrides)
+        cfg = preflight(load_run_config(args.config, args.overrides))
     except ConfigError as e:
         print(f"ragen-mega train: config error: {e}", file=sys.stderr)
         return 2

@@ -40,7 +40,6 @@ def test_defaults_are_ragen_starpo_s():
     (["rollout.mem_fraction=1.5"], "rollout.mem_fraction: must be in (0, 1) or null"),
     (["rollout.env_workers=-1"], "rollout.env_workers: must be >= 0 (0: envs in the driver)"),
     (["rollout.env_workers=2.5"], "rollout.env_workers: expected int, got float 2.5"),
-    (["env.name=sokoban", "env.kwargs={dim: 3}"], "env.kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
     # enumerations list their choices
     (["actor.lr_decay_style=exp"], "actor.lr_decay_style: 'exp' is not allowed; allowed values: "
                                    "'constant', 'linear', 'cosine', 'inverse-square-root'"),
@@ -163,7 +162,7 @@ def test_yaml_syntax_error_is_a_cli_config_error(tmp_path, capsys):
     ("actor", {"micro_batch_size": 0}, "micro_batch_size"),
     ("actor", {"clip_ratio_c": 0.5}, "clip_ratio_c"), ("actor", {"kl_kind": "k9"}, "kl_kind"),
     ("critic", {"loss_agg_mode": "mean"}, "loss_agg_mode"),
-    ("critic", {"value_clip": 0}, "value_clip"), ("critic", {"bf16": True}, "bf16")])
+    ("critic", {"value_clip": 0}, "value_clip")])
 def test_training_section_errors_name_the_field(section, kwargs, field):
     """The Megatron trainer refuses a bad section itself too (not only via the tree)."""
     from ragen_mega.config import ActorConfig, CriticConfig
@@ -220,9 +219,6 @@ def _entry(**fields):
     ([_entry(tag="SimpleSokoban")], [],
      "env.mix[0].tag (no name given, so the tag names the env): unknown env 'SimpleSokoban'"),
     ([_entry(env_groups=4), _entry(env_groups=4)], [], "env.mix[1].tag: duplicate tag 'sokoban'"),
-    ([_entry(kwargs={"dim": 3})], [],
-     "env.mix[0].kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
-    ([_entry(tag="lake", name="frozen_lake", kwargs={"size": 1})], [], "env.mix[0].kwargs: "),
     ([_entry(env_groups=4)], [], "env.env_groups: 8 but the env.mix entries' env_groups sum to 4"),
     ([_entry(tag="a/b", name="sokoban")], [], "env.mix[0].tag: 'a/b' must be a non-empty name"),
     ([_entry(tag="", name="sokoban")], [], "env.mix[0].tag: '' must be a non-empty name"),
@@ -244,3 +240,44 @@ def test_env_mix_errors_name_the_key(mix, extra, needle):
     with pytest.raises(ConfigError) as err:
         load_run_config(None, [f"env.mix={json.dumps(mix)}", *extra])
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["env.name=sokoban", "env.kwargs={dim: 3}"],
+     "env.kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
+    (["env.val_name=frozen_lake", "env.val_kwargs={size: 1}"], "env.val_kwargs: "),
+    ([f"env.mix=[{{tag: sokoban, env_groups: 4}}, {{tag: lake, name: frozen_lake, "
+      f"kwargs: {{size: 1}}, env_groups: 4}}]"], "env.mix[1].kwargs: "),
+    (["env.mix=[{tag: sokoban, kwargs: {dim: 3}, env_groups: 8}]"],
+     "env.mix[0].kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
+    (["actor.bf16=true"], "actor.bf16: bf16 training needs a GPU; this machine has none"),
+    (["critic.bf16=true"], "critic.bf16: bf16 training needs a GPU; this machine has none"),
+])
+def test_preflight_checks_what_loading_does_not(overrides, needle, monkeypatch):
+    """Loading validates the tree alone; the start-up check builds every env once and looks
+    for a GPU, naming the key (the machine is made GPU-less, so a GPU host runs the same)."""
+    import torch
+
+    from ragen_mega.preflight import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    cfg = load_run_config(None, overrides)  # no env built, no device probed
+    with pytest.raises(ConfigError) as err:
+        preflight(cfg)
+    assert needle in str(err.value)
+
+
+def test_cli_runs_the_preflight_before_anything_starts(capsys):
+    import ray
+
+    from ragen_mega.evaluate import main as eval_main
+    from ragen_mega.sft import main as sft_main
+    from ragen_mega.train import main as train_main
+
+    bad = ["examples/bandit_cpu_demo.yaml", "env.kwargs={arms: 3}"]
+    for name, main in (("train", train_main), ("eval", eval_main), ("sft", sft_main)):
+        argv = bad + (["--checkpoint", "smollm2"] if name == "eval" else [])
+        assert main(argv) == 2
+        assert f"ragen-mega {name}: config error: env.kwargs: " in capsys.readouterr().err
+    assert not ray.is_initialized()

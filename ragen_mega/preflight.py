@@ -1,0 +1,47 @@
+"""The start-up check: what a run's config cannot say by itself and this machine must.
+
+:func:`~ragen_mega.config.load_run_config` validates the config tree alone (types, ranges,
+combinations of keys) and probes nothing. Before a command starts a process or a server,
+:func:`preflight` checks the config against the machine and the code installed on it, and
+raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
+
+- every env of the run (training, held-out, each ``env.mix`` entry) builds with its kwargs,
+  once, in this process: a wrong kwarg is named here, not in an env worker minutes later;
+- ``actor.bf16`` / ``critic.bf16`` have a GPU to run on.
+
+``ragen-mega train``, ``eval`` and ``sft`` run it right after loading the config.
+"""
+from __future__ import annotations
+
+import torch
+
+from ragen_mega.config import RunConfig
+from ragen_mega.config_tree import ConfigError
+
+
+def preflight(cfg: RunConfig) -> RunConfig:
+    """``cfg``, once every env builds and bf16 has a GPU; else ConfigError naming the key."""
+    from ragen_mega.envs import make
+
+    for key, name, kwargs in env_builds(cfg):
+        try:
+            make(name, **kwargs).close()
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"{key}: {e}") from e
+    for role in ("actor", "critic"):
+        if getattr(cfg, role).bf16 and not torch.cuda.is_available():
+            raise ConfigError(f"{role}.bf16: bf16 training needs a GPU; this machine has none "
+                              f"(set {role}.bf16=false)")
+    return cfg
+
+
+def env_builds(cfg: RunConfig) -> list[tuple[str, str, dict]]:
+    """``(kwargs key, env name, kwargs)`` of every env the run plays."""
+    env = cfg.env
+    if env.mix:
+        return [(f"env.mix[{i}].kwargs", m.env_name, m.kwargs) for i, m in enumerate(env.mix)]
+    builds = [("env.kwargs", env.name, env.kwargs)]
+    if env.val_name is not None or env.val_kwargs:
+        [val] = env.val_parts()
+        builds.append(("env.val_kwargs", val.name, val.kwargs))
+    return builds
