@@ -107,28 +107,6 @@ class EnvConfig:
     val_seed: int = 1_000_000
     mix: list[EnvMixEntry] = dataclasses.field(default_factory=list)
 
-    def train_parts(self):
-        """The envs of one training step, in order: ``rollout.episode.EnvPart`` each."""
-        from ragen_mega.rollout.episode import EnvPart
-
-        if not self.mix:
-            return [EnvPart(self.name, self.name, self.kwargs, self.env_groups)]
-        return [EnvPart(m.tag, m.env_name, m.kwargs, m.env_groups, m.max_turns) for m in self.mix
-                if m.env_groups > 0]
-
-    def val_parts(self):
-        """The envs of the held-out evaluation (groups of ``val_group_size`` episodes), in order."""
-        from ragen_mega.rollout.episode import EnvPart
-
-        if not self.mix:
-            name = self.val_name or self.name
-            # the training kwargs only fit the training env
-            kwargs = self.val_kwargs or (self.kwargs if name == self.name else {})
-            return [EnvPart(name, name, kwargs, self.val_groups)]
-        groups = [self.val_groups if m.val_groups is None else m.val_groups for m in self.mix]
-        return [EnvPart(m.tag, m.env_name, m.kwargs, g, m.max_turns)
-                for m, g in zip(self.mix, groups) if g]
-
     def validate(self):
         for key in ("env_groups", "group_size", "max_turns", "val_groups", "val_group_size"):
             if getattr(self, key) < 1:
@@ -173,7 +151,7 @@ class EnvConfig:
             raise ConfigError(f"env_groups: {self.env_groups} but the env.mix entries' env_groups "
                               f"sum to {total}; they must match (RAGEN: sum(n_groups) == "
                               f"env_groups)")
-        if not self.val_parts():
+        if not any(self.val_groups if m.val_groups is None else m.val_groups for m in self.mix):
             raise ConfigError("mix: every entry has val_groups: 0, so evaluation plays nothing")
 
 

@@ -31,7 +31,7 @@ from ragen_mega import checkpoints
 from ragen_mega.agent.prompt import example_answer
 from ragen_mega.envs import registry
 from ragen_mega.envs.references import REFERENCE_KEYS, reference_lines
-from ragen_mega.rollout.episode import mix_specs
+from ragen_mega.rollout.episode import mix_specs, val_parts
 from ragen_mega.rollout.metrics import summarize
 
 #: the run directory's file of its held-out reference lines (written by ``ragen-mega train``)
@@ -100,10 +100,10 @@ def held_out_references(cfg: RunConfig) -> tuple[dict[str, float], dict[str, dic
     the seeds it plays, with each env's turn limit and ``agent.max_actions_per_turn``. A tag
     whose env has no lines is absent; the overall lines (episode-weighted means) exist when
     every tag has them, with the keys all tags share."""
-    specs = mix_specs(cfg.env.val_parts(), group_size=cfg.env.val_group_size,
+    specs = mix_specs(val_parts(cfg.env), group_size=cfg.env.val_group_size,
                       first_seed=cfg.env.val_seed)
     per_tag, weights = {}, {}
-    for part in cfg.env.val_parts():
+    for part in val_parts(cfg.env):
         seeds = [s.seed for s in specs if s.env_tag == part.tag]
         example = example_answer(cfg.agent, registry.make(part.name, **part.kwargs).valid_actions)
         lines = reference_lines(part.name, part.kwargs, seeds,
@@ -112,7 +112,7 @@ def held_out_references(cfg: RunConfig) -> tuple[dict[str, float], dict[str, dic
                                 example_answer=example)
         if lines:
             per_tag[part.tag], weights[part.tag] = lines, len(seeds)
-    if len(per_tag) < len(cfg.env.val_parts()):
+    if len(per_tag) < len(val_parts(cfg.env)):
         return {}, per_tag
     total = sum(weights.values())
     shared = [k for k in REFERENCE_KEYS if all(k in lines for lines in per_tag.values())]

@@ -37,11 +37,13 @@ def preflight(cfg: RunConfig) -> RunConfig:
 
 def env_builds(cfg: RunConfig) -> list[tuple[str, str, dict]]:
     """``(kwargs key, env name, kwargs)`` of every env the run plays."""
+    from ragen_mega.rollout.episode import val_parts
+
     env = cfg.env
     if env.mix:
         return [(f"env.mix[{i}].kwargs", m.env_name, m.kwargs) for i, m in enumerate(env.mix)]
     builds = [("env.kwargs", env.name, env.kwargs)]
     if env.val_name is not None or env.val_kwargs:
-        [val] = env.val_parts()
+        [val] = val_parts(env)
         builds.append(("env.val_kwargs", val.name, val.kwargs))
     return builds

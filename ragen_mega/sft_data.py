@@ -46,7 +46,7 @@ import torch
 from ragen_mega.agent import History, PromptBuilder, parse_response
 from ragen_mega.agent.parse import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE
 from ragen_mega.envs.registry import make
-from ragen_mega.rollout.episode import EpisodeSpec, EpisodeState, LocalEnv
+from ragen_mega.rollout.episode import EpisodeSpec, EpisodeState, LocalEnv, train_parts
 
 _ROLES = ("system", "user", "assistant")
 
@@ -190,7 +190,7 @@ def format_target(agent, actions: Sequence[str]) -> str:
 
 def format_examples(cfg, tokenizer, count: int, seed: int) -> list[SFTExample]:
     """``count`` format-only examples for the run ``cfg`` (a ``RunConfig``): example k is the
-    turn-1 prompt of env part ``k % len(parts)`` (``cfg.env.train_parts()``, round-robin; one
+    turn-1 prompt of env part ``k % len(parts)`` (``train_parts(cfg.env)``, round-robin; one
     part for a single env) reset with seed ``seed + k``, exactly the prompt ids the rollout sends,
     followed by a uniformly random valid answer (module docstring) and the tokenizer's EOS token,
     with the loss on that target only. Deterministic: the same arguments give the same examples."""
@@ -203,7 +203,7 @@ def format_examples(cfg, tokenizer, count: int, seed: int) -> list[SFTExample]:
         raise ValueError(f"format_examples: tokenizer {getattr(tokenizer, 'name_or_path', '')!r} "
                          f"has no EOS token to end a target with")
     agent = cfg.agent
-    parts = cfg.env.train_parts()
+    parts = train_parts(cfg.env)
     if not parts:
         raise ValueError("format_examples: the run trains on no env (every env.mix entry has "
                          "env_groups: 0)")

@@ -183,13 +183,13 @@ def test_env_mix_parts():
     """A mixed run: training parts in order (eval-only entry left out), eval parts with each
     entry's val_groups (default: env.val_groups), the env name defaulting to the tag, an
     entry's own max_turns carried (None: env.max_turns applies)."""
-    from ragen_mega.rollout.episode import EnvPart
+    from ragen_mega.rollout.episode import EnvPart, train_parts, val_parts
 
     cfg = load_run_config(None, [MIX, "env.env_groups=5", "env.val_groups=7"])
-    assert cfg.env.train_parts() == [
+    assert train_parts(cfg.env) == [
         EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 3),
         EnvPart("lake", "frozen_lake", {"is_slippery": False}, 2)]
-    assert cfg.env.val_parts() == [
+    assert val_parts(cfg.env) == [
         EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 7),
         EnvPart("lake", "frozen_lake", {"is_slippery": False}, 4),
         EnvPart("big", "sokoban", {"dim_room": [8, 8]}, 7, max_turns=12)]
@@ -198,15 +198,15 @@ def test_env_mix_parts():
 def test_single_env_parts():
     """The simple form is one part tagged with the env's name; a different eval env does not
     inherit the training env's kwargs (sokoban's dim_room would break frozen_lake)."""
-    from ragen_mega.rollout.episode import EnvPart
+    from ragen_mega.rollout.episode import EnvPart, train_parts, val_parts
 
     cfg = load_run_config(None, ["env.name=sokoban", "env.kwargs={dim_room: [6, 6]}",
                                  "env.env_groups=2", "env.val_groups=3"])
-    assert cfg.env.train_parts() == [EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 2)]
-    assert cfg.env.val_parts() == [EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 3)]
+    assert train_parts(cfg.env) == [EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 2)]
+    assert val_parts(cfg.env) == [EnvPart("sokoban", "sokoban", {"dim_room": [6, 6]}, 3)]
     cfg = load_run_config(None, ["env.name=sokoban", "env.kwargs={dim_room: [6, 6]}",
                                  "env.val_name=frozen_lake"])
-    assert cfg.env.val_parts() == [EnvPart("frozen_lake", "frozen_lake", {}, 16)]
+    assert val_parts(cfg.env) == [EnvPart("frozen_lake", "frozen_lake", {}, 16)]
 
 
 def _entry(**fields):

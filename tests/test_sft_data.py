@@ -17,7 +17,7 @@ from ragen_mega.agent import parse_response
 from ragen_mega.config import load_run_config
 from ragen_mega.envs.registry import make
 from ragen_mega.models.prepare import resolve_model
-from ragen_mega.rollout.episode import EpisodeSpec, Generation, run_episode
+from ragen_mega.rollout.episode import EpisodeSpec, Generation, run_episode, train_parts
 from ragen_mega.sft_data import (SFTExample, chat_example, collate_examples, format_examples,
                                  load_chats)
 
@@ -187,7 +187,7 @@ def split(example: SFTExample) -> tuple[list[int], list[int]]:
 
 def rollout_first_prompts(cfg, tok, seed: int, count: int) -> list[list[int]]:
     """What the real rollout sends at turn 1 of example k's episode (part k % n, seed + k)."""
-    parts = cfg.env.train_parts()
+    parts = train_parts(cfg.env)
     prompts = []
 
     async def play(spec):

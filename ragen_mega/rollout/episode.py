@@ -299,6 +299,28 @@ class EnvPart:
     max_turns: int | None = None
 
 
+def train_parts(env) -> list[EnvPart]:
+    """The envs of one training step, in order, from the run's ``env`` section: its ``mix``
+    entries that train (``env_groups`` > 0), or the one env ``name`` with ``kwargs``."""
+    if not env.mix:
+        return [EnvPart(env.name, env.name, env.kwargs, env.env_groups)]
+    return [EnvPart(m.tag, m.env_name, m.kwargs, m.env_groups, m.max_turns) for m in env.mix
+            if m.env_groups > 0]
+
+
+def val_parts(env) -> list[EnvPart]:
+    """The envs of the held-out evaluation (groups of ``env.val_group_size`` episodes), in
+    order: each ``mix`` entry with held-out groups, or ``val_name`` (default: the training env)
+    with ``val_kwargs`` (default: the training kwargs, for the training env only)."""
+    if not env.mix:
+        name = env.val_name or env.name
+        kwargs = env.val_kwargs or (env.kwargs if name == env.name else {})
+        return [EnvPart(name, name, kwargs, env.val_groups)]
+    groups = [env.val_groups if m.val_groups is None else m.val_groups for m in env.mix]
+    return [EnvPart(m.tag, m.env_name, m.kwargs, g, m.max_turns)
+            for m, g in zip(env.mix, groups) if g]
+
+
 def mix_seeds_per_step(parts: Sequence[EnvPart], group_size: int) -> int:
     """How many consecutive seeds one call of :func:`mix_specs` uses: the parts' ranges end to end."""
     return sum(seeds_per_step(p.name, p.groups, group_size) for p in parts)

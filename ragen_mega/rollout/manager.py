@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from ragen_mega.agent.parse import STOP_STRINGS
 from ragen_mega.rollout.episode import (EngineRestarted, Episode, GenerateFn, OpenEnvFn,
-                                        mix_specs, run_episode, train_step_specs)
+                                        mix_specs, run_episode, train_parts, train_step_specs,
+                                        val_parts)
 from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
                                        play_or_drop)
 from ragen_mega.rollout.metrics import summarize, summarize_window
@@ -88,7 +89,7 @@ class RolloutManager:
     def open_streams(self, saved: dict | None) -> None:
         """``rollout.mode=turns``: the run's env streams, where the checkpoint left them."""
         env, r = self.cfg.env, self.cfg.rollout
-        self.streams = EnvStreams(env.train_parts(), group_size=env.group_size, seed=env.seed,
+        self.streams = EnvStreams(train_parts(env), group_size=env.group_size, seed=env.seed,
                                   turns_per_step=r.turns_per_step, tokenizer=self.tokenizer,
                                   agent=self.cfg.agent, max_turns=env.max_turns,
                                   env_steps_in_thread=r.env_steps_in_thread,
@@ -136,11 +137,11 @@ class RolloutManager:
         its start; one whose env raised is left out, counted in ``faults``."""
         env, r = self.cfg.env, self.cfg.rollout
         if evaluate:
-            specs = mix_specs(env.val_parts(), group_size=env.val_group_size,
+            specs = mix_specs(val_parts(env), group_size=env.val_group_size,
                               first_seed=env.val_seed)
             temperature = r.val_temperature
         else:
-            specs = train_step_specs(env.train_parts(), group_size=env.group_size,
+            specs = train_step_specs(train_parts(env), group_size=env.group_size,
                                      seed=env.seed, step=step)
             temperature = r.temperature
 
