@@ -2,9 +2,11 @@
 the tiny-model loop (real Ray, Megatron, SGLang):
 
 * the SGLang server of the run's engine is SIGKILLed (by the pid the engine's log records) in the
-  middle of a step-2 rollout: the engine comes back with the step-1 weights and the episodes
-  that used it are replayed, giving exactly the samples the same rollout gave without the fault;
-  past ``rollout.max_engine_restarts_per_step`` a dead engine is a clear error.
+  train phase of step 1: the step's weight sync restarts it and gives it the weights;
+* ... and in the middle of a step-2 rollout: the engine comes back with the step-1 weights and
+  the episodes that used it are replayed, giving exactly the samples the same rollout gave
+  without the fault; past ``rollout.max_engine_restarts_per_step`` a dead engine is a clear
+  error.
 * the ``ragen-mega train`` driver is SIGKILLed mid-run: every process it started (Ray, the
   trainer ranks, the engine worker, the SGLang server and its children) is gone soon after.
 """
@@ -24,6 +26,7 @@ from ragen_mega.config import load_run_config
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
 from ragen_mega import checkpoints
+import ragen_mega.train as train_module
 
 REPO = Path(__file__).resolve().parents[1]
 def _running(process) -> bool:
@@ -72,7 +75,11 @@ def _logprobs(episodes) -> list[float]:
 
 def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
         tiny_run_overrides, tmp_path, private_ray, monkeypatch):
-    """Step 2's rollout is played three times in the run: once untouched (the reference), once
+    """Step 1's server is SIGKILLed in the train phase, after the actor's update: the step's
+    weight sync finds it dead, restarts it (counted at step 1) and gives the new server the
+    trainer's weights (the post-sync check), instead of failing the sync's first request.
+
+    Step 2's rollout is played three times in the run: once untouched (the reference), once
     with the server killed while the first request is in flight (restart 1: the replay must
     give the reference's samples, so the new server has the step-1 weights, not the checkpoint
     it loads), once with the server killed before it starts while the step's one allowed
@@ -103,13 +110,27 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
         seen["after_error"], seconds = real_rollout(rollouts, step, faults=faults)
         return seen["after_error"], seconds
 
+    real_update = train_module.update_models
+
+    def killed_after_update(cfg, run, step, played, metrics):
+        out = real_update(cfg, run, step, played, metrics)
+        if step == 1:
+            seen["killed_in_train"] = pid = server_pids(tmp_path)[-1]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        return out
+
     monkeypatch.setattr(RolloutManager, "episodes", faulted_rollout)
+    monkeypatch.setattr(train_module, "update_models", killed_after_update)
     overrides = tiny_run_overrides(tmp_path, total_steps=2) + [
         "trainer.save_every=0", "rollout.max_engine_restarts_per_step=1"]
     history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
 
     assert [h["step"] for h in history] == [1, 2]
-    assert history[0]["fault/engine_restarts"] == 0 and history[0]["fault/episodes_retried"] == 0
+    assert history[0]["fault/engine_restarts"] == 1 and history[0]["fault/episodes_retried"] == 0
+    assert history[0]["sync/max_logprob_diff"] < 1e-3  # the new server has step 1's weights
     assert history[1]["fault/engine_restarts"] == 2
     # the first kill: at least the request in flight, at most all 4 episodes; the second: all 4
     assert 4 + 1 <= history[1]["fault/episodes_retried"] <= 4 + 4
@@ -122,7 +143,8 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
     # the sync after the step reaches the third server and it serves the trainer's weights
     assert history[1]["sync/max_logprob_diff"] < 1e-3
     pids = server_pids(tmp_path)
-    assert len(pids) == 3 and len(set(pids)) == 3 and pids[0] == seen["killed"]
+    assert len(pids) == 4 and len(set(pids)) == 4
+    assert (pids[0], pids[1]) == (seen["killed_in_train"], seen["killed"])
 
 
 STARTER = """

@@ -165,6 +165,29 @@ class EngineGroup:
             # blocking Ray calls: off the loop the episodes run on
             await asyncio.to_thread(self.resync, {engine: self.urls[engine]})
 
+    def restart_dead(self) -> dict[int, str]:
+        """Restart every engine found dead between rollouts (its server process exited, or its
+        HTTP server does not answer), counted as a rollout's restarts are; returns ``{engine:
+        url}`` of the restarted ones, for the weight sync that follows to bring them to the
+        trainer's weights (``Run.sync_weights``, on the thread that holds the trainer). An engine
+        that died in the train phase would otherwise fail the sync's first request on the
+        sending rank alone, while the other trainer ranks wait in the export."""
+        import ray
+
+        async def answering():
+            return await asyncio.gather(*(c.health(timeout=30.0, generate=False)
+                                          for c in self.clients))
+
+        exited = ray.get([w.server_exited.remote() for w in self.group.actors])
+        answers = self.run(answering())
+        restarted = {}
+        for engine, (gone, answers_http) in enumerate(zip(exited, answers)):
+            if gone or not answers_http:
+                self._allow_restart(engine, None)
+                self._replace_client(engine, ray.get(self.group.actors[engine].restart.remote()))
+                restarted[engine] = self.urls[engine]
+        return restarted
+
     @contextlib.contextmanager
     def resyncs_deferred(self):
         """Within the block (an overlapped rollout on another thread, while the trainer

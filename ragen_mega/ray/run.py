@@ -67,14 +67,15 @@ class Run:
                 stack.callback(self.actor.kill)
 
     def sync_weights(self, version: int) -> dict[str, float]:
-        """Push the actor's weights into every engine as ``version``. An engine restarted during
-        an overlapped rollout (not given weights from its thread) joins the weight-update group
-        first, so this one sync gives it the weights. Colocated engines are released at this point (after
-        start-up, and after each rollout): they take their weight memory back first and their
-        KV cache only once the weights are in (slime's order)."""
+        """Push the actor's weights into every engine as ``version``. An engine that died since
+        the rollout (the train phase) is restarted first, and one restarted during an overlapped
+        rollout (not given weights from its thread) waits here: both join the weight-update
+        group, so this one sync gives them the weights. Colocated engines are released at this
+        point (after start-up, and after each rollout): they take their weight memory back first
+        and their KV cache only once the weights are in (slime's order)."""
+        restarted = {**self.engines.take_unsynced(), **self.engines.restart_dead()}
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["weights"])
-        restarted = self.engines.take_unsynced()
         metrics = (self.actor.replace_engines(restarted, version) if restarted
                    else self.actor.sync_weights(version))
         self.weight_version = version

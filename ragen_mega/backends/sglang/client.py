@@ -172,11 +172,13 @@ class AsyncEngineClient:
 
     # ----- health and info -----
 
-    async def health(self, timeout: float = 30.0) -> bool:
-        """True if the engine generates (``/health_generate`` answers 200)."""
+    async def health(self, timeout: float = 30.0, generate: bool = True) -> bool:
+        """True if the engine generates (``/health_generate`` answers 200); ``generate=False``:
+        if its HTTP server answers at all (``/model_info``, which needs no scheduler step and so
+        no weights: a colocated engine's released memory does not make it look dead)."""
         try:
-            await self.request("GET", "/health_generate", timeout=timeout, retry=False,
-                               expect_json=False)
+            await self.request("GET", "/health_generate" if generate else "/model_info",
+                               timeout=timeout, retry=False, expect_json=False)
             return True
         except EngineError:
             return False
