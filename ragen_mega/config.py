@@ -362,45 +362,47 @@ class ModelTrainingConfig:
                                         # scaled_dot_product_attention call (flash on GPUs);
                                         # "unfused" = Megatron's DotProductAttention
 
-    def _bad(self, field, why):
-        raise ConfigError(f"{field}: {why} (got {getattr(self, field)!r})")
-
     def validate(self):
-        bad = self._bad
         for field in ("tp", "pp", "micro_batch_size", "ppo_epochs"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
-                bad(field, "must be an integer >= 1")
+                raise ConfigError(f"{field}: must be an integer >= 1, got "
+                                  f"{getattr(self, field)!r}")
         if self.ppo_mini_batch_size is not None and (
                 not isinstance(self.ppo_mini_batch_size, int) or self.ppo_mini_batch_size < 1):
-            bad("ppo_mini_batch_size", "must be None (the whole batch) or an integer >= 1 "
-                                       "(episodes)")
+            raise ConfigError(f"ppo_mini_batch_size: must be None (the whole batch) or an "
+                              f"integer >= 1 (episodes), got {self.ppo_mini_batch_size!r}")
         if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
-            bad("max_tokens_per_micro_batch", "must be None or >= 1")
+            raise ConfigError(f"max_tokens_per_micro_batch: must be None or >= 1, got "
+                              f"{self.max_tokens_per_micro_batch!r}")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
-            bad("vpp", "must be None or >= 1 together with pp > 1")
+            raise ConfigError(f"vpp: must be None or >= 1 together with pp > 1, got {self.vpp!r}")
         if not self.lr > 0:
-            bad("lr", "must be > 0")
+            raise ConfigError(f"lr: must be > 0, got {self.lr!r}")
         if not 0 <= self.min_lr <= self.lr:
-            bad("min_lr", f"must be in [0, lr={self.lr}]")
+            raise ConfigError(f"min_lr: must be in [0, lr={self.lr}], got {self.min_lr!r}")
         if self.lr_warmup_steps < 0:
-            bad("lr_warmup_steps", "must be >= 0")
+            raise ConfigError(f"lr_warmup_steps: must be >= 0, got {self.lr_warmup_steps!r}")
         if self.lr_decay_style not in get_args(LrDecayStyle):
-            bad("lr_decay_style", f"must be one of {get_args(LrDecayStyle)}")
+            raise ConfigError(f"lr_decay_style: must be one of {get_args(LrDecayStyle)}, got "
+                              f"{self.lr_decay_style!r}")
         if self.weight_decay < 0:
-            bad("weight_decay", "must be >= 0")
+            raise ConfigError(f"weight_decay: must be >= 0, got {self.weight_decay!r}")
         for field in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, field) < 1:
-                bad(field, "must be in [0, 1)")
+                raise ConfigError(f"{field}: must be in [0, 1), got {getattr(self, field)!r}")
         if not self.adam_eps > 0:
-            bad("adam_eps", "must be > 0")
+            raise ConfigError(f"adam_eps: must be > 0, got {self.adam_eps!r}")
         if self.grad_clip < 0:
-            bad("grad_clip", "must be >= 0 (0 disables clipping)")
+            raise ConfigError(f"grad_clip: must be >= 0 (0 disables clipping), got "
+                              f"{self.grad_clip!r}")
         if self.loss_agg_mode not in AGG_MODES:
-            bad("loss_agg_mode", f"must be one of {AGG_MODES}")
+            raise ConfigError(f"loss_agg_mode: must be one of {AGG_MODES}, got "
+                              f"{self.loss_agg_mode!r}")
         if self.loss_horizon is not None and self.loss_horizon < 1:
-            bad("loss_horizon", "must be None or >= 1")
+            raise ConfigError(f"loss_horizon: must be None or >= 1, got {self.loss_horizon!r}")
         if self.local_attention not in LOCAL_ATTENTIONS:
-            bad("local_attention", f"must be one of {LOCAL_ATTENTIONS}")
+            raise ConfigError(f"local_attention: must be one of {LOCAL_ATTENTIONS}, got "
+                              f"{self.local_attention!r}")
         return self
 
 
@@ -424,21 +426,23 @@ class ActorConfig(ModelTrainingConfig):
 
     def validate(self):
         super().validate()
-        bad = self._bad
         if not 0 <= self.clip_ratio_low < 1:
-            bad("clip_ratio_low", "must be in [0, 1)")
+            raise ConfigError(f"clip_ratio_low: must be in [0, 1), got {self.clip_ratio_low!r}")
         if self.clip_ratio_high < 0:
-            bad("clip_ratio_high", "must be >= 0")
+            raise ConfigError(f"clip_ratio_high: must be >= 0, got {self.clip_ratio_high!r}")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            bad("clip_ratio_c", "must be > 1 (or None to disable dual-clip)")
+            raise ConfigError(f"clip_ratio_c: must be > 1 (or None to disable dual-clip), got "
+                              f"{self.clip_ratio_c!r}")
         if self.entropy_coeff < 0:
-            bad("entropy_coeff", "must be >= 0")
+            raise ConfigError(f"entropy_coeff: must be >= 0, got {self.entropy_coeff!r}")
         if self.kl_coef < 0:
-            bad("kl_coef", "must be >= 0 (0 disables the KL term)")
+            raise ConfigError(f"kl_coef: must be >= 0 (0 disables the KL term), got "
+                              f"{self.kl_coef!r}")
         if self.kl_kind not in KL_KINDS:
-            bad("kl_kind", f"must be one of {KL_KINDS}")
+            raise ConfigError(f"kl_kind: must be one of {KL_KINDS}, got {self.kl_kind!r}")
         if self.tis_cap is not None and not self.tis_cap > 0:
-            bad("tis_cap", "must be > 0 (slime uses 2) or None to turn the IS correction off")
+            raise ConfigError(f"tis_cap: must be > 0 (slime uses 2) or None to turn the IS "
+                              f"correction off, got {self.tis_cap!r}")
         return self
 
 
@@ -461,12 +465,13 @@ class CriticConfig(ModelTrainingConfig):
     def validate(self):
         super().validate()
         if self.value_clip is not None and not self.value_clip > 0:
-            self._bad("value_clip", "must be > 0 or None")
+            raise ConfigError(f"value_clip: must be > 0 or None, got {self.value_clip!r}")
         if isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
-            self._bad("warmup_steps", "must be an integer >= 0 (critic-only steps; the LR "
-                                      "warm-up is lr_warmup_steps)")
+            raise ConfigError(f"warmup_steps: must be an integer >= 0 (critic-only steps; the "
+                              f"LR warm-up is lr_warmup_steps), got {self.warmup_steps!r}")
         if not self.highlight_first >= 1.0:
-            self._bad("highlight_first", "must be >= 1.0 (1.0 weighs every token alike)")
+            raise ConfigError(f"highlight_first: must be >= 1.0 (1.0 weighs every token "
+                              f"alike), got {self.highlight_first!r}")
         return self
 
 

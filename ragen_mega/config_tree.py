@@ -13,8 +13,9 @@ and checks everything before any process or server starts:
 - a key a section has renamed (its ``RENAMED_KEYS`` class attribute, old name -> new name) is
   refused with the new key's full path, so an old config fails loudly instead of meaning
   something else;
-- a section whose ``__post_init__`` refuses a value (``ValueError``/``TypeError``) is reported
-  under the section's path too.
+- a section whose ``__post_init__`` refuses a value raises ``ConfigError`` naming the field the
+  same way (``answer_line: ...`` becomes ``agent.answer_line: ...``); any other ``ValueError`` or
+  ``TypeError`` from it is reported under the section's path.
 
 Kept generic (no ragen_mega sections here) so the rules are tested once, on small trees.
 """
@@ -113,7 +114,9 @@ def _merge(section: Any, values: dict, prefix: str) -> Any:
             updates[name] = _coerce(value, hints[name], key)
     try:
         return dataclasses.replace(section, **updates)
-    except (TypeError, ValueError) as e:  # the section's own __post_init__ checks
+    except ConfigError as e:  # the section's own __post_init__ checks, naming the field
+        raise ConfigError(f"{prefix}.{e}" if prefix else str(e)) from e
+    except (TypeError, ValueError) as e:  # a check written otherwise still names the section
         raise ConfigError(f"{prefix or type(section).__name__}: {e}") from e
 
 

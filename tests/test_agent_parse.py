@@ -136,5 +136,5 @@ def test_answer_line_mode_reads_the_first_line():
     # without answer_line the same texts need the closing tag, as RAGEN's parser does
     strict = AgentConfig(think=False, max_actions_per_turn=1)
     assert not parse_response(" \nPhoenix.\nTurn 2", strict).format_ok
-    with pytest.raises(ValueError, match="AgentConfig.answer_line is for answer-only mode"):
+    with pytest.raises(ValueError, match="answer_line: is for answer-only mode"):
         AgentConfig(think=True, answer_line=True)

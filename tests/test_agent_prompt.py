@@ -209,22 +209,25 @@ def test_example_answer_shows_the_envs_own_actions_only_when_asked(tok, think, m
         rules, f"Always output: {answer} (with your own actions) with no extra text. Strictly follow this format.")
 
 
-@pytest.mark.parametrize("kwargs, error, field", [
-    ({"think": "yes"}, TypeError, "think"),
-    ({"max_actions_per_turn": 0}, ValueError, "max_actions_per_turn"),
-    ({"max_actions_per_turn": 2.0}, TypeError, "max_actions_per_turn"),
-    ({"action_sep": " "}, ValueError, "action_sep"),
-    ({"action_sep": "<|>"}, ValueError, "action_sep"),
-    ({"format_penalty": 0.1}, ValueError, "format_penalty"),
-    ({"format_penalty": float("nan")}, ValueError, "format_penalty"),
-    ({"format_penalty": "-0.1"}, TypeError, "format_penalty"),
-    ({"memory_turns": -1}, ValueError, "memory_turns"),
-    ({"include_thoughts_in_memory": 1}, TypeError, "include_thoughts_in_memory"),
-    ({"max_prompt_tokens": 0}, ValueError, "max_prompt_tokens"),
-    ({"example_answer": "yes"}, TypeError, "example_answer"),
+@pytest.mark.parametrize("kwargs, field", [
+    ({"think": "yes"}, "think"),
+    ({"max_actions_per_turn": 0}, "max_actions_per_turn"),
+    ({"max_actions_per_turn": 2.0}, "max_actions_per_turn"),
+    ({"action_sep": " "}, "action_sep"),
+    ({"action_sep": "<|>"}, "action_sep"),
+    ({"format_penalty": 0.1}, "format_penalty"),
+    ({"format_penalty": float("nan")}, "format_penalty"),
+    ({"format_penalty": "-0.1"}, "format_penalty"),
+    ({"memory_turns": -1}, "memory_turns"),
+    ({"include_thoughts_in_memory": 1}, "include_thoughts_in_memory"),
+    ({"max_prompt_tokens": 0}, "max_prompt_tokens"),
+    ({"example_answer": "yes"}, "example_answer"),
 ])
-def test_config_errors_name_the_field(kwargs, error, field):
-    with pytest.raises(error, match=rf"AgentConfig\.{field} "):
+def test_config_errors_name_the_field(kwargs, field):
+    """A bad value is a ConfigError (a ValueError) naming the field first, as every section's."""
+    from ragen_mega.config_tree import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"^{field}: "):
         AgentConfig(**kwargs)
 
 

@@ -24,7 +24,7 @@ def test_defaults_are_ragen_starpo_s():
 
 @pytest.mark.parametrize("overrides, needle", [
     (["actor.lrr=1"], "unknown config key 'actor.lrr'; allowed keys here:"),
-    (["actor.tp=0"], "actor.tp: must be an integer >= 1 (got 0)"),
+    (["actor.tp=0"], "actor.tp: must be an integer >= 1, got 0"),
     (["critic.lr=-1"], "critic.lr: must be > 0"),
     (["trainer.data_parallel=0"], "trainer.data_parallel: must be >= 1"),
     (["algo.use_rollout_logprobs=true", "rollout.temperature=0.7"],
@@ -32,7 +32,8 @@ def test_defaults_are_ragen_starpo_s():
     (["env.name=chess"], "env.name: unknown env 'chess'; registered envs: babaisai, babyai, bandit"),
     (["filter.ratio=0"], "filter.ratio: must be in (0, 1]"),
     (["filter.mode=top"], "filter.mode: 'top' is not allowed; allowed values: 'std', 'std_rev'"),
-    (["agent.format_penalty=0.5"], "agent: AgentConfig.format_penalty"),
+    (["agent.format_penalty=0.5"], "agent.format_penalty: is added to the reward, so it must "
+                                   "be <= 0"),
     (["critic.enable=false"], "algo.adv_estimator: 'gae' needs a critic"),
     (["algo.adv_estimator=ppo"], "algo.adv_estimator: must be one of ['gae', 'gigpo', 'grpo'], got 'ppo'"),
     (["algo.adv_estimator=grpo", "env.group_size=1"], "env.group_size: grpo compares episodes"),

@@ -2,11 +2,14 @@
 
 The run's config tree embeds this dataclass as the ``agent:`` section, so the field names are
 user-facing config keys: keep them stable. Every value is checked when the object is built, and a bad one
-raises ``ValueError``/``TypeError`` naming ``AgentConfig.<field>``.
+raises :class:`~ragen_mega.config_tree.ConfigError` (a ``ValueError``) whose message starts with the
+field's name, as every config section's does (the tree puts ``agent.`` in front).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ragen_mega.config_tree import ConfigError
 
 
 @dataclass
@@ -46,26 +49,26 @@ class AgentConfig:
         _check_bool("answer_line", self.answer_line)
         _check_bool("example_answer", self.example_answer)
         if self.answer_line and self.think:
-            raise ValueError("AgentConfig.answer_line is for answer-only mode; set think=false")
+            raise ConfigError("answer_line: is for answer-only mode; set think=false")
         _check_int("max_actions_per_turn", self.max_actions_per_turn, minimum=1)
         _check_int("memory_turns", self.memory_turns, minimum=0, optional=True)
         _check_int("max_prompt_tokens", self.max_prompt_tokens, minimum=1, optional=True)
         if not isinstance(self.action_sep, str) or not self.action_sep.strip():
-            raise ValueError(f"AgentConfig.action_sep must be a non-blank string, got {self.action_sep!r}")
+            raise ConfigError(f"action_sep: must be a non-blank string, got {self.action_sep!r}")
         if "<" in self.action_sep or ">" in self.action_sep:
-            raise ValueError(f"AgentConfig.action_sep must not contain '<' or '>' (they belong to the "
-                             f"<think>/<answer> tags), got {self.action_sep!r}")
+            raise ConfigError(f"action_sep: must not contain '<' or '>' (they belong to the "
+                              f"<think>/<answer> tags), got {self.action_sep!r}")
         if isinstance(self.format_penalty, bool) or not isinstance(self.format_penalty, (int, float)):
-            raise TypeError(f"AgentConfig.format_penalty must be a number, got {self.format_penalty!r}")
+            raise ConfigError(f"format_penalty: must be a number, got {self.format_penalty!r}")
         if not self.format_penalty <= 0:  # also rejects NaN
-            raise ValueError(f"AgentConfig.format_penalty is added to the reward, so it must be <= 0 "
-                             f"(RAGEN uses -0.1), got {self.format_penalty!r}")
+            raise ConfigError(f"format_penalty: is added to the reward, so it must be <= 0 "
+                              f"(RAGEN uses -0.1), got {self.format_penalty!r}")
         self.format_penalty = float(self.format_penalty)
 
 
 def _check_bool(field: str, value) -> None:
     if not isinstance(value, bool):
-        raise TypeError(f"AgentConfig.{field} must be true or false, got {value!r}")
+        raise ConfigError(f"{field}: must be true or false, got {value!r}")
 
 
 def _check_int(field: str, value, minimum: int, optional: bool = False) -> None:
@@ -73,6 +76,6 @@ def _check_int(field: str, value, minimum: int, optional: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int):
         kind = "an int or None" if optional else "an int"
-        raise TypeError(f"AgentConfig.{field} must be {kind}, got {value!r}")
+        raise ConfigError(f"{field}: must be {kind}, got {value!r}")
     if value < minimum:
-        raise ValueError(f"AgentConfig.{field} must be >= {minimum}, got {value}")
+        raise ConfigError(f"{field}: must be >= {minimum}, got {value}")
