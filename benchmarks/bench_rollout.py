@@ -46,7 +46,7 @@ episodes in three tags with turn limits ``--turn-limits`` (4, 8, 16 by default: 
 model never solves a puzzle, so each plays to its limit, and the longest is 4x the shortest),
 ``--groups`` groups of ``--group-size`` per tag. Episodes mode is ``RolloutManager.episodes``'s shape (all of
 a step's episodes at once, the step over when its longest is); streamed mode is
-``EnvStreams.play`` with ``turns_per_step`` = the episodes-mode turns per step / streams, rounded
+``EnvStreams.play_window`` with ``turns_per_step`` = the episodes-mode turns per step / streams, rounded
 down, so both modes play about as many turns a step. ``--steps`` steps each, after an untimed
 one, alternating modes; per mode turns/s, the engine's time-weighted mean requests in flight and
 seconds per step. Rollout only (no training between steps). ``--model`` picks the engine's
@@ -363,7 +363,7 @@ def streamed(args) -> None:
                     return sum(len(e.samples) for e in played)
 
                 async def streamed_step(step):
-                    window = await streams.play(lambda s: generate_for((step, s)), sampling,
+                    window = await streams.play_window(lambda s: generate_for((step, s)), sampling,
                                                 weight_version=step)
                     return len(window.samples)
 

@@ -80,7 +80,7 @@ def hf_weights(path: str):
 def evaluate(cfg: RunConfig, checkpoint: str) -> dict:
     """The held-out evaluation of ``checkpoint`` under ``cfg``: the JSON report (module doc)."""
     with hf_weights(checkpoint) as model_dir:
-        episodes = play(cfg, model_dir)
+        episodes = play_held_out(cfg, model_dir)
     metrics = summarize(episodes, "val")
     tags = sorted({e.samples[0].env_tag for e in episodes})
     counts = {tag: sum(e.samples[0].env_tag == tag for e in episodes) for tag in tags}
@@ -129,7 +129,7 @@ def pick(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return out
 
 
-def play(cfg: RunConfig, model_dir: str) -> list:
+def play_held_out(cfg: RunConfig, model_dir: str) -> list:
     """Start the config's engines (and env workers) on ``model_dir``, no trainer, and play the
     held-out episodes on them; the engines' logs go to a temporary directory, not the run's."""
     from ragen_mega.ray.run import build_run

@@ -230,7 +230,7 @@ def format_examples(cfg, tokenizer, count: int, seed: int) -> list[SFTExample]:
 
 def _first_prompt(part, seed: int, tokenizer, cfg) -> tuple[list[int], list[str]]:
     """Turn 1's prompt ids of an episode of ``part`` reset with ``seed``, built as
-    ``rollout.episode.open_episode`` and ``play_turn`` build it, and the env's valid actions."""
+    ``rollout.episode.open_episode`` and ``take_turn`` build it, and the env's valid actions."""
     env = make(part.name, **part.kwargs)
     try:
         handle = LocalEnv(env)

@@ -94,7 +94,7 @@ def test_pending_rollout_and_streams_round_trip_under_weights_only(tokenizer, tm
     streams = EnvStreams([EnvPart("lake", "frozen_lake", {"is_slippery": False}, 2)],
                          group_size=2, seed=5, turns_per_step=3, tokenizer=tokenizer,
                          agent=AGENT, max_turns=4)
-    asyncio.run(streams.play(lambda s: _policy(tokenizer), {}, weight_version=0))
+    asyncio.run(streams.play_window(lambda s: _policy(tokenizer), {}, weight_version=0))
     stream_state = streams.state_dict()
     assert any(stream_state["responses"])
 

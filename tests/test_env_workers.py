@@ -16,7 +16,7 @@ from ragen_mega.ray.env_workers import EnvWorkerError, EnvWorkerGroup
 from ragen_mega.ray.placement import bundle_cpus, create_placement_group, plan_placement
 from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, Generation, mix_specs, run_episode
 from ragen_mega.rollout.episode import EnvFailed
-from ragen_mega.rollout.faults import DroppedEpisode, play_or_drop
+from ragen_mega.rollout.faults import DroppedEpisode, episode_or_drop
 
 ANSWERS = [" go </think><answer> Up || Left </answer>", " hmm </think><answer> Down </answer>",
            " so </think><answer> Right || Down </answer>", "no tags at all"]
@@ -90,7 +90,7 @@ def test_remote_envs_play_the_local_episodes(private_ray, tokenizer, scripted, r
 
     async def play_both():
         return await asyncio.gather(*(
-            play_or_drop(s, run_episode(s, tokenizer=tokenizer, agent=agent, sampling={},
+            episode_or_drop(s, run_episode(s, tokenizer=tokenizer, agent=agent, sampling={},
                                         max_turns=1, open_env=workers.open, generate=pull_dragon))
             for s in faulty))
 

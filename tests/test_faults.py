@@ -32,7 +32,7 @@ from ragen_mega.rollout.batch import build_batch, filter_groups
 from ragen_mega.rollout.episode import (EpisodeSpec, Generation, PromptTooLong, group_specs,
                                         run_episode)
 from ragen_mega.rollout.faults import (DroppedEpisode, FaultCounters, count_rollout_faults,
-                                       play_or_drop)
+                                       episode_or_drop)
 from ragen_mega.train import check_skipped_updates
 
 faulty_envs.register()
@@ -40,7 +40,7 @@ AGENT = AgentConfig(think=True, max_actions_per_turn=1)
 
 
 def _play(specs, tokenizer, answer_of, max_turns=1):
-    """Every spec through ``play_or_drop(run_episode(...))``; ``answer_of(episode_id, turn)``
+    """Every spec through ``episode_or_drop(run_episode(...))``; ``answer_of(episode_id, turn)``
     is the text the policy writes (or raises)."""
     async def one(spec):
         turns = iter(range(1, max_turns + 1))
@@ -49,7 +49,7 @@ def _play(specs, tokenizer, answer_of, max_turns=1):
             ids = tokenizer.encode(answer_of(spec.episode_id, next(turns)),
                                    add_special_tokens=False)
             return Generation(ids, [-0.5] * len(ids), "stop")
-        return await play_or_drop(spec, run_episode(spec, tokenizer=tokenizer, agent=AGENT,
+        return await episode_or_drop(spec, run_episode(spec, tokenizer=tokenizer, agent=AGENT,
                                                     generate=generate, sampling={},
                                                     max_turns=max_turns))
 
@@ -154,7 +154,7 @@ def test_streamed_faults_cost_an_episode_not_the_window(tokenizer, tmp_path):
             return Generation(ids, [-0.5] * len(ids), "stop")
         return generate
 
-    window = asyncio.run(streams.play(generate_for, {}, weight_version=0))
+    window = asyncio.run(streams.play_window(generate_for, {}, weight_version=0))
     by_stream = [[(s.seed, s.turn, s.last) for s in window.samples[3 * i:3 * i + 3]]
                  for i in range(4)]
     assert by_stream == [[(0, 1, True), (4, 1, True), (8, 1, True)],

@@ -35,7 +35,7 @@ def make_streams(tokenizer, turns_per_step=3):
 
 def play(streams, tokenizer, version=0):
     gen = policy(tokenizer)
-    return asyncio.run(streams.play(lambda s: gen, {}, weight_version=version))
+    return asyncio.run(streams.play_window(lambda s: gen, {}, weight_version=version))
 
 
 def test_streams_play_fixed_turns_and_continue_episodes(tokenizer):
@@ -139,7 +139,7 @@ def test_a_window_cut_short_is_played_again_from_its_start(tokenizer):
         return generate
 
     with pytest.raises(Died):
-        asyncio.run(streams.play(generate_for, {}, weight_version=1))
+        asyncio.run(streams.play_window(generate_for, {}, weight_version=1))
     asyncio.run(streams.restore(start))
     got = play(streams, tokenizer, version=1)
     fields = lambda w: [(s.episode_id, s.turn, s.prompt_ids, s.response_ids, s.reward, s.cut,

@@ -15,7 +15,7 @@ The episode ends when solved or after ``max_steps`` valid moves; ``step`` after 
 Why ``move_reward`` is a kwarg: the penalty for an invalid turn does not come from this env (it
 pays 0) but from the rollout, which adds ``agent.format_penalty`` (RAGEN: -0.1) once to a turn
 whose response breaks the format or holds an unknown action
-(:func:`ragen_mega.rollout.episode.play_turn`). With the defaults a move costs -0.1 too, so an
+(:func:`ragen_mega.rollout.episode.take_turn`). With the defaults a move costs -0.1 too, so an
 episode that will not be solved scores no worse by writing invalid turns than by moving (and
 better than with turns of several moves, each paying -0.1): moving is not worth it to a loser.
 RAGEN has the same trap; the default keeps RAGEN's -0.1. Set e.g. ``move_reward=0`` or ``-0.01``

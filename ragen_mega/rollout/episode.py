@@ -118,7 +118,7 @@ class Episode:
 class EpisodeState:
     """One episode between two of its turns: its env, prompt state and running tallies.
 
-    :func:`play_turn` advances it by one turn; :func:`run_episode` plays it to its end in one go,
+    :func:`take_turn` advances it by one turn; :func:`run_episode` plays it to its end in one go,
     and the env streams of ``rollout/streams.py`` carry it over training steps, so both play
     exactly the same turns."""
     spec: EpisodeSpec
@@ -187,7 +187,7 @@ async def open_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, max_
     return EpisodeState(spec, env, builder, History(), obs, spec.max_turns or max_turns)
 
 
-async def play_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, generate: GenerateFn,
+async def take_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, generate: GenerateFn,
                     sampling: dict[str, Any]) -> Sample:
     """One turn: prompt from the history, one generation, its actions stepped in the env until
     one ends the episode; returns the turn's :class:`Sample` (``last`` set if the episode is
@@ -242,7 +242,7 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
     try:
         while not state.over:
             try:
-                samples.append(await play_turn(state, tokenizer=tokenizer, agent=agent,
+                samples.append(await take_turn(state, tokenizer=tokenizer, agent=agent,
                                                generate=generate, sampling=sampling))
             except PromptTooLong:  # truncated here, like a turn limit
                 state.too_long = True

@@ -74,7 +74,7 @@ class DroppedEpisode:
     reason: str
 
 
-async def play_or_drop(spec: EpisodeSpec, play) -> Episode | DroppedEpisode:
+async def episode_or_drop(spec: EpisodeSpec, play) -> Episode | DroppedEpisode:
     """Await ``play`` (a ``run_episode`` coroutine for ``spec``); an env failure, or an episode
     without a single turn, becomes a :class:`DroppedEpisode` instead of ending the step. Any
     other error (an engine's, a bug) still propagates."""

@@ -27,7 +27,7 @@ from ragen_mega.rollout.episode import (EngineRestarted, Episode, GenerateFn, Op
                                         mix_specs, run_episode, train_parts, train_step_specs,
                                         val_parts)
 from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
-                                       play_or_drop)
+                                       episode_or_drop)
 from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.sample import Sample
 from ragen_mega.rollout.seeding import seeded_generate
@@ -151,7 +151,7 @@ class RolloutManager:
                 generate=self._generate("eval" if evaluate else "train", step, spec.episode_id),
                 sampling=self._sampling(temperature), max_turns=env.max_turns,
                 env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
-        played = (play_or_drop(spec, self.engines.replaying(attempt(spec), self.open_env))
+        played = (episode_or_drop(spec, self.engines.replaying(attempt(spec), self.open_env))
                   for spec in specs)
 
         async def play_all():
@@ -174,7 +174,7 @@ class RolloutManager:
             start_state = self.streams.state_dict()
             while True:
                 try:
-                    return await self.streams.play(
+                    return await self.streams.play_window(
                         lambda stream: self._generate("stream", step, stream), sampling,
                         weight_version=step - 1)
                 except EngineRestarted:

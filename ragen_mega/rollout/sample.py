@@ -48,7 +48,7 @@ class Sample:
         ``info`` as nested dicts/lists of those), so a checkpoint holding it loads with
         ``torch.load(weights_only=True)``; :meth:`from_dict` gives an equal Sample back.
 
-        ``info`` (``episode.play_turn``: ``format_ok``, ``finish_reason``) must hold only such
+        ``info`` (``episode.take_turn``: ``format_ok``, ``finish_reason``) must hold only such
         values: anything else (an object, an array) raises TypeError naming its key rather than
         being dropped, which would make a resumed run's samples differ from the saved ones."""
         return {"prompt_ids": [int(t) for t in self.prompt_ids],

@@ -14,7 +14,7 @@ seed of episode ``j`` of group ``g`` is a function of ``(g, j)`` alone. Episode 
 
 Exact resume: :meth:`EnvStreams.state_dict` holds, per stream, its episode index and the
 responses of the turns its current episode has played; :meth:`EnvStreams.load_state_dict` replays
-them through the same :func:`~ragen_mega.rollout.episode.play_turn` on a freshly reset env (envs
+them through the same :func:`~ragen_mega.rollout.episode.take_turn` on a freshly reset env (envs
 are deterministic given seed and actions), so the resumed stream is where the saved one was.
 
 Faults (``rollout/faults.py``) cost an episode, never the window's size: an env that raises drops
@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 from ragen_mega.agent import AgentConfig
 from ragen_mega.rollout.episode import (EnvFailed, EnvPart, Episode, EpisodeSpec, EpisodeState,
                                         GenerateFn, Generation, OpenEnvFn, PromptTooLong,
-                                        open_episode, play_turn, train_step_specs)
+                                        open_episode, take_turn, train_step_specs)
 from ragen_mega.rollout.faults import DroppedEpisode
 from ragen_mega.rollout.sample import Sample
 
@@ -71,7 +71,7 @@ class _Stream:
 
 
 class EnvStreams:
-    """The run's env streams; :meth:`play` is one step's window."""
+    """The run's env streams; :meth:`play_window` plays one step's window."""
 
     def __init__(self, parts: Sequence[EnvPart], *, group_size: int, seed: int,
                  turns_per_step: int, tokenizer, agent: AgentConfig, max_turns: int,
@@ -91,8 +91,9 @@ class EnvStreams:
         return dataclasses.replace(self.spec_row(j)[stream],
                                    episode_id=j * len(self.streams) + stream)
 
-    async def play(self, generate_for: Callable[[int], GenerateFn], sampling: dict[str, Any],
-                   weight_version: int, *, max_failures: int | None = None) -> Window:
+    async def play_window(self, generate_for: Callable[[int], GenerateFn],
+                          sampling: dict[str, Any], weight_version: int, *,
+                          max_failures: int | None = None) -> Window:
         """Every stream plays ``turns_per_step`` turns concurrently; ``generate_for(s)`` is
         stream ``s``'s generate function for this step, ``weight_version`` the weights the
         engines hold (recorded in each sample). A stream whose envs raise more than
@@ -134,7 +135,7 @@ class EnvStreams:
                     episode_start = len(samples)
                     stream.state = await self._open(stream)
                 try:
-                    sample = await play_turn(stream.state, tokenizer=self.tokenizer,
+                    sample = await take_turn(stream.state, tokenizer=self.tokenizer,
                                              agent=self.agent, generate=generate,
                                              sampling=sampling)
                 except PromptTooLong:  # truncated before this turn, like a turn limit
@@ -185,7 +186,7 @@ class EnvStreams:
         for ids, finish_reason in stream.responses:
             async def recorded(_prompt, _sampling, ids=ids, finish_reason=finish_reason):
                 return Generation(list(ids), [0.0] * len(ids), finish_reason)
-            await play_turn(state, tokenizer=self.tokenizer, agent=self.agent,
+            await take_turn(state, tokenizer=self.tokenizer, agent=self.agent,
                             generate=recorded, sampling={})
         return state
 
