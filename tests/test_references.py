@@ -73,7 +73,7 @@ def test_bandit_lines_in_closed_form(kwargs, random_valid, example_copy):
 
 
 def test_an_env_without_lines_has_none():
-    assert reference_lines("sokoban", {}, [0], max_turns=5, max_actions_per_turn=2) is None
+    assert reference_lines("babyai", {}, [0], max_turns=5, max_actions_per_turn=2) is None
 
 
 MIX = ("env.mix=[{tag: lake, name: frozen_lake, kwargs: {size: 2, p: 1.0, is_slippery: false},"
@@ -101,7 +101,7 @@ def test_held_out_references_of_a_mix_weigh_each_tag_by_its_episodes():
     _, per_tag = held_out_references(cfg)
     assert per_tag["bandit"]["example_copy"] == 0.0        # Phoenix || Dragon pulls Phoenix
     # one env without lines: no overall lines, the others' per tag
-    cfg = load_run_config(None, [MIX.replace("]", ", {tag: sokoban, env_groups: 1}]"),
+    cfg = load_run_config(None, [MIX.replace("]", ", {tag: babyai, env_groups: 1}]"),
                                  "env.env_groups=3", "env.max_turns=1"])
     overall, per_tag = held_out_references(cfg)
     assert overall == {} and sorted(per_tag) == ["bandit", "lake"]

@@ -18,6 +18,9 @@ entry has no lines; a line that does not apply to an env is left out.
   (:mod:`.frozen_lake_references`). Its ``optimal`` sees the player at the start of each turn and
   then commits to its answer, as the model does (``optimal_per_turn`` there; the same as seeing
   every move on non-slippery ice).
+- ``sokoban``: search over the level's positions (:mod:`.sokoban_references`): the random
+  walk's distribution move by move, every fixed answer played out, breadth-first search for the
+  optimum (deterministic and fully seen, so the per-turn optimum is the per-move one).
 - ``bandit``: closed form. Success is choosing the arm of the higher expected reward, one pull
   an episode, and the seed only orders the arms on screen, so every line is the same on every
   seed: ``random_valid`` the share of the two arms that are better (1/2, or 1 when both are
@@ -65,7 +68,16 @@ def _bandit(env_kwargs, seeds, max_turns, max_actions_per_turn, example_answer):
     return lines
 
 
-REFERENCES: dict[str, ReferenceFn] = {"frozen_lake": _frozen_lake, "bandit": _bandit}
+def _sokoban(env_kwargs, seeds, max_turns, max_actions_per_turn, example_answer):
+    from ragen_mega.envs.sokoban_references import references
+
+    per_seed = {seed: references(env_kwargs, seed, max_turns, max_actions_per_turn,
+                                 example_answer) for seed in sorted(set(seeds))}
+    return {key: float(np.mean([per_seed[s][key] for s in seeds])) for key in per_seed[seeds[0]]}
+
+
+REFERENCES: dict[str, ReferenceFn] = {"frozen_lake": _frozen_lake, "bandit": _bandit,
+                                      "sokoban": _sokoban}
 
 
 def reference_lines(env_name: str, env_kwargs: dict, seeds: Sequence[int], *, max_turns: int,

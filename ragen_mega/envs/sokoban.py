@@ -24,7 +24,7 @@ to each valid move's reward, so a cost is negative.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -148,16 +148,34 @@ class SokobanEnv(TextEnv):
     def _move(self, step: tuple[int, int]) -> bool:
         """Move the player one cell, pushing a box if one is there; False if blocked."""
         level = self._level
-        nxt = (level.player[0] + step[0], level.player[1] + step[1])
-        if _blocked(level, nxt):
+        outcome = move_outcome(level.player, step, lambda cell: _blocked(level, cell),
+                               lambda cell: bool(level.boxes[cell]))
+        if outcome is None:
             return False
-        if level.boxes[nxt]:
-            beyond = (nxt[0] + step[0], nxt[1] + step[1])
-            if _blocked(level, beyond) or level.boxes[beyond]:
-                return False
-            level.boxes[nxt], level.boxes[beyond] = False, True
-        level.player = nxt
+        level.player, push = outcome
+        if push is not None:
+            level.boxes[push[0]], level.boxes[push[1]] = False, True
         return True
+
+
+Cell = tuple[int, int]
+
+
+def move_outcome(player: Cell, step: Cell, blocked: Callable[[Cell], bool],
+                 has_box: Callable[[Cell], bool]) -> tuple[Cell, tuple[Cell, Cell] | None] | None:
+    """Sokoban's rule for one move, on any representation of a position: the player's new cell
+    and the push it makes (a box's cell and where it goes, or None), or None when the move is
+    blocked (a wall ahead, or a box that a wall or another box holds). The env and its exact
+    reference lines (``sokoban_references.py``) both move by it."""
+    nxt = (player[0] + step[0], player[1] + step[1])
+    if blocked(nxt):
+        return None
+    if not has_box(nxt):
+        return nxt, None
+    beyond = (nxt[0] + step[0], nxt[1] + step[1])
+    if blocked(beyond) or has_box(beyond):
+        return None
+    return nxt, (nxt, beyond)
 
 
 def parse_grid(grid: str) -> Level:
