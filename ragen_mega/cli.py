@@ -10,6 +10,7 @@ import sys
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "play": ("ragen_mega.envs.play", "play an environment by hand, seeing the model's text"),
+    "env-server": ("ragen_mega.envs.server", "serve an env over HTTP for remote rollouts (env.remote)"),
     "prepare-model": ("ragen_mega.models.prepare", "write a local HF model directory (no hub)"),
     "convert": ("ragen_mega.backends.megatron.convert", "convert checkpoints HF <-> Megatron"),
     "train": ("ragen_mega.train", "train with StarPO / StarPO-S (CONFIG.yaml [key=value ...])"),

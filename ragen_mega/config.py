@@ -106,17 +106,35 @@ class EnvConfig:
     val_group_size: int = 1
     val_seed: int = 1_000_000
     mix: list[EnvMixEntry] = dataclasses.field(default_factory=list)
+    #: env servers (``ragen-mega env-server``) the episodes are played on instead of local envs,
+    #: episode i on server i mod len (``rollout/remote_env.py``); each must serve ``name`` with
+    #: ``kwargs`` (checked at start-up). [] = local envs (or ``rollout.env_workers``)
+    remote: list[str] = dataclasses.field(default_factory=list)
+    remote_timeout_s: float = 60.0   # an env server's answer; longer is an env failure
 
     def validate(self):
         for key in ("env_groups", "group_size", "max_turns", "val_groups", "val_group_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
+        if self.remote:
+            self._validate_remote()
         if not self.mix:
             _check_env_name(self.name, "name")
             if self.val_name is not None:
                 _check_env_name(self.val_name, "val_name")
             return
         self._validate_mix()
+
+    def _validate_remote(self):
+        for i, url in enumerate(self.remote):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ConfigError(f"remote[{i}]: must be an http(s):// URL of an env server, "
+                                  f"got {url!r}")
+        if self.mix or self.val_name is not None or self.val_kwargs:
+            raise ConfigError("remote: env servers serve one env, the run's name and kwargs; "
+                              "not with env.mix, env.val_name or env.val_kwargs")
+        if not self.remote_timeout_s > 0:
+            raise ConfigError(f"remote_timeout_s: must be > 0, got {self.remote_timeout_s}")
 
     def _validate_mix(self):
         defaults = EnvConfig()
@@ -583,6 +601,9 @@ class RunConfig:
             raise ConfigError(f"env.group_size: {self.algo.adv_estimator} compares episodes "
                               f"within a group, so it needs group_size >= 2, got "
                               f"{self.env.group_size}")
+        if self.env.remote and self.rollout.env_workers:
+            raise ConfigError("env.remote: episodes play on env servers, so there are no envs "
+                              "for rollout.env_workers to hold; set rollout.env_workers=0")
         if self.filter.soft_reweight and self.critic.enable:
             raise ConfigError("filter.soft_reweight: weighs a group's advantages by its reward "
                               "std, which a critic-free estimator's advantages are measured "

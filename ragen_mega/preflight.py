@@ -6,7 +6,8 @@ combinations of keys) and probes nothing. Before a command starts a process or a
 raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
 
 - every env of the run (training, held-out, each ``env.mix`` entry) builds with its kwargs,
-  once, in this process: a wrong kwarg is named here, not in an env worker minutes later;
+  once, in this process: a wrong kwarg is named here, not in an env worker minutes later; with
+  ``env.remote``, each env server answers and serves the config's env and kwargs instead;
 - ``actor.bf16`` / ``critic.bf16`` have a GPU to run on.
 
 ``ragen-mega train``, ``eval`` and ``sft`` run it right after loading the config.
@@ -22,8 +23,15 @@ from ragen_mega.config_tree import ConfigError
 def preflight(cfg: RunConfig) -> RunConfig:
     """``cfg``, once every env builds and bf16 has a GPU; else ConfigError naming the key."""
     from ragen_mega.envs import make
+    from ragen_mega.rollout.remote_env import check_servers
 
-    for key, name, kwargs in env_builds(cfg):
+    if cfg.env.remote:  # the servers build the env: they must serve the config's
+        try:
+            check_servers(cfg.env.remote, cfg.env.name, cfg.env.kwargs,
+                          min(cfg.env.remote_timeout_s, 30.0))
+        except ValueError as e:
+            raise ConfigError(f"env.remote{e}") from e
+    for key, name, kwargs in [] if cfg.env.remote else env_builds(cfg):
         try:
             make(name, **kwargs).close()
         except (TypeError, ValueError) as e:

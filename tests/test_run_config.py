@@ -101,6 +101,14 @@ def test_defaults_are_ragen_starpo_s():
     (["filter.loss_scaling=log"], "filter.loss_scaling: 'log' is not allowed"),
     (["filter.soft_reweight=true"], "filter.soft_reweight: weighs a group's advantages by its "
                                     "reward std"),
+    # env servers: URLs, one env, no env workers beside them
+    (["env.remote=[localhost:8000]"], "env.remote[0]: must be an http(s):// URL of an env "
+                                      "server, got 'localhost:8000'"),
+    (["env.remote=[http://h:1]", "env.val_name=sokoban"], "env.remote: env servers serve one "
+                                                          "env"),
+    (["env.remote=[http://h:1]", "env.remote_timeout_s=0"], "env.remote_timeout_s: must be > 0"),
+    (["env.remote=[http://h:1]", "rollout.env_workers=2"], "env.remote: episodes play on env "
+                                                           "servers"),
     (["model.path=/nonexistent/model"],
      "model.path: '/nonexistent/model' is not a Hugging Face model directory (no config.json"),
 ])

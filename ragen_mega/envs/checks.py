@@ -10,13 +10,17 @@ import numbers
 from typing import Any
 
 
+class EpisodeDone(RuntimeError):
+    """``step`` after the episode ended (the env server answers it with 409)."""
+
+
 def ensure_steppable(env_name: str, started: bool, done: bool) -> None:
     """Refuse ``step`` before the first ``reset`` and after the episode ended."""
     if not started:
         raise RuntimeError(f"env {env_name!r}: call reset(seed) before step()")
     if done:
-        raise RuntimeError(f"env {env_name!r}: the episode is done; call reset(seed) to start "
-                           f"a new one")
+        raise EpisodeDone(f"env {env_name!r}: the episode is done; call reset(seed) to start "
+                          f"a new one")
 
 
 def check_seed(env_name: str, seed: Any) -> int:

@@ -49,6 +49,18 @@ def option_kwargs(extra: list[str]) -> list[str]:
     return out
 
 
+def env_kwargs(kwarg_options: list[str], extra: list[str]) -> dict[str, Any]:
+    """The env kwargs of ``--kwarg K=V`` options and of the other ``--NAME VALUE`` options
+    (``extra``, what argparse did not know); ValueError for a key given twice."""
+    kwargs: dict[str, Any] = {}
+    for text in kwarg_options + option_kwargs(extra):
+        key, value = parse_kwarg(text)
+        if key in kwargs:
+            raise ValueError(f"--kwarg {key} given twice")
+        kwargs[key] = value
+    return kwargs
+
+
 def main(argv: list[str] | None = None) -> int:
     """``argv``: the words after ``play`` (``ENV [--seed N] [--kwarg k=v ...]``); exit code."""
     parser = argparse.ArgumentParser(
@@ -64,13 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse already printed usage and the problem
         return exit_.code if isinstance(exit_.code, int) else 2
     try:
-        kwargs: dict[str, Any] = {}
-        for text in args.kwarg + option_kwargs(extra):
-            key, value = parse_kwarg(text)
-            if key in kwargs:
-                raise ValueError(f"--kwarg {key} given twice")
-            kwargs[key] = value
-        env = make(args.env, **kwargs)
+        env = make(args.env, **env_kwargs(args.kwarg, extra))
         obs = env.reset(args.seed)
     except (ValueError, TypeError, ImportError) as err:
         print(f"ragen-mega play: error: {err}", file=sys.stderr)

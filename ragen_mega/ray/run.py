@@ -24,6 +24,7 @@ from ragen_mega.config import RunConfig
 from ragen_mega.models.prepare import resolve_model
 from ragen_mega.ray.placement import ResourcePlan
 from ragen_mega.rollout.manager import RolloutManager
+from ragen_mega.rollout.remote_env import RemoteEnvs
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
@@ -139,8 +140,12 @@ def _place(run: Run, with_trainers: bool) -> None:
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)
-    run.rollouts = RolloutManager(cfg, run.tokenizer, engines,
-                                  None if run.env_workers is None else run.env_workers.open)
+    open_env = None  # envs built in the driver
+    if run.env_workers is not None:
+        open_env = run.env_workers.open
+    elif cfg.env.remote:
+        open_env = RemoteEnvs(cfg.env.remote, cfg.env.remote_timeout_s).open
+    run.rollouts = RolloutManager(cfg, run.tokenizer, engines, open_env)
     if not with_trainers:
         return
     if t.colocate:  # the trainer ranks about to be built need the shared devices
