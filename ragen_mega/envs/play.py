@@ -61,16 +61,23 @@ def env_kwargs(kwarg_options: list[str], extra: list[str]) -> dict[str, Any]:
     return kwargs
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``argv``: the words after ``play`` (``ENV [--seed N] [--kwarg k=v ...]``); exit code."""
+def env_parser(prog: str, what: str) -> argparse.ArgumentParser:
+    """A command's parser taking an env name and its kwargs (``--kwarg K=V``, or any other
+    ``--NAME VALUE``: read them with ``parse_known_args`` and :func:`env_kwargs`)."""
     parser = argparse.ArgumentParser(
-        prog="ragen-mega play", allow_abbrev=False,
-        description="Play a registered text env; one action per line on stdin. Other "
-                    "--NAME VALUE options are env kwargs, like --kwarg NAME=VALUE.")
+        prog=prog, allow_abbrev=False,
+        description=f"{what} Other --NAME VALUE options are env kwargs, like --kwarg NAME=VALUE.")
     parser.add_argument("env", help=f"env name, one of: {', '.join(list_envs())}")
-    parser.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     parser.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
                         help="env constructor argument; repeat for several")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``argv``: the words after ``play`` (``ENV [--seed N] [--kwarg k=v ...]``); exit code."""
+    parser = env_parser("ragen-mega play",
+                        "Play a registered text env; one action per line on stdin.")
+    parser.add_argument("--seed", type=int, default=0, help="episode seed (default 0)")
     try:
         args, extra = parser.parse_known_args(argv)
     except SystemExit as exit_:  # argparse already printed usage and the problem

@@ -25,7 +25,6 @@ a 500 with its message: the client counts it as an env failure, as a local env's
 """
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import sys
@@ -37,7 +36,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
 from ragen_mega.envs.checks import EpisodeDone
-from ragen_mega.envs.play import env_kwargs
+from ragen_mega.envs.play import env_kwargs, env_parser
 from ragen_mega.envs.registry import list_envs, make
 
 
@@ -175,15 +174,10 @@ def serve(env_name: str, kwargs: dict[str, Any], host: str = "127.0.0.1", port: 
 
 def main(argv: list[str] | None = None) -> int:
     """``argv``: the words after ``env-server`` (``ENV [--host H] [--port N] [--kwarg k=v]``)."""
-    parser = argparse.ArgumentParser(
-        prog="ragen-mega env-server", allow_abbrev=False,
-        description="Serve a registered env over HTTP (sessions, reset, step). Other "
-                    "--NAME VALUE options are env kwargs, like --kwarg NAME=VALUE.")
-    parser.add_argument("env", help=f"env name, one of: {', '.join(list_envs())}")
+    parser = env_parser("ragen-mega env-server",
+                        "Serve a registered env over HTTP (sessions, reset, step).")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="port (0: any free one, printed)")
-    parser.add_argument("--kwarg", action="append", default=[], metavar="KEY=VALUE",
-                        help="env constructor argument; repeat for several")
     try:
         args, extra = parser.parse_known_args(argv)
     except SystemExit as exit_:
