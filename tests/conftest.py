@@ -302,6 +302,33 @@ def readme_scalars() -> set[str]:
             for name in re.findall(r"`([^`]+)`", line.split("|")[1])}
 
 
+# ------------------------------------------------------------------------------ env servers
+def start_env_server(env: str, *args: str, port: int = 0):
+    """``ragen-mega env-server ENV ARGS`` in a process group of its own (stop it with
+    :func:`stop_env_server`); returns ``(process, url)``, the URL read from its stdout."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "ragen_mega.cli", "env-server", env,
+                             "--port", str(port), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    assert line.startswith(f"serving {env} at "), line + proc.stdout.read()
+    return proc, line.split(" at ")[1].strip()
+
+
+def stop_env_server(proc) -> None:
+    import os
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    proc.stdout.close()
+
+
 # ----------------------------------------------------------------- the test process's exit status
 _EXIT_STATUS = pytest.StashKey[int]()
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import requests
 
+from conftest import start_env_server as start_server, stop_env_server as stop
 from ragen_mega.agent import AgentConfig
 from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, mix_specs
 from ragen_mega.rollout.faults import (DroppedEpisode, FaultCounters, count_rollout_faults,
@@ -22,25 +21,6 @@ from ragen_mega.rollout.remote_env import RemoteEnvs, check_servers
 ANSWERS = [" go </think><answer> Up || Left </answer>", " hmm </think><answer> Down </answer>",
            " so </think><answer> Right || Down </answer>", "no tags at all"]
 SOKOBAN = ["--kwarg", "dim_room=(6,6)"]
-
-
-def start_server(env: str, *args: str, port: int = 0) -> tuple[subprocess.Popen, str]:
-    """``ragen-mega env-server`` in a process group of its own; its URL, read from stdout."""
-    proc = subprocess.Popen([sys.executable, "-m", "ragen_mega.cli", "env-server", env,
-                             "--port", str(port), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    line = proc.stdout.readline()
-    assert line.startswith(f"serving {env} at "), line + proc.stdout.read()
-    return proc, line.split(" at ")[1].strip()
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(timeout=30)
-    proc.stdout.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,15 @@ import math
 import shutil
 import struct
 
+import requests
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from ragen_mega.backends.sglang.client import AsyncEngineClient
 from ragen_mega.backends.sglang.seeded_sampling import murmur_hash32_torch
 from ragen_mega.backends.sglang.server import launch_server
-from conftest import resumed_step_diffs, undocumented_scalars
+from conftest import (resumed_step_diffs, start_env_server, stop_env_server,
+                      undocumented_scalars)
 from ragen_mega.config import load_run_config
 from ragen_mega.train import train
 from ragen_mega import checkpoints
@@ -116,6 +118,12 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     actor's weights after steps 1 and 2 are bit-identical while the critic's moved, and the
     actor's move in step 3.
 
+    The resumed run plays its episodes on an env server (``env.remote``, ``ragen-mega
+    env-server bandit``) where the straight run built them in the driver: its step equal to the
+    straight one is also a whole training step on remote envs equal to one on local envs (the
+    bandit's observation shows its arms in a seed-dependent order, so a wrong seed would change
+    the prompts).
+
     Tolerance: exact equality for everything but wall-clock times and the engine's own
     log-probs. The CPU engine's logits are not batch-invariant (SmolLM2, 16 requests alone vs
     batched: log-probs differ by up to 1.8e-5), so ``train/rollout_vs_trainer_logprob_diff``
@@ -149,7 +157,12 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     for role in ("actor", "critic"):
         shutil.rmtree(ckpt / role / "step_3")
     (ckpt / "latest_step").write_text("2")
-    resumed = train(load_run_config(DEMO, overrides))
+    server, url = start_env_server("bandit")  # the resumed run plays on an env server
+    try:
+        resumed = train(load_run_config(DEMO, overrides + [f"env.remote=[{url}]"]))
+        assert requests.get(f"{url}/health", timeout=10).json()["sessions"] == 0  # all closed
+    finally:
+        stop_env_server(server)
     assert [h["step"] for h in resumed] == [3]
 
     want, got = straight[2], resumed[0]
