@@ -317,6 +317,10 @@ class AlgoConfig:
     #: gigpo: None matches anchor states exactly (equal ``TextEnv.state_key``); a ratio in (0, 1)
     #: also groups near-identical ones (difflib ratio; verl-agent's similarity_thresh, 0.9)
     gigpo_similarity: Optional[float] = None
+    #: KL in the reward (verl's use_kl_in_reward, Verlog's long-horizon option): each turn's
+    #: reward less this times its tokens' summed KL (actor.kl_kind) between the rollout policy
+    #: and the initial one (the actor keeps a reference model). 0 = off: StarPO-S is KL-free
+    kl_in_reward: float = 0.0
 
     def validate(self):
         if self.adv_estimator not in ESTIMATORS:
@@ -325,6 +329,9 @@ class AlgoConfig:
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"{key}: must be in [0, 1], got {getattr(self, key)}")
+        if not 0.0 <= self.kl_in_reward < float("inf"):
+            raise ConfigError(f"kl_in_reward: must be a finite number >= 0 (0: off), got "
+                              f"{self.kl_in_reward}")
         if not 0.0 <= self.gigpo_step_weight < float("inf"):
             raise ConfigError(f"gigpo_step_weight: must be a finite number >= 0, got "
                               f"{self.gigpo_step_weight}")

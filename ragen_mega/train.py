@@ -34,7 +34,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ragen_mega.algo.advantages import kl_penalized_rewards
 from ragen_mega.algo.estimators import compute_advantages
+from ragen_mega.algo.losses import kl_penalty
 from ragen_mega.algo.filter import FILTER_SETTINGS
 from ragen_mega.algo.gigpo import step_group_metrics
 from ragen_mega.config import RunConfig, load_run_config
@@ -186,6 +188,8 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
         mask = train["loss_mask"].bool()
         metrics["train/rollout_vs_trainer_logprob_diff"] = float(
             (train["old_logprobs"] - train["rollout_logprobs"])[mask].abs().mean())
+    if cfg.algo.kl_in_reward:
+        kl_into_rewards(cfg, run, train, batch, layout.to_per_turn, metrics)
     values = None
     if run.critic is not None:
         train["old_values"] = run.critic.compute_values(train)
@@ -211,6 +215,18 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
             played.faults.record("updates_skipped", int(metrics[f"{role}/updates_skipped"]),
                                  role=role, reason="NaN or inf in the loss or the gradients")
     return train, samples
+
+
+def kl_into_rewards(cfg: RunConfig, run: Run, train: dict, batch: dict, to_per_turn,
+                    metrics: dict[str, float]) -> None:
+    """``algo.kl_in_reward``: the per-turn ``batch["reward"]`` less the turn's KL between the
+    rollout policy (the old log-probs) and the actor's reference model (``algo/advantages.py``:
+    ``kl_penalized_rewards``); ``algo/kl_in_reward`` is the mean turn KL."""
+    token_kl = kl_penalty(train["old_logprobs"], run.actor.compute_ref_logprobs(train),
+                          cfg.actor.kl_kind)
+    batch["reward"], turn_kl = kl_penalized_rewards(batch["reward"], to_per_turn(token_kl),
+                                                    batch["loss_mask"], cfg.algo.kl_in_reward)
+    metrics["algo/kl_in_reward"] = float(turn_kl.mean())
 
 
 def cut_values(cfg: RunConfig, run: Run, samples: list, window) -> torch.Tensor:

@@ -34,4 +34,5 @@ def install(monkeypatch, role: str, updates) -> None:
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     real = {"actor": PolicyObjective, "critic": ValueObjective}[role]
-    monkeypatch.setitem(OBJECTIVES, role, lambda settings: NanOnUpdates(real(settings), updates))
+    monkeypatch.setitem(OBJECTIVES, role, lambda settings, **kw: NanOnUpdates(real(settings, **kw),
+                                                                          updates))

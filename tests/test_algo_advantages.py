@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, gae, grpo,
-                                        masked_whiten, normalize_scores, turn_level_gae)
+                                        kl_penalized_rewards, masked_whiten, normalize_scores,
+                                        turn_level_gae)
 
 
 def _naive_gae(rewards: list[float], values: list[float], gamma: float, lam: float,
@@ -268,3 +269,15 @@ def test_turn_then_bi_level_equals_verlog_dual_discount_gae(done):
     assert got == pytest.approx(expected, abs=1e-5)
     # the first token of each turn carries exactly the turn-level advantage
     torch.testing.assert_close(adv[:, 1], t_adv)
+
+
+def test_kl_in_the_reward_is_each_turns_summed_token_kl():
+    """Turn 0's response tokens (columns 2-3) have KL 0.5 and 0.25, its prompt's 9 (masked
+    out): 0.75; turn 1 one token of 2. With coef 0.1: 1 - 0.075 and 0 - 0.2."""
+    token_kl = torch.tensor([[9.0, 9.0, 0.5, 0.25], [9.0, 2.0, 0.0, 0.0]])
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 0, 0]])
+    rewards, turn_kl = kl_penalized_rewards(torch.tensor([1.0, 0.0]), token_kl, mask, 0.1)
+    assert turn_kl.tolist() == [0.75, 2.0]
+    assert rewards.tolist() == pytest.approx([0.925, -0.2])
+    with pytest.raises(ValueError, match="rewards"):
+        kl_penalized_rewards(torch.zeros(3), token_kl, mask, 0.1)

@@ -227,6 +227,7 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
         "env.kwargs={raise_at_reset: [1], long_seeds: [2], long_words: 900}",
         "env.max_turns=2", "rollout.max_env_failure_rate=0.5",
         "trainer.max_skipped_updates_in_row=2",
+        "algo.kl_in_reward=0.01",  # the actor keeps a reference model; KL enters the rewards
         "actor.micro_batch_size=1"]  # a step's turn count varies (drops, multi-turn)
     history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
     assert [h["step"] for h in history] == [1, 2, 3]
@@ -240,6 +241,10 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
         assert h["train/batch_samples"] == pytest.approx(h["rollout/num_turns"] * n)
     # seed 2 was cut after turn 1 by the real engine's refusal: 1 of the 3 played episodes
     assert one["rollout/prompt_too_long"] == pytest.approx(1 / 3)
+    # KL in the reward: none while the actor is its reference (step 1), then the update of
+    # step 1 shows (step 2's NaN update is skipped, so step 3 still has step 1's weights)
+    kl = [h["algo/kl_in_reward"] for h in history]
+    assert kl[0] == 0.0 and kl[1] > 0 and kl[2] > 0, kl
     # the NaN update of step 2 is skipped on both TP ranks alike, the others are not
     assert [h["fault/updates_skipped"] for h in history] == [0.0, 1.0, 0.0]
     assert [h["actor/update_successful"] for h in history] == [1.0, 0.0, 1.0]

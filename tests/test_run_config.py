@@ -101,6 +101,7 @@ def test_defaults_are_ragen_starpo_s():
     (["filter.loss_scaling=log"], "filter.loss_scaling: 'log' is not allowed"),
     (["filter.soft_reweight=true"], "filter.soft_reweight: weighs a group's advantages by its "
                                     "reward std"),
+    (["algo.kl_in_reward=-0.1"], "algo.kl_in_reward: must be a finite number >= 0"),
     # env servers: URLs, one env, no env workers beside them
     (["env.remote=[localhost:8000]"], "env.remote[0]: must be an http(s):// URL of an env "
                                       "server, got 'localhost:8000'"),

@@ -207,6 +207,20 @@ def episode_scores(episode_id: torch.Tensor, group_id: torch.Tensor, reward: tor
     return episode_ids, group_ids, scores
 
 
+def kl_penalized_rewards(rewards: torch.Tensor, token_kl: torch.Tensor, mask: torch.Tensor,
+                         coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL in the reward (verl's ``use_kl_in_reward``, which Verlog turns on for long horizons):
+    each turn's reward less ``coef`` times the sum of its response tokens' KL to the reference
+    (``token_kl`` [B, S], the ``mask``ed tokens counted). Returns ``(rewards, turn_kl)`` [B].
+    verl puts the KL on each token's reward; here a turn is the unit of reward (the estimators
+    spread it over the turn's tokens), so the turn gets its tokens' sum."""
+    if rewards.dim() != 1 or token_kl.shape != mask.shape or token_kl.shape[0] != rewards.shape[0]:
+        raise ValueError(f"expected rewards [B] and token_kl, mask [B, S], got "
+                         f"{tuple(rewards.shape)}, {tuple(token_kl.shape)}, {tuple(mask.shape)}")
+    turn_kl = (token_kl * mask.to(token_kl.dtype)).sum(dim=1).to(rewards.dtype)
+    return rewards - coef * turn_kl, turn_kl
+
+
 def broadcast_to_tokens(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Give every loss token of row i the value ``per_sample[i]`` (0 elsewhere): how a
     sequence-level advantage (GRPO, turn-level GAE) becomes a token-level one."""

@@ -42,11 +42,13 @@ class PolicyObjective:
     """StarPO's actor loss on one micro-batch: the PPO clipped surrogate (asymmetric clip
     ``clip_ratio_low``/``clip_ratio_high``, dual clip ``clip_ratio_c``), optionally weighted by
     the truncated IS weight of the engine's log-probs (``tis_cap``), minus ``entropy_coeff``
-    times the entropy, plus ``kl_coef`` times the KL to the reference policy (``kl_kind``)."""
+    times the entropy, plus ``kl_coef`` times the KL to the reference policy (``kl_kind``).
+    ``reference``: the trainer keeps the reference policy even without a KL loss (the run puts
+    the KL into the reward instead: ``algo.kl_in_reward``)."""
 
-    def __init__(self, settings):
+    def __init__(self, settings, reference: bool = False):
         self.s = settings
-        self.needs_reference = settings.kl_coef > 0
+        self.needs_reference = settings.kl_coef > 0 or reference
         self.keys = ("old_logprobs", "advantages") + (
             ("ref_logprobs",) if self.needs_reference else ()) + (
             ("rollout_logprobs",) if settings.tis_cap is not None else ())

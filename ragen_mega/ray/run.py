@@ -153,7 +153,8 @@ def _place(run: Run, with_trainers: bool) -> None:
     place = dict(num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
                  threads=res.trainer_threads, seed=t.seed)
     run.actor = TrainerGroup("actor", run.model_dir, cfg.actor, pg, res.actor_bundles, **place,
-                             objective=OBJECTIVES["actor"](cfg.actor),
+                             objective=OBJECTIVES["actor"](
+                                 cfg.actor, reference=cfg.algo.kl_in_reward > 0),
                              total_steps=max(t.total_steps - cfg.critic.warmup_steps,
                                              cfg.actor.lr_warmup_steps + 1),
                              temperature=max(cfg.rollout.temperature, 1e-6))

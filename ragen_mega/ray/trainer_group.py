@@ -75,6 +75,10 @@ class TrainerWorker:
         """Log-probs [B, S] of the global batch (returned by rank 0 only)."""
         return self._gather_rows(self.trainer.compute_logprobs(self._local(batch)))
 
+    def compute_ref_logprobs(self, batch: dict) -> torch.Tensor | None:
+        """The reference policy's log-probs [B, S] of the global batch (rank 0 only)."""
+        return self._gather_rows(self.trainer.compute_ref_logprobs(self._local(batch)))
+
     def compute_values(self, batch: dict) -> torch.Tensor | None:
         return self._gather_rows(self.trainer.compute_values(self._local(batch)))
 
@@ -181,6 +185,9 @@ class TrainerGroup:
 
     def compute_logprobs(self, batch: dict) -> torch.Tensor:
         return self._on_batch("compute_logprobs", batch)
+
+    def compute_ref_logprobs(self, batch: dict) -> torch.Tensor:
+        return self._on_batch("compute_ref_logprobs", batch)
 
     def compute_values(self, batch: dict) -> torch.Tensor:
         return self._on_batch("compute_values", batch)
