@@ -527,14 +527,19 @@ class TrainerConfig:
     #: an update with a NaN/inf loss or gradient is skipped (weights and optimizer untouched);
     #: this many skipped in a row (actor or critic) ends the run before that step is saved
     max_skipped_updates_in_row: int = 3
+    #: RAGEN-2's collapse probes (MI, retrieval, conditional entropy of the first-turn
+    #: reasoning; rollout/collapse_probe.py) at step 1 and every this many steps; 0 = off
+    collapse_every: int = 0
+    collapse_samples: int = 64   # reasonings cross-scored against every group's prompt
 
     def validate(self):
         if self.total_steps < 1:
             raise ConfigError(f"total_steps: must be >= 1, got {self.total_steps}")
-        for key in ("data_parallel", "sync_bucket_mb", "max_skipped_updates_in_row"):
+        for key in ("data_parallel", "sync_bucket_mb", "max_skipped_updates_in_row",
+                    "collapse_samples"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
-        for key in ("save_every", "eval_every"):
+        for key in ("save_every", "eval_every", "collapse_every"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
 
@@ -608,6 +613,15 @@ class RunConfig:
             raise ConfigError(f"env.group_size: {self.algo.adv_estimator} compares episodes "
                               f"within a group, so it needs group_size >= 2, got "
                               f"{self.env.group_size}")
+        if self.trainer.collapse_every and not self.agent.think:
+            raise ConfigError("trainer.collapse_every: the collapse probes cross-score each "
+                              "answer's reasoning (<think>) with the batch's prompts, and with "
+                              "agent.think=false there is none; set agent.think=true or "
+                              "trainer.collapse_every=0")
+        if self.trainer.collapse_every and self.env.env_groups < 2:
+            raise ConfigError(f"trainer.collapse_every: the probes score each reasoning against "
+                              f"the prompts of other groups, and env.env_groups="
+                              f"{self.env.env_groups} gives none; use >= 2 groups")
         if self.env.remote and self.rollout.env_workers:
             raise ConfigError("env.remote: episodes play on env servers, so there are no envs "
                               "for rollout.env_workers to hold; set rollout.env_workers=0")

@@ -18,17 +18,20 @@ from typing import IO, Mapping
 
 @dataclasses.dataclass
 class EchoTrapThresholds:
-    """Warn when in-group reward std or entropy falls below, or grad norm rises above, these."""
+    """Warn when in-group reward std or entropy falls below, or grad norm rises above, these;
+    and (collapse probes) when the reasoning's retrieval of its prompt is this close to chance."""
     min_group_reward_std: float = 0.01
     min_entropy: float = 0.05
     max_grad_norm: float = 100.0
+    min_retrieval_above_chance: float = 0.05
 
 
 class EchoTrapMonitor:
     """Checks one step's metrics against :class:`EchoTrapThresholds`; returns warning texts.
 
     Metric names it reads: ``filter/in_group_std`` (before the filter), ``actor/entropy``,
-    ``actor/grad_norm``. A missing metric is not checked (e.g. no critic, no eval this step).
+    ``actor/grad_norm``, ``collapse_first_turn_sample/retrieval_above_chance`` (the collapse
+    probes' steps). A missing metric is not checked (e.g. no critic, no eval this step).
     """
 
     _CHECKS = (
@@ -38,6 +41,9 @@ class EchoTrapMonitor:
          "policy entropy is very low: answers are becoming deterministic (echo trap)"),
         ("actor/grad_norm", "max_grad_norm", "above",
          "gradient norm spike: updates may be unstable"),
+        ("collapse_first_turn_sample/retrieval_above_chance", "min_retrieval_above_chance",
+         "below", "the reasoning barely tells its own prompt from the others': it may no longer "
+                  "depend on the input (template collapse, RAGEN-2)"),
     )
 
     def __init__(self, thresholds: EchoTrapThresholds):

@@ -47,6 +47,7 @@ from ragen_mega.evaluate import REFERENCES_FILE, held_out_references
 from ragen_mega.logging import append_metrics
 from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, cut_value_batch, filter_groups
+from ragen_mega.rollout.collapse_probe import first_turn_probe, valid_thinking_rate
 from ragen_mega.rollout.manager import PlayedStep
 from ragen_mega.rollout.metrics import weight_staleness
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
@@ -142,6 +143,9 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
     if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
         run.engines.release_memory()
     t1 = time.perf_counter()
+    every = cfg.trainer.collapse_every
+    if every and (step == 1 or step % every == 0):  # RAGEN's schedule: step 1, then every k
+        metrics.update(probe_collapse(cfg, run, played.samples, step))
     train, samples = update_models(cfg, run, step, played, metrics)
     t2 = time.perf_counter()
     pending = None if next_rollout is None else join_rollout(next_rollout, metrics)
@@ -215,6 +219,19 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
             played.faults.record("updates_skipped", int(metrics[f"{role}/updates_skipped"]),
                                  role=role, reason="NaN or inf in the loss or the gradients")
     return train, samples
+
+
+def probe_collapse(cfg: RunConfig, run: Run, samples: list, step: int) -> dict[str, float]:
+    """RAGEN-2's collapse probes on the step's rollout (``rollout/collapse_probe.py``), scored
+    by the actor before its update; ``collapse/valid_thinking_rate`` always, the cross-scored
+    metrics when there are two groups and a reasoning to score."""
+    metrics = {"collapse/valid_thinking_rate": valid_thinking_rate(samples, run.tokenizer)}
+    probe = first_turn_probe(samples, run.tokenizer, max_samples=cfg.trainer.collapse_samples,
+                             seed=cfg.trainer.seed * 1_000_003 + step,
+                             rows_multiple_of=cfg.trainer.data_parallel)
+    if probe is not None:
+        metrics.update(probe.metrics(run.actor.compute_logprobs(probe.batch)))
+    return metrics
 
 
 def kl_into_rewards(cfg: RunConfig, run: Run, train: dict, batch: dict, to_per_turn,

@@ -40,3 +40,9 @@ def test_echo_trap_warnings(tmp_path):
     assert logger.monitor.check({"actor/grad_norm": math.nan})
     assert not logger.monitor.check({"actor/entropy": 0.5, "actor/grad_norm": 1.0,
                                      "filter/in_group_std": 0.3})
+    # the collapse probes' retrieval near chance: template collapse (RAGEN-2)
+    key = "collapse_first_turn_sample/retrieval_above_chance"
+    [warning] = logger.monitor.check({key: 0.02})
+    assert warning.startswith(f"{key}=0.02 is below min_retrieval_above_chance=0.05") and \
+        "template collapse" in warning
+    assert not logger.monitor.check({key: 0.6})

@@ -102,6 +102,14 @@ def test_defaults_are_ragen_starpo_s():
     (["filter.soft_reweight=true"], "filter.soft_reweight: weighs a group's advantages by its "
                                     "reward std"),
     (["algo.kl_in_reward=-0.1"], "algo.kl_in_reward: must be a finite number >= 0"),
+    # collapse probes need reasoning to cross-score, and other groups' prompts
+    (["trainer.collapse_every=5", "agent.think=false"], "trainer.collapse_every: the collapse "
+                                                        "probes cross-score each answer's "
+                                                        "reasoning"),
+    (["trainer.collapse_every=5", "env.env_groups=1"], "trainer.collapse_every: the probes "
+                                                       "score each reasoning against"),
+    (["trainer.collapse_every=-1"], "trainer.collapse_every: must be >= 0"),
+    (["trainer.collapse_samples=0"], "trainer.collapse_samples: must be >= 1"),
     # env servers: URLs, one env, no env workers beside them
     (["env.remote=[localhost:8000]"], "env.remote[0]: must be an http(s):// URL of an env "
                                       "server, got 'localhost:8000'"),
