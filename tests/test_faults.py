@@ -182,7 +182,7 @@ def test_streamed_faults_cost_an_episode_not_the_window(tokenizer, tmp_path):
                         agent=AGENT, max_turns=2)
     with pytest.raises(RuntimeError, match=r"env stream 0: 3 episodes in one window gave no "
                                            r"sample; the first: .*seed 0.*broken reset"):
-        asyncio.run(broken.play(generate_for, {}, weight_version=0))
+        asyncio.run(broken.play_window(generate_for, {}, weight_version=0))
 
 
 def test_fault_config_keys_are_checked():
