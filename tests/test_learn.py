@@ -195,7 +195,7 @@ def test_sft_warm_start_lowers_heldout_loss_and_serves(learn_setup, tiny_model, 
     writes is a valid ``model.path``, and SGLang serves it (the held-out episodes ``eval`` plays,
     greedy) with transformers' greedy tokens for the same prompts. Bad input fails before
     anything starts."""
-    from ragen_mega.evaluate import play
+    from ragen_mega.evaluate import play_held_out
     from ragen_mega.sft import main as sft_main
 
     from test_sglang_engine import hf_greedy, hf_model
@@ -227,7 +227,7 @@ def test_sft_warm_start_lowers_heldout_loss_and_serves(learn_setup, tiny_model, 
     cfg = load_run_config(FROZEN_LAKE_DEMO, [
         f"model.path={out}", f"trainer.run_dir={tmp_path / 'eval'}", "env.val_groups=2",
         "env.max_turns=1", "rollout.val_temperature=0.0", "rollout.max_new_tokens=8"])
-    episodes = play(cfg, str(out))
+    episodes = play_held_out(cfg, str(out))
     warm, start = hf_model(out), hf_model(base)
     for sample in (e.samples[0] for e in episodes):
         expected, _ = hf_greedy(warm, sample.prompt_ids, len(sample.response_ids))
