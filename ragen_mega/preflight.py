@@ -31,11 +31,12 @@ def preflight(cfg: RunConfig) -> RunConfig:
                           min(cfg.env.remote_timeout_s, 30.0))
         except ValueError as e:
             raise ConfigError(f"env.remote{e}") from e
-    for key, name, kwargs in [] if cfg.env.remote else env_builds(cfg):
-        try:
-            make(name, **kwargs).close()
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"{key}: {e}") from e
+    else:
+        for key, name, kwargs in env_builds(cfg):
+            try:
+                make(name, **kwargs).close()
+            except (TypeError, ValueError) as e:
+                raise ConfigError(f"{key}: {e}") from e
     for role in ("actor", "critic"):
         if getattr(cfg, role).bf16 and not torch.cuda.is_available():
             raise ConfigError(f"{role}.bf16: bf16 training needs a GPU; this machine has none "

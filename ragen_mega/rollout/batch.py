@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from ragen_mega.algo.advantages import episode_scores
 from ragen_mega.algo.filter import select_groups
 from ragen_mega.algo.gigpo import anchor_groups
 from ragen_mega.rollout.sample import Sample, collate
@@ -38,19 +39,19 @@ def filter_groups(samples: Sequence[Sample], by_stream: bool = False, **settings
     turns``) takes each env stream's turns in this step's window instead: every stream of a
     group played the same seeds for the same number of turns, so their window sums are
     comparable where their episodes are not (docs/design.md, "Long horizons")."""
-    members, member_of = torch.unique(
-        torch.tensor([s.stream if by_stream else s.episode_id for s in samples]),
-        return_inverse=True)
+    member_ids = torch.tensor([s.stream if by_stream else s.episode_id for s in samples])
+    members, group_ids, scores = episode_scores(member_ids,
+                                                torch.tensor([s.group_id for s in samples]),
+                                                torch.tensor([s.reward for s in samples]))
+    member_of = torch.searchsorted(members, member_ids)
 
-    def per_member(values, dtype=torch.float64):  # summed over each member's turns
-        return torch.zeros(members.numel(), dtype=dtype).index_add_(
-            0, member_of, torch.tensor(values, dtype=dtype))
+    def per_member(values):  # summed over each member's turns, members as episode_scores's
+        return torch.zeros(members.numel(), dtype=torch.float64).index_add_(
+            0, member_of, torch.tensor(values, dtype=torch.float64))
 
-    group_ids = torch.zeros(members.numel(), dtype=torch.long).index_put_(
-        (member_of,), torch.tensor([s.group_id for s in samples]))
     turn_nll = [-sum(s.rollout_logprobs) / max(len(s.rollout_logprobs), 1) for s in samples]
     selection = select_groups(
-        per_member([float(s.reward) for s in samples], torch.float32), group_ids, **settings,
+        scores, group_ids, **settings,
         entropy=per_member(turn_nll) / per_member([1.0] * len(samples)),
         length=per_member([float(len(s.response_ids)) for s in samples]))
     weight_of = dict(zip(selection.kept_group_ids.tolist(), selection.weights.tolist()))
