@@ -53,6 +53,20 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
         del trainer
         gc.collect()
 
+    # three rows in micro-batches of 2 (a per-turn batch has as many rows as the step played
+    # turns): over two DP ranks (padded with a row that carries no loss), and under TP 2 (a
+    # last micro-batch of one row)
+    rows3 = {k: v[:3] for k, v in batch.items()}
+    for name, tp in (("dp2_3rows", 1), ("tp2_3rows", 2)):
+        init_parallel(rank, world_size, file_init_method("/nonexistent"), tp=tp, pp=1)
+        trainer = MegatronTrainer(ActorConfig(tp=tp, **{**actor_settings, "micro_batch_size": 2}),
+                                  hf_dir, total_steps=10)
+        old = trainer.compute_logprobs(rows3) + rows3["noise"]
+        out[name] = {"metrics": trainer.train({**rows3, "old_logprobs": old}),
+                     "weights": dict(trainer.export_hf_state()) if rank == 0 else None}
+        del trainer
+        gc.collect()
+
     init_parallel(rank, world_size, file_init_method("/nonexistent"), tp=2, pp=1)
     critic = MegatronTrainer(CriticConfig(tp=2, micro_batch_size=2, lr=1e-2, grad_clip=1.0,
                                           value_clip=None), hf_dir, role="critic")
@@ -128,6 +142,22 @@ def test_actor_step_matches_transformers_and_adamw(results, references, actor_st
     for hf_name, tensor in weights.items():
         torch.testing.assert_close(tensor, ref["weights"][hf_name], atol=1e-5, rtol=0,
                                    msg=lambda msg: f"{name} {hf_name}: {msg}")
+
+
+@pytest.mark.parametrize("name", ["dp2_3rows", "tp2_3rows"])
+def test_rows_that_do_not_split_over_dp_and_micro_batches_train_as_the_full_batch(
+        results, model_dir, batch, actor_step, name):
+    """Three rows in micro-batches of 2: over DP 2 the trainer pads the second rank with a row
+    that has no loss token; under TP 2 the last micro-batch holds one row. Either step equals
+    the transformers step on the three rows."""
+    ref = actor_step.reference(model_dir, {k: v[:3] for k, v in batch.items()}, "token-mean")
+    for r in range(2):
+        m = results[r][name]["metrics"]
+        assert m["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    for hf_name, tensor in results[0][name]["weights"].items():
+        torch.testing.assert_close(tensor, ref["weights"][hf_name], atol=1e-5, rtol=0,
+                                   msg=lambda msg: f"{hf_name}: {msg}")
 
 
 def test_layouts_agree_with_each_other(results):

@@ -74,6 +74,20 @@ def dp_shard(batch: dict) -> dict:
     return {k: v[rank * per:(rank + 1) * per] for k, v in batch.items()}
 
 
+def pad_rows(batch: dict, multiple: int) -> dict:
+    """``batch`` with copies of its first row appended, their ``loss_mask`` zero, up to a
+    multiple of ``multiple`` rows (the data-parallel ranks). Per-turn rows (a multi-turn run
+    that does not pack its episodes) vary in number from step to step; a row without loss
+    tokens adds nothing to any loss mode or its normaliser, only compute."""
+    rows = batch["input_ids"].shape[0]
+    extra = -rows % multiple
+    if not extra:
+        return batch
+    padded = {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
+    padded["loss_mask"][rows:] = 0
+    return padded
+
+
 def ppo_minibatches(batch: dict, episodes: int | None) -> list[dict]:
     """A global batch cut into PPO mini-batches of ``episodes`` whole episodes each.
 
@@ -240,10 +254,6 @@ class MegatronTrainer:
         the global loss-token count, the batch width (the default loss horizon) and the global
         padding fraction of the micro-batches (padded tokens / all tokens fed)."""
         mbs, budget = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
-        rows = batch["input_ids"].shape[0]
-        if budget is None and rows % mbs:
-            raise ValueError(f"batch of {rows} rows is not a multiple of "
-                             f"{type(self.config).__name__}.micro_batch_size={mbs}")
         extra = {k: _shifted(batch[k]) for k in ("loss_mask", *keys)}
         mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs,
                                       max_tokens=budget, **extra)
@@ -275,7 +285,10 @@ class MegatronTrainer:
         grad_norm, lr, update_successful, ppo_updates, updates_skipped, updates_skipped_in_row,
         padding_frac (``algo/objectives.py`` has the losses)."""
         c = self.config
-        minibatches = ppo_minibatches(batch, c.ppo_mini_batch_size)
+        from megatron.core import parallel_state as mpu
+
+        dp = mpu.get_data_parallel_world_size()
+        minibatches = [pad_rows(mb, dp) for mb in ppo_minibatches(batch, c.ppo_mini_batch_size)]
         return self._phase(self._update, [dp_shard(mb) for _ in range(c.ppo_epochs)
                                           for mb in minibatches])
 
