@@ -211,8 +211,25 @@ class RolloutConfig:
     #: on with the others; more than this fraction of a step's episodes dropped so ends the run,
     #: naming the env, seed and exception (a broken env, not bad luck)
     max_env_failure_rate: float = 0.1
+    #: an agent the user wrote plays every episode instead of the built-in prompts and parser
+    #: (the agent section): MODULE:FUNCTION or FILE.py:FUNCTION, an async function given an
+    #: AgentTask (rollout/user_agent.py) that calls the engines through the run's
+    #: OpenAI-compatible gateway (rollout/gateway.py), which runs exactly when this is set
+    agent: Optional[str] = None
+    #: where the gateway listens while a rollout plays (port 0: a free port, the same for the
+    #: rest of the run); the agents get their episode's URL, so only the agents' host matters
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 0
 
     def validate(self):
+        if self.agent is not None:
+            where, _, name = self.agent.rpartition(":")
+            if not where or not name:
+                raise ConfigError(f"agent: MODULE:FUNCTION or FILE.py:FUNCTION, got "
+                                  f"{self.agent!r}")
+        if not 0 <= self.gateway_port <= 65535:
+            raise ConfigError(f"gateway_port: a TCP port (0: any free one), got "
+                              f"{self.gateway_port}")
         if not 0.0 <= self.max_env_failure_rate <= 1.0:
             raise ConfigError(f"max_env_failure_rate: must be in [0, 1], "
                               f"got {self.max_env_failure_rate}")
@@ -607,6 +624,8 @@ class RunConfig:
                               f"{self.rollout.temperature}")
         if self.rollout.mode == "turns":
             self._validate_turns_mode()
+        if self.rollout.agent is not None:
+            self._validate_user_agent()
         if self.trainer.async_rollout:
             self._validate_async_rollout()
         if self.algo.adv_estimator in ("grpo", "gigpo") and self.env.group_size < 2:
@@ -655,6 +674,17 @@ class RunConfig:
             raise ConfigError("actor.tis_cap: trainer.async_rollout trains on samples one "
                               "weight version stale and needs the truncated IS correction; "
                               "set actor.tis_cap (slime uses 2)")
+
+    def _validate_user_agent(self):
+        """What an agent of the user's (``rollout.agent``) rules out: its episodes are whole
+        episodes of its own prompts, not the built-in agent's."""
+        if self.rollout.mode != "episodes":
+            raise ConfigError(f"rollout.agent: an agent plays whole episodes "
+                              f"(rollout.mode=episodes), got rollout.mode={self.rollout.mode!r}")
+        if self.trainer.collapse_every:
+            raise ConfigError("trainer.collapse_every: the collapse probes read the built-in "
+                              "agent's <think> reasoning, which an agent of rollout.agent does "
+                              "not write; set trainer.collapse_every=0")
 
     def _validate_turns_mode(self):
         """What streamed steps rule out: their episodes are mostly unfinished, so no estimator

@@ -8,6 +8,7 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
 - every env of the run (training, held-out, each ``env.mix`` entry) builds with its kwargs,
   once, in this process: a wrong kwarg is named here, not in an env worker minutes later; with
   ``env.remote``, each env server answers and serves the config's env and kwargs instead;
+- ``rollout.agent`` imports and is an async function;
 - ``actor.bf16`` / ``critic.bf16`` have a GPU to run on.
 
 ``ragen-mega train``, ``eval`` and ``sft`` run it right after loading the config.
@@ -37,6 +38,13 @@ def preflight(cfg: RunConfig) -> RunConfig:
                 make(name, **kwargs).close()
             except (TypeError, ValueError) as e:
                 raise ConfigError(f"{key}: {e}") from e
+    if cfg.rollout.agent is not None:
+        from ragen_mega.rollout.user_agent import load_agent
+
+        try:
+            load_agent(cfg.rollout.agent)
+        except ValueError as e:
+            raise ConfigError(f"rollout.agent: {e}") from e
     for role in ("actor", "critic"):
         if getattr(cfg, role).bf16 and not torch.cuda.is_available():
             raise ConfigError(f"{role}.bf16: bf16 training needs a GPU; this machine has none "

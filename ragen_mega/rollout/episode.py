@@ -168,18 +168,25 @@ class EpisodeState:
                 "prompt_too_long": float(self.too_long)}
 
 
+async def open_env_handle(spec: EpisodeSpec, open_env: OpenEnvFn | None = None,
+                          env_steps_in_thread: bool = False) -> EnvHandle:
+    """A fresh env of ``spec`` (not reset): from ``open_env`` (an env worker or server), or
+    made in this process (stepped in a thread with ``env_steps_in_thread``)."""
+    async def open_local(spec):
+        return LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
+
+    return await env_call(spec, "make", open_env or open_local, spec)
+
+
 async def open_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, max_turns: int,
                        env_steps_in_thread: bool = False,
                        open_env: OpenEnvFn | None = None) -> EpisodeState:
     """Open the episode's env (``open_env``, e.g. ``EnvWorkerGroup.open`` for a remote env, or
     by default made here, stepped in a thread with ``env_steps_in_thread``) and reset it."""
-    async def open_local(spec):
-        return LocalEnv(make(spec.env_name, **spec.env_kwargs), env_steps_in_thread)
-
-    env = await _env_call(spec, "make", open_env or open_local, spec)
+    env = await open_env_handle(spec, open_env, env_steps_in_thread)
     try:
         builder = PromptBuilder.for_env(tokenizer, agent, env)
-        obs = await _env_call(spec, "reset", env.reset, spec.seed)
+        obs = await env_call(spec, "reset", env.reset, spec.seed)
     except BaseException:
         with contextlib.suppress(Exception):  # the reset's error is the one to see
             await env.close()
@@ -195,13 +202,13 @@ async def take_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
     spec = state.spec
     state.observe(state.history, agent)
     prompt = state.builder.build(state.history)
-    state_key = await _env_call(spec, "state_key", state.env.state_key, state.obs)
+    state_key = await env_call(spec, "state_key", state.env.state_key, state.obs)
     gen = await generate(prompt.ids, sampling)
     parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent,
                             finished=gen.finish_reason == "stop")
     reward, all_valid = 0.0, True
     for action in parsed.actions:
-        state.obs, r, state.done, info = await _env_call(spec, "step", state.env.step, action)
+        state.obs, r, state.done, info = await env_call(spec, "step", state.env.step, action)
         reward += float(r)
         state.n_actions += 1
         all_valid &= bool(info.get("action_is_valid"))
@@ -250,14 +257,14 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
         with contextlib.suppress(Exception):  # the error that ended the episode is the one to see
             await state.env.close()
         raise
-    await _env_call(spec, "close", state.env.close)
+    await env_call(spec, "close", state.env.close)
     if not samples:
         return Episode([], {"prompt_too_long": 1.0})
     samples[-1].last = True
     return Episode(samples, state.metrics())
 
 
-async def _env_call(spec: EpisodeSpec, call: str, fn, *args):
+async def env_call(spec: EpisodeSpec, call: str, fn, *args):
     """``await fn(*args)``, an env's exception raised as :class:`EnvFailed` (the episode is
     dropped, the step goes on: ``rollout/faults.py``)."""
     try:

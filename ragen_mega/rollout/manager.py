@@ -15,6 +15,7 @@ version a rollout is stamped with is passed in by the caller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import threading
 import time
@@ -28,10 +29,12 @@ from ragen_mega.rollout.episode import (EngineRestarted, Episode, GenerateFn, Op
                                         val_parts)
 from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
                                        episode_or_drop)
+from ragen_mega.rollout.gateway import Gateway
 from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.sample import Sample
 from ragen_mega.rollout.seeding import seeded_generate
 from ragen_mega.rollout.streams import EnvStreams, Window
+from ragen_mega.rollout.user_agent import load_agent, play_agent_episode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -81,6 +84,11 @@ class RolloutManager:
                  open_env: OpenEnvFn | None = None):
         self.cfg, self.tokenizer, self.engines, self.open_env = cfg, tokenizer, engines, open_env
         self.streams: EnvStreams | None = None   # rollout.mode=turns, after open_streams
+        r = cfg.rollout
+        #: rollout.agent: the user's agent, and the gateway its episodes call the engines through
+        self.agent = None if r.agent is None else load_agent(r.agent)
+        self.gateway = None if r.agent is None else Gateway(tokenizer, r.gateway_host,
+                                                            r.gateway_port)
 
     def fault_counters(self, step: int) -> FaultCounters:
         """A fresh step's fault counters, describing each fault in ``RUN_DIR/faults.jsonl``."""
@@ -146,16 +154,24 @@ class RolloutManager:
             temperature = r.temperature
 
         def attempt(spec):  # each call starts the episode afresh: a replay after an engine restart
+            generate = self._generate("eval" if evaluate else "train", step, spec.episode_id)
+            if self.agent is not None:
+                return lambda open_env: play_agent_episode(
+                    spec, agent=self.agent, gateway=self.gateway, generate=generate,
+                    sampling={"temperature": temperature, "top_p": r.top_p,
+                              "max_new_tokens": r.max_new_tokens},
+                    max_turns=env.max_turns, env_steps_in_thread=r.env_steps_in_thread,
+                    open_env=open_env)
             return lambda open_env: run_episode(
-                spec, tokenizer=self.tokenizer, agent=self.cfg.agent,
-                generate=self._generate("eval" if evaluate else "train", step, spec.episode_id),
+                spec, tokenizer=self.tokenizer, agent=self.cfg.agent, generate=generate,
                 sampling=self._sampling(temperature), max_turns=env.max_turns,
                 env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
         played = (episode_or_drop(spec, self.engines.replaying(attempt(spec), self.open_env))
                   for spec in specs)
 
         async def play_all():
-            return list(await asyncio.gather(*played))
+            async with (self.gateway.serving() if self.gateway else contextlib.nullcontext()):
+                return list(await asyncio.gather(*played))
 
         start = time.perf_counter()
         outcome = self.engines.run(play_all())
