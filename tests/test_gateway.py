@@ -21,6 +21,7 @@ import asyncio
 import httpx
 import pytest
 
+from conftest import server_killed_under_first_request, server_pids
 from ragen_mega.config import load_run_config
 from ragen_mega.config_tree import ConfigError
 from ragen_mega.rollout.episode import Generation
@@ -222,11 +223,13 @@ def test_rollout_agent_is_checked_before_anything_starts(tmp_path, capsys):
 def test_an_openai_client_agent_trains_through_the_gateway(tiny_run_overrides, tokenizer,
                                                            tmp_path, private_ray, monkeypatch):
     """The example agent plays Sokoban (3 turns) on the tiny model through the gateway in a
-    real training step (Megatron actor TP 2, a critic, one SGLang engine). Every trained sample
-    is an engine call exactly (prompt ids, sampled ids, their log-probs); a conversation's next
-    call begins with the previous call's prompt and sampled ids unless its reply did not render
-    back (counted, and checked call by call); the agent's per-call rewards are the turns'; the
-    trainer's log-probs of the samples equal the engine's."""
+    real training step (Megatron actor TP 2, a critic, one SGLang engine). The engine's server is
+    killed under the step's first call: the gateway answers 503, the engine is restarted with
+    the trainer's weights and every episode whose call it cut is played again, none dropped.
+    Every trained sample is an engine call exactly (prompt ids, sampled ids, their log-probs); a
+    conversation's next call begins with the previous call's prompt and sampled ids unless its
+    reply did not render back (counted, and checked call by call); the agent's per-call rewards
+    are the turns'; the trainer's log-probs of the samples equal the engine's."""
     import ragen_mega.rollout.manager as manager
     import ragen_mega.train as train_module
     from ragen_mega.ray.engine_group import EngineGroup
@@ -253,7 +256,14 @@ def test_an_openai_client_agent_trains_through_the_gateway(tiny_run_overrides, t
         trained.extend(samples)
         return real_filter(samples, **kwargs)
 
+    real_episodes = manager.RolloutManager.episodes
+
+    def killed_under_a_call(rollouts, step, evaluate=False, faults=None):
+        with server_killed_under_first_request(rollouts.engines, server_pids(tmp_path)[-1]):
+            return real_episodes(rollouts, step, evaluate=evaluate, faults=faults)
+
     monkeypatch.setattr(EngineGroup, "generate", recording_generate)
+    monkeypatch.setattr(manager.RolloutManager, "episodes", killed_under_a_call)
     monkeypatch.setattr(manager, "load_agent", recording_agent)
     monkeypatch.setattr(train_module, "filter_groups", recording_filter)
     overrides = tiny_run_overrides(tmp_path, total_steps=1) + [
@@ -283,6 +293,8 @@ def test_an_openai_client_agent_trains_through_the_gateway(tiny_run_overrides, t
             extended += grows
             rerendered += not grows
     assert extended >= 1
+    assert h["fault/engine_restarts"] == 1 and h["fault/episodes_retried"] >= 1
+    assert h["fault/episodes_dropped"] == 0
     assert h["rollout/rerendered_calls"] == pytest.approx(rerendered / len(returned))
     assert h["train/rollout_vs_trainer_logprob_diff"] < 1e-3
     assert h["sync/max_logprob_diff"] < 1e-3 and h["actor/update_successful"] == 1.0

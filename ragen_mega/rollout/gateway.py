@@ -174,10 +174,8 @@ class Gateway:
         _check_fields(body, "messages", chat=True)
         messages = _messages(body.get("messages"))
         sampling = _sampling(body, calls.defaults)
-        prompt_ids, extends = calls.history.chat_prompt(messages)
-        gen = await self._generate(calls, prompt_ids, sampling, extends)
-        content = _without_stop(self.tokenizer.decode(gen.output_ids, skip_special_tokens=True),
-                                sampling)
+        prompt_ids, gen, content = await self._sample(calls, sampling,
+                                                      *calls.history.chat_prompt(messages))
         calls.history.record_chat(messages, prompt_ids, gen.output_ids, content)
         choice = {"index": 0, "message": {"role": "assistant", "content": content},
                   "finish_reason": _finish(gen), "logprobs": None}
@@ -194,13 +192,19 @@ class Gateway:
             raise BadRequest(f"prompt: must be a non-empty string (one prompt per call), got "
                              f"{_short(prompt)}", "prompt")
         sampling = _sampling(body, calls.defaults)
-        prompt_ids, extends = calls.history.completion_prompt(prompt)
-        gen = await self._generate(calls, prompt_ids, sampling, extends)
-        text = _without_stop(self.tokenizer.decode(gen.output_ids, skip_special_tokens=True),
-                             sampling)
+        prompt_ids, gen, text = await self._sample(calls, sampling,
+                                                   *calls.history.completion_prompt(prompt))
         calls.history.record_completion(prompt, prompt_ids, gen.output_ids, text)
         choice = {"index": 0, "text": text, "finish_reason": _finish(gen), "logprobs": None}
         return self._response(episode_id, calls, "text_completion", choice, prompt_ids, gen)
+
+    async def _sample(self, calls: EpisodeCalls, sampling: dict, prompt_ids: list[int],
+                      extends: bool) -> tuple[list[int], Generation, str]:
+        """Generate for ``prompt_ids``; the prompt, the engine's answer and its text as the
+        agent gets it (special tokens and a final stop string left out, as OpenAI does)."""
+        gen = await self._generate(calls, prompt_ids, sampling, extends)
+        text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        return prompt_ids, gen, _without_stop(text, sampling)
 
     async def _generate(self, calls: EpisodeCalls, prompt_ids: list[int], sampling: dict,
                         extends: bool) -> Generation:

@@ -154,18 +154,20 @@ class RolloutManager:
             temperature = r.temperature
 
         def attempt(spec):  # each call starts the episode afresh: a replay after an engine restart
-            generate = self._generate("eval" if evaluate else "train", step, spec.episode_id)
-            if self.agent is not None:
-                return lambda open_env: play_agent_episode(
-                    spec, agent=self.agent, gateway=self.gateway, generate=generate,
-                    sampling={"temperature": temperature, "top_p": r.top_p,
-                              "max_new_tokens": r.max_new_tokens},
-                    max_turns=env.max_turns, env_steps_in_thread=r.env_steps_in_thread,
-                    open_env=open_env)
-            return lambda open_env: run_episode(
-                spec, tokenizer=self.tokenizer, agent=self.cfg.agent, generate=generate,
-                sampling=self._sampling(temperature), max_turns=env.max_turns,
-                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
+            def play(open_env):
+                generate = self._generate("eval" if evaluate else "train", step, spec.episode_id)
+                if self.agent is not None:
+                    return play_agent_episode(
+                        spec, agent=self.agent, gateway=self.gateway, generate=generate,
+                        sampling={"temperature": temperature, "top_p": r.top_p,
+                                  "max_new_tokens": r.max_new_tokens},
+                        max_turns=env.max_turns, env_steps_in_thread=r.env_steps_in_thread,
+                        open_env=open_env)
+                return run_episode(
+                    spec, tokenizer=self.tokenizer, agent=self.cfg.agent, generate=generate,
+                    sampling=self._sampling(temperature), max_turns=env.max_turns,
+                    env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
+            return play
         played = (episode_or_drop(spec, self.engines.replaying(attempt(spec), self.open_env))
                   for spec in specs)
 
