@@ -62,8 +62,9 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
         trainer = MegatronTrainer(ActorConfig(tp=tp, **{**actor_settings, "micro_batch_size": 2}),
                                   hf_dir, total_steps=10)
         old = trainer.compute_logprobs(rows3) + rows3["noise"]
-        out[name] = {"metrics": trainer.train({**rows3, "old_logprobs": old}),
-                     "weights": dict(trainer.export_hf_state()) if rank == 0 else None}
+        metrics = trainer.train({**rows3, "old_logprobs": old})
+        weights = dict(trainer.export_hf_state())  # a collective: every rank takes part
+        out[name] = {"metrics": metrics, "weights": weights if rank == 0 else None}
         del trainer
         gc.collect()
 
