@@ -198,6 +198,26 @@ def test_other_refusals_name_their_cause(tokenizer):
     assert len(calls.calls) == 1 and len(log) == 1
 
 
+def test_chat_needs_a_chat_template(tokenizer):
+    """A base model's tokenizer has no chat template: chat calls are refused naming it, prompt
+    strings still work."""
+    import copy
+
+    base = copy.deepcopy(tokenizer)
+    base.chat_template = None
+
+    async def play(gateway):
+        async with httpx.AsyncClient() as client:
+            return [await client.post(f"{gateway.url(7)}/chat/completions",
+                                      json={"messages": [{"role": "user", "content": "hi"}]}),
+                    await client.post(f"{gateway.url(7)}/completions", json={"prompt": "Move:"})]
+
+    (chat, completion), calls, _ = asyncio.run(_with_gateway(base, play, [SPLIT_LEFT]))
+    assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
+    assert completion.status_code == 200 and completion.json()["choices"][0]["text"] == " Left"
+    assert completion.json()["object"] == "text_completion" and len(calls.calls) == 1
+
+
 # ------------------------------------------------------------------ config and loading
 def test_rollout_agent_is_checked_before_anything_starts(tmp_path, capsys):
     from ragen_mega.train import main as train_main

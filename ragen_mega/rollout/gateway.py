@@ -172,6 +172,10 @@ class Gateway:
 
     async def _chat(self, episode_id: int, calls: EpisodeCalls, body: dict) -> dict:
         _check_fields(body, "messages", chat=True)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise BadRequest("messages: the policy's tokenizer has no chat template (a base "
+                             "model); send a prompt string to /v1/completions instead",
+                             "messages")
         messages = _messages(body.get("messages"))
         sampling = _sampling(body, calls.defaults)
         prompt_ids, gen, content = await self._sample(calls, sampling,
