@@ -661,10 +661,6 @@ class RunConfig:
             raise ConfigError("trainer.async_rollout: overlapping rollout and training needs "
                               "separate engines; colocated ones hand their devices to the "
                               "trainer (set trainer.colocate=false)")
-        if self.rollout.mode != "episodes":
-            raise ConfigError("trainer.async_rollout: needs rollout.mode=episodes (streamed "
-                              "windows are not overlapped yet), got "
-                              f"{self.rollout.mode!r}")
         if self.algo.use_rollout_logprobs:
             raise ConfigError("algo.use_rollout_logprobs: with trainer.async_rollout the "
                               "engine's log-probs are one version stale; set it false so the "

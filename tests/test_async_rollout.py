@@ -122,3 +122,51 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
     assert step4["rollout/weight_staleness"] == 0.0
     assert step4["train/rollout_vs_trainer_logprob_diff"] < 1e-5, step4
     assert step4["sync/max_logprob_diff"] < 1e-3
+
+
+def test_overlapped_streams_are_one_version_stale_and_resume_exactly(
+        tiny_run_overrides, tmp_path, private_ray, monkeypatch):
+    """``rollout.mode: turns`` overlapped: FrozenLake streams (2 groups x 2, episodes of 3
+    turns in windows of 2, so episodes are cut and bootstrapped across steps), actor and critic.
+    Step k+1's window plays while step k trains, one weight version stale; the checkpoint of
+    step 1 holds window 2 and the streams where window 2 left them, so a run resumed there
+    trains step 2 on that very window and plays window 3 from there: steps 2 and 3 equal the
+    straight run's (streams saved from before window 2 would play its turns again)."""
+    events: list = []
+    _timed(monkeypatch, RolloutManager, "rollout", events,
+           lambda rollouts, step, version: ("play", step))
+    _timed(monkeypatch, TrainerGroup, "train", events, lambda group, batch: ("train", group.role))
+    overrides = tiny_run_overrides(tmp_path, 3) + [
+        "env.name=frozen_lake", "env.kwargs={}", "env.max_turns=3", "rollout.mode=turns",
+        "rollout.turns_per_step=2", "agent.memory_turns=1", "algo.gamma=0.99", "algo.lam=0.95",
+        "trainer.async_rollout=true", "actor.tis_cap=2.0", "actor.tp=1",
+        "algo.whiten_advantages=false"]
+    straight = train(load_run_config(DEMO, overrides))
+    assert [h["step"] for h in straight] == [1, 2, 3]
+    plays = {label[1]: (start, end) for label, start, end in events if label[0] == "play"}
+    actor_trains = [(start, end) for label, start, end in events if label == ("train", "actor")]
+    for k in (1, 2):  # window k+1 played during step k's update
+        assert plays[k][1] <= plays[k + 1][0] < actor_trains[k - 1][1], (k, plays, actor_trains)
+    for h in straight:  # 4 streams x 2 turns, every step
+        assert h["rollout/samples"] == h["train/batch_samples"] == 8
+        assert h["sync/max_logprob_diff"] < 1e-3
+    assert [h["rollout/weight_staleness"] for h in straight] == [0.0, 1.0, 1.0]
+    assert [h["rollout/episodes_finished"] for h in straight] == [0, 4, 4]
+    assert straight[0]["train/rollout_vs_trainer_logprob_diff"] < 1e-5
+    for h in straight[1:]:
+        assert h["train/rollout_vs_trainer_logprob_diff"] > 1e-4, h
+    assert not undocumented_scalars(straight[1], tags=("frozen_lake",))
+
+    ckpt = tmp_path / "checkpoints"
+    for step in (2, 3):
+        for role in ("actor", "critic"):
+            shutil.rmtree(ckpt / role / f"step_{step}")
+    (ckpt / "latest_step").write_text("1")
+    events.clear()
+    resumed = train(load_run_config(DEMO, overrides))
+    assert [h["step"] for h in resumed] == [2, 3]
+    # step 2 trained on the saved window; only window 3 was played
+    assert [label for label, _, _ in events if label[0] == "play"] == [("play", 3)]
+    for want, got in zip(straight[1:], resumed):
+        diffs = resumed_step_diffs(want, got)
+        assert set(got) == set(want) and not diffs, json.dumps(diffs, indent=1)

@@ -121,14 +121,29 @@ def test_pending_rollout_and_streams_round_trip_under_weights_only(tokenizer, tm
     assert [json.loads(l)["fault"] for l in lines] == ["episodes_dropped", "updates_skipped"]
 
 
-def test_sample_info_and_streamed_window_are_not_pickled():
+def test_sample_info_is_not_pickled():
     s = Sample([1], [2], [-0.5], 0.0, 0, 0, 1, done=True, last=True, env_tag="x", seed=0,
                info={"finish_reason": "stop", "obj": object()})
     with pytest.raises(TypeError, match=r"Sample.info\['obj'\] is a builtins.object"):
         s.to_dict()
-    step = PlayedStep([], {}, 0.0, FaultCounters(1), window=object())
-    with pytest.raises(ValueError, match="not checkpointed with its window"):
-        step.state_dict()
+
+
+def test_pending_streamed_window_keeps_what_training_reads(tokenizer):
+    """An overlapped streamed step (``rollout.mode=turns``) is saved pending with its window's
+    cut prompts, which the critic values for the bootstrap; the samples keep stream and cut."""
+    streams = EnvStreams([EnvPart("lake", "frozen_lake", {"is_slippery": False}, 2)],
+                         group_size=2, seed=5, turns_per_step=3, tokenizer=tokenizer,
+                         agent=AGENT, max_turns=6)
+    window = asyncio.run(streams.play_window(lambda s: _policy(tokenizer), {}, weight_version=4))
+    assert window.next_prompts and window.finished        # some episodes cut, some ended
+    played = PlayedStep(window.samples, {"rollout/samples": 12.0}, 0.5, FaultCounters(5), window)
+    buf = io.BytesIO()
+    torch.save(played.state_dict(), buf)
+    got = PlayedStep.from_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert got.samples == window.samples and got.window.samples is got.samples
+    assert got.window.next_prompts == window.next_prompts
+    assert [(s.stream, s.cut, s.weight_version) for s in got.samples] == [
+        (s.stream, s.cut, 4) for s in window.samples]
 
 
 def test_rng_states_round_trip_under_weights_only():

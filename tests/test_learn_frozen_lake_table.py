@@ -31,7 +31,6 @@ What each test pins down, and what it gave under mutation (issue 22's note has t
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -39,11 +38,11 @@ import torch
 
 from ragen_mega.algo.estimators import compute_advantages
 from ragen_mega.algo.filter import select_groups
-from ragen_mega.algo.gigpo import anchor_groups
 from ragen_mega.algo.losses import policy_loss
 from ragen_mega.config import ActorConfig, AlgoConfig, FilterConfig
 from ragen_mega.envs.frozen_lake import ACTIONS, PLAYER, TILE_SYMBOLS, FrozenLakeEnv
 from ragen_mega.envs.frozen_lake_references import Lake, references
+from table_policy import Turns
 
 MAX_TURNS, MAX_ACTIONS = 5, 2
 ENV_KWARGS = {"size": 4, "p": 0.8, "is_slippery": False}
@@ -102,39 +101,13 @@ def held_out_success(logits: torch.Tensor, lakes: list[Lake]) -> float:
     return total / len(lakes)
 
 
-@dataclass
-class Turns:
-    """One step's played turns, one row each, as ``rollout/batch.py`` lays them out."""
-    key: list[int]
-    answer: list[int]
-    reward: list[float]
-    episode: list[int]
-    group: list[int]
-    turn: list[int]
-    last: list[bool]
-    state: list[str]                                  # the observation the turn acted on
-
-    def add(self, *row) -> None:
-        for column, value in zip(self.__dataclass_fields__, row):
-            getattr(self, column).append(value)
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        n = len(self.key)
-        return {"episode_id": torch.tensor(self.episode), "group_id": torch.tensor(self.group),
-                "reward": torch.tensor(self.reward), "turn": torch.tensor(self.turn),
-                "last": torch.tensor(self.last), "loss_mask": torch.ones(n, 1),
-                "response_start": torch.zeros(n, dtype=torch.long),
-                "member": torch.tensor(self.episode),
-                "state_group": anchor_groups(self.state, self.group)}
-
-
 def play(env: FrozenLakeEnv, logits: torch.Tensor, rng: np.random.Generator,
          reward_on_first_turn: bool = False) -> Turns:
     """``GROUPS`` groups of ``GROUP_SIZE`` episodes, each group on one seed, every answer
     sampled from the table; ``reward_on_first_turn`` moves each episode's reward onto its first
     turn (a credit-assignment mutation)."""
     probs = torch.softmax(logits.detach().double(), -1).numpy()
-    t = Turns([], [], [], [], [], [], [], [])
+    t = Turns.empty()
     for group in range(GROUPS):
         seed = int(rng.integers(1_000_000))
         for j in range(GROUP_SIZE):
@@ -192,7 +165,7 @@ def train(estimator: str, steps: int, start_goal: str = "random",
                                   filter_cfg.ratio, filter_cfg.mode)
         stds.append(float(selection.metrics["in_group_std"]))
         keep = torch.isin(batch["group_id"], selection.kept_group_ids)
-        logprobs = torch.log_softmax(logits, -1)[keys, torch.tensor(t.answer)][:, None][keep]
+        logprobs = t.logprobs(logits)[keep]
         loss, _ = policy_loss(logprobs, logprobs.detach(), batch["advantages"][keep],
                               torch.ones_like(logprobs), clip.clip_ratio_low, clip.clip_ratio_high)
         opt.zero_grad()

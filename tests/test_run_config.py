@@ -73,12 +73,10 @@ def test_defaults_are_ragen_starpo_s():
       "critic.enable=false"], "algo.adv_estimator: rollout.mode=turns needs gae"),
     (["rollout.mode=turns", "rollout.turns_per_step=4", "algo.reward_norm=mean_std"],
      "algo.reward_norm: rollout.mode=turns needs identity"),
-    # overlapped rollout: separate engines, whole episodes, the stale samples IS-corrected
+    # overlapped rollout: separate engines, the stale samples IS-corrected
     (["actor.tis_cap=0"], "actor.tis_cap: must be > 0"),
     (["trainer.async_rollout=true", "trainer.colocate=true", "actor.tis_cap=2"],
      "trainer.async_rollout: overlapping rollout and training needs separate engines"),
-    (["trainer.async_rollout=true", "rollout.mode=turns", "rollout.turns_per_step=4",
-      "actor.tis_cap=2"], "trainer.async_rollout: needs rollout.mode=episodes"),
     (["trainer.async_rollout=true", "algo.use_rollout_logprobs=true", "actor.tis_cap=2"],
      "algo.use_rollout_logprobs: with trainer.async_rollout the engine's log-probs are one "
      "version stale"),

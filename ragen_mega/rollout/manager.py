@@ -57,22 +57,27 @@ class PlayedStep:
         """Plain values only (samples as :meth:`Sample.to_dict`, the counters as
         :meth:`FaultCounters.state_dict`), so the checkpoint that keeps a pending rollout
         (``trainer.async_rollout``) loads with ``torch.load(weights_only=True)`` and survives a
-        renamed class. An episodes-mode step only: a streamed step's window is not kept."""
+        renamed class. Of a streamed step's window only what training still reads is kept: the
+        prompts after its cuts (the critic's bootstrap); its finished and dropped episodes are
+        in the metrics and fault counters already."""
+        state = {"samples": [s.to_dict() for s in self.samples],
+                 "metrics": {str(k): float(v) for k, v in self.metrics.items()},
+                 "rollout_s": float(self.rollout_s), "faults": self.faults.state_dict()}
         if self.window is not None:
-            raise ValueError("PlayedStep.state_dict: a streamed step (rollout.mode=turns) is "
-                             "not checkpointed with its window; only an episodes-mode rollout "
-                             "is kept pending (trainer.async_rollout)")
-        return {"samples": [s.to_dict() for s in self.samples],
-                "metrics": {str(k): float(v) for k, v in self.metrics.items()},
-                "rollout_s": float(self.rollout_s), "faults": self.faults.state_dict()}
+            state["next_prompts"] = [[int(episode), [int(t) for t in prompt]]
+                                     for episode, prompt in self.window.next_prompts.items()]
+        return state
 
     @classmethod
     def from_state_dict(cls, state: dict, log_path=None) -> PlayedStep:
         """The step :meth:`state_dict` saved; its fault counters describe further faults (the
         step's skipped updates) in ``log_path`` (``RUN_DIR/faults.jsonl``)."""
-        return cls([Sample.from_dict(s) for s in state["samples"]], dict(state["metrics"]),
-                   float(state["rollout_s"]),
-                   FaultCounters.from_state_dict(state["faults"], log_path))
+        samples = [Sample.from_dict(s) for s in state["samples"]]
+        window = None
+        if "next_prompts" in state:
+            window = Window(samples, [], {int(e): list(p) for e, p in state["next_prompts"]})
+        return cls(samples, dict(state["metrics"]), float(state["rollout_s"]),
+                   FaultCounters.from_state_dict(state["faults"], log_path), window)
 
 
 class RolloutManager:
@@ -115,7 +120,7 @@ class RolloutManager:
             for sample in samples:
                 sample.weight_version = weight_version
             return PlayedStep(samples, summarize(episodes, "rollout"), rollout_s, faults)
-        window, rollout_s = self.window(step, faults)
+        window, rollout_s = self.window(step, faults, weight_version)
         return PlayedStep(window.samples, summarize_window(
             window.samples, window.finished, "rollout", trained_version=step - 1), rollout_s,
             faults, window)
@@ -181,11 +186,16 @@ class RolloutManager:
         return count_rollout_faults(outcome, faults or self.fault_counters(step),
                                     r.max_env_failure_rate), seconds
 
-    def window(self, step: int, faults: FaultCounters) -> tuple[Window, float]:
-        """Every stream's ``turns_per_step`` turns with the weights of step ``step - 1``; stream
-        ``s``'s k-th request of the step is seeded with (trainer.seed, step, s, k). Faults are
-        counted in ``faults``; a window an engine restart cut short is played again from its
-        start (each stream's episodes then replay from their resets, as on resume)."""
+    def window(self, step: int, faults: FaultCounters, weight_version: int
+               ) -> tuple[Window, float]:
+        """Every stream's ``turns_per_step`` turns with the weights the engines serve,
+        ``weight_version`` (that of step ``step - 1``, or of ``step - 2`` when the window plays
+        while step ``step - 1`` trains); stream ``s``'s k-th request of the step is seeded with
+        (trainer.seed, step, s, k). Faults are counted in ``faults``; a window an engine
+        restart cut short is played again from its start (each stream's episodes then replay
+        from their resets, as on resume). A window that ends in an error leaves the streams
+        where it started: an overlapped one that met a restarted engine (``ResyncDeferred``)
+        is played again after the step's sync."""
         sampling = self._sampling(self.cfg.rollout.temperature)
 
         async def play_window() -> Window:
@@ -194,10 +204,13 @@ class RolloutManager:
                 try:
                     return await self.streams.play_window(
                         lambda stream: self._generate("stream", step, stream), sampling,
-                        weight_version=step - 1)
+                        weight_version=weight_version)
                 except EngineRestarted:
                     self.engines.count_retried(len(self.streams.streams))
                     await self.streams.restore(start_state)
+                except Exception:
+                    await self.streams.restore(start_state)
+                    raise
 
         start = time.perf_counter()
         window = self.engines.run(play_window())
