@@ -168,3 +168,56 @@ def test_window_metrics(tokenizer):
     quiet = summarize_window(w.samples, [], "rollout", trained_version=5)
     assert "rollout/episode_length" not in quiet and "rollout/success" not in quiet
     assert quiet["rollout/episodes_finished"] == 0
+
+
+def test_overlapped_window_that_meets_a_restarted_engine_is_played_again_as_it_was(
+        tokenizer, tmp_path):
+    """``RolloutManager.window`` overlapped (``trainer.async_rollout``): step 2's window plays
+    while step 1 trains, with version 0's weights, and is stamped so. An engine restarted under
+    it ends it with ``ResyncDeferred`` (weights cannot be given from the rollout's thread); the
+    streams go back to where the window started, so the window played again after the sync is
+    the one an uninterrupted run plays (a window left half-played would go on from its middle)."""
+    from ragen_mega.config import load_run_config
+    from ragen_mega.ray.engine_group import ResyncDeferred
+    from ragen_mega.rollout.manager import RolloutManager
+
+    cfg = load_run_config(None, [
+        "env.name=frozen_lake", "env.kwargs={is_slippery: false}", "env.env_groups=2",
+        "env.group_size=2", "env.max_turns=4", "rollout.mode=turns", "rollout.turns_per_step=3",
+        "algo.adv_estimator=gae", "critic.enable=true", "agent.think=false",
+        "agent.max_actions_per_turn=1", "agent.memory_turns=1", f"trainer.run_dir={tmp_path}"])
+
+    class Engines:  # the engine group's rollout side, serving the scripted policy
+        def __init__(self):
+            self.generate = policy(tokenizer)
+
+        def run(self, work):
+            return asyncio.run(work)
+
+    def manager():
+        m = RolloutManager(cfg, tokenizer, Engines())
+        m.open_streams(None)
+        m.rollout(1, 0)
+        return m
+
+    want = manager().rollout(2, 0)
+    overlapped = manager()
+    start, served, calls = overlapped.streams.state_dict(), overlapped.engines.generate, []
+
+    async def restarted_under_third_request(prompt_ids, sampling, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ResyncDeferred("engine 0 was restarted under a request")
+        await asyncio.sleep(0)
+        return await served(prompt_ids, sampling)
+    overlapped.engines.generate = restarted_under_third_request
+    with pytest.raises(ResyncDeferred):
+        overlapped.rollout(2, 0)
+    assert overlapped.streams.state_dict() == start
+    overlapped.engines.generate = served
+    got = overlapped.rollout(2, 0)
+    fields = lambda p: [(s.episode_id, s.turn, s.prompt_ids, s.response_ids, s.reward, s.cut,
+                         s.last, s.weight_version) for s in p.samples]
+    assert fields(got) == fields(want)
+    assert {s.weight_version for s in got.samples} == {0}
+    assert got.window.next_prompts == want.window.next_prompts and got.metrics == want.metrics
