@@ -9,9 +9,13 @@ validates ``local_attention`` and the Megatron backend builds it from one list w
 config layer loading megatron.
 
 Supported families: llama (SmolLM2, Llama 2/3 without rope scaling), qwen2 (q/k/v biases),
-qwen3 (q/k RMSNorm per head, head_dim may differ from hidden/heads). Anything this trainer would
-silently compute differently (rope scaling, sliding window, biases on other projections, another
-activation) is refused with an error naming the config key.
+qwen3 (q/k RMSNorm per head, head_dim may differ from hidden/heads), and their mixtures of
+experts: qwen3_moe (Qwen3-30B-A3B, 235B-A22B) and qwen2_moe (adds a gated shared expert). In the
+MoE families every layer's MLP is a router over ``num_experts`` experts of
+``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; ``norm_topk_prob``
+renormalises the chosen experts' router probabilities. Anything this trainer would silently
+compute differently (rope scaling, sliding window, biases on other projections, another
+activation, dense layers among the sparse ones) is refused with an error naming the config key.
 """
 from __future__ import annotations
 
@@ -22,7 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, get_args
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+MOE_ARCHS = ("qwen2_moe", "qwen3_moe")
 
 
 class ConfigMismatchError(ValueError):
@@ -46,6 +51,18 @@ class ModelSpec:
     qkv_bias: bool
     qk_layernorm: bool
     vocab_divisor: int = 128   # each TP rank's vocab shard is a multiple of this
+    #: mixtures of experts (0: a dense MLP): experts per layer, experts per token, each
+    #: expert's intermediate size, whether the chosen experts' probabilities are renormalised
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_norm_topk_prob: bool = False
+    #: qwen2_moe's shared expert (0: none), which every token goes through, scaled by a gate
+    shared_expert_ffn_hidden_size: int = 0
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def padded_vocab(self, tp: int = 1) -> int:
         """Rows of the padded embedding: a multiple of ``vocab_divisor * tp`` (each TP shard a
@@ -57,9 +74,11 @@ class ModelSpec:
 
     def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
         """Raise a ValueError naming the size that a TP / PP layout cannot split."""
+        mlp = ((("moe_intermediate_size", self.moe_ffn_hidden_size),
+                ("shared_expert_intermediate_size", self.shared_expert_ffn_hidden_size))
+               if self.is_moe else (("intermediate_size", self.ffn_hidden_size),))
         for name, value in (("num_attention_heads", self.num_heads),
-                            ("num_key_value_heads", self.num_kv_heads),
-                            ("intermediate_size", self.ffn_hidden_size)):
+                            ("num_key_value_heads", self.num_kv_heads), *mlp):
             if value % tp:
                 raise ValueError(f"tensor parallel size {tp} does not divide {name}={value}")
         chunks = pp * (vpp or 1)
@@ -131,22 +150,53 @@ def model_spec(config_or_dir, *, vocab_divisor: int = 128) -> ModelSpec:
     if arch == "llama" and attention_bias:
         raise ConfigMismatchError("attention_bias=True (a bias on o_proj too) is not supported "
                                   "for llama")
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                           "intermediate_size", "vocab_size") if k not in cfg]
+    moe = _moe_fields(cfg) if arch in MOE_ARCHS else {}
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                *(() if moe else ("intermediate_size",)))
+    missing = [k for k in required if k not in cfg]
     if missing:
         raise ConfigMismatchError(f"HF config lacks {missing}")
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    family = arch.removesuffix("_moe")
     return ModelSpec(
         arch=arch, num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
         num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
-        ffn_hidden_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
+        ffn_hidden_size=cfg.get("intermediate_size", 0), vocab_size=cfg["vocab_size"],
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         rope_theta=_rope_theta(cfg), rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        # qwen2 always has q/k/v biases (no config key); qwen3 only with attention_bias
-        qkv_bias=arch == "qwen2" or (arch == "qwen3" and attention_bias),
-        qk_layernorm=arch == "qwen3", vocab_divisor=vocab_divisor)
+        # qwen2 always has q/k/v biases (no config key; qwen2_moe's is qkv_bias); qwen3 only
+        # with attention_bias
+        qkv_bias=(arch == "qwen2" or (arch == "qwen2_moe" and bool(cfg.get("qkv_bias", True)))
+                  or (family == "qwen3" and attention_bias)),
+        qk_layernorm=family == "qwen3", vocab_divisor=vocab_divisor, **moe)
+
+
+def _moe_fields(cfg: dict) -> dict:
+    """The :class:`ModelSpec` fields of a qwen2_moe / qwen3_moe config. The expert count is
+    ``num_experts`` in the Hub's configs and ``num_local_experts`` in some saved ones."""
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    missing = [k for k, v in (("num_experts", experts),
+                              ("num_experts_per_tok", cfg.get("num_experts_per_tok")),
+                              ("moe_intermediate_size", cfg.get("moe_intermediate_size")))
+               if not v]
+    if missing:
+        raise ConfigMismatchError(f"model_type={cfg['model_type']!r}: HF config lacks {missing}")
+    if cfg.get("decoder_sparse_step", 1) != 1:
+        raise ConfigMismatchError(f"decoder_sparse_step={cfg['decoder_sparse_step']} (dense "
+                                  f"layers between the sparse ones) is not supported; only 1")
+    if cfg.get("mlp_only_layers"):
+        raise ConfigMismatchError(f"mlp_only_layers={cfg['mlp_only_layers']} (dense layers "
+                                  f"among the sparse ones) is not supported; only []")
+    if cfg["num_experts_per_tok"] > experts:
+        raise ConfigMismatchError(f"num_experts_per_tok={cfg['num_experts_per_tok']} exceeds "
+                                  f"num_experts={experts}")
+    return {"num_experts": int(experts), "moe_top_k": int(cfg["num_experts_per_tok"]),
+            "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "shared_expert_ffn_hidden_size": int(cfg.get("shared_expert_intermediate_size")
+                                                 or 0) if cfg["model_type"] == "qwen2_moe" else 0}
 
 
 # the local layer spec's core attention (backends/megatron/transformer_config.layer_spec):

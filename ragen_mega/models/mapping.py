@@ -1,4 +1,5 @@
-"""THE one parameter mapping HF <-> Megatron (llama / qwen2 / qwen3), for conversion and weight sync.
+"""THE one parameter mapping HF <-> Megatron (llama / qwen2 / qwen3 and their MoE forms), for
+conversion and weight sync.
 
 The table is :func:`rules` (layer rules use ``"{i}"``); the other functions answer questions
 about it for a ``spec`` (a ``ModelSpec``) and a ``role`` ("actor": LM head, "critic": value
@@ -26,6 +27,13 @@ Layouts (the reasons the table exists):
   from ``model.embed_tokens.weight``; it is never exported (HF has no lm_head when tied).
 - Critic: same backbone; ``output_layer.weight`` is a replicated [1, hidden] value head, HF name
   ``score.weight``, optional on load (an actor checkpoint has none: the head stays zero).
+- Mixtures of experts (``spec.is_moe``): the MLP is Megatron's ``MoELayer`` with
+  ``SequentialMLP`` experts. The router ``mlp.router.weight`` is HF's ``mlp.gate.weight``
+  (replicated); expert e's ``linear_fc1`` / ``linear_fc2`` are HF's per-expert
+  ``mlp.experts.{e}.gate_proj``/``up_proj`` and ``down_proj`` (transformers' on-disk names; it
+  fuses them in memory only), split over TP as a dense MLP's. qwen2_moe's shared expert is
+  ``mlp.shared_experts.linear_fc1/fc2`` and its sigmoid gate ``mlp.shared_experts.gate_weight``
+  (HF ``mlp.shared_expert_gate.weight``, [1, hidden], replicated).
 
 Streaming: ``megatron_to_hf`` handles one parameter at a time, so a weight sync can gather one
 parameter's TP shards, convert, send, and drop it before the next. ``tp_pieces`` is the one
@@ -90,9 +98,7 @@ def rules(spec: ModelSpec, role: str = "actor") -> tuple[Rule, ...]:
         *attn,
         Rule(L + "self_attention.linear_proj.weight", (A + "self_attn.o_proj.weight",), tp_dim=1),
         Rule(L + "pre_mlp_layernorm.weight", (A + "post_attention_layernorm.weight",)),
-        Rule(L + "mlp.linear_fc1.weight", (A + "mlp.gate_proj.weight", A + "mlp.up_proj.weight"),
-             "gate_up", 0),
-        Rule(L + "mlp.linear_fc2.weight", (A + "mlp.down_proj.weight",), tp_dim=1),
+        *(_moe_rules(spec) if spec.is_moe else _mlp_rules(L + "mlp.", A + "mlp.")),
         Rule("decoder.final_layernorm.weight", ("model.norm.weight",), place="head"),
     ]
     if role == "critic":
@@ -104,6 +110,31 @@ def rules(spec: ModelSpec, role: str = "actor") -> tuple[Rule, ...]:
         table.append(Rule("output_layer.weight", ("lm_head.weight",), tp_dim=0, vocab=True,
                           place="head"))
     return tuple(table)
+
+
+def _mlp_rules(megatron: str, hf: str) -> list[Rule]:
+    """A gated MLP's two linears (a dense layer's, an expert's, the shared expert's)."""
+    return [Rule(megatron + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
+                 "gate_up", 0),
+            Rule(megatron + "linear_fc2.weight", (hf + "down_proj.weight",), tp_dim=1)]
+
+
+def _moe_rules(spec: ModelSpec) -> list[Rule]:
+    """The router, every expert (its index written into the names) and the shared expert."""
+    L, A = "decoder.layers.{i}.mlp.", "model.layers.{i}.mlp."
+    out = [Rule(L + "router.weight", (A + "gate.weight",))]
+    for e in range(spec.num_experts):
+        out += _mlp_rules(L + f"experts.local_experts.{e}.", A + f"experts.{e}.")
+    if spec.shared_expert_ffn_hidden_size:
+        out += [*_mlp_rules(L + "shared_experts.", A + "shared_expert."),
+                Rule(L + "shared_experts.gate_weight", (A + "shared_expert_gate.weight",))]
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _rules_by_name(spec: ModelSpec, role: str) -> dict[str, Rule]:
+    """Megatron name template -> rule (an MoE table has a few hundred rules per layer)."""
+    return {rule.megatron: rule for rule in rules(spec, role)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -215,11 +246,11 @@ def _rule_for(global_name: str, spec: ModelSpec, role: str | None) -> tuple[Rule
     template = global_name if layer is None else to_local(global_name, layer).replace(
         "decoder.layers.0.", "decoder.layers.{i}.", 1)
     for candidate_role in ([role] if role else ROLES):
-        for rule in rules(spec, candidate_role):
-            if rule.megatron == template and (role or rule.export):
-                if layer is not None and layer >= spec.num_layers:
-                    raise KeyError(f"{global_name}: layer {layer} >= num_layers {spec.num_layers}")
-                return rule, layer
+        rule = _rules_by_name(spec, candidate_role).get(template)
+        if rule is not None and (role or rule.export):
+            if layer is not None and layer >= spec.num_layers:
+                raise KeyError(f"{global_name}: layer {layer} >= num_layers {spec.num_layers}")
+            return rule, layer
     raise KeyError(f"{global_name} is not a Megatron parameter of a {spec.arch} "
                    f"{role or 'model'}")
 
@@ -407,7 +438,11 @@ CONFIG_KEY_TO_SPEC = {
     "hidden_size": "hidden_size", "num_attention_heads": "num_heads",
     "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
     "intermediate_size": "ffn_hidden_size", "vocab_size": "vocab_size",
+    "num_experts": "num_experts", "moe_intermediate_size": "moe_ffn_hidden_size",
+    "shared_expert_intermediate_size": "shared_expert_ffn_hidden_size",
 }
+_EXPERT = re.compile(r"mlp\.experts\.\d+\.")
+_ONE = ("", 1)   # a dimension of size 1 (the shared expert's gate has one output)
 
 
 def hf_shape(hf_name: str, spec: ModelSpec, role: str = "actor") -> tuple[int, ...]:
@@ -415,7 +450,8 @@ def hf_shape(hf_name: str, spec: ModelSpec, role: str = "actor") -> tuple[int, .
     if role == "critic" and hf_name == "score.weight":
         return (1, spec.hidden_size)
     dims = expected_hf_shapes(spec, role)[hf_name]
-    return tuple(getattr(spec, CONFIG_KEY_TO_SPEC[key]) * factor for key, factor in dims)
+    return tuple(getattr(spec, CONFIG_KEY_TO_SPEC[key]) * factor if key else factor
+                 for key, factor in dims)
 
 
 def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]:
@@ -424,6 +460,8 @@ def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]
     Used by :func:`check_checkpoint` to name the config key a tensor contradicts.
     """
     H, V, F = ("hidden_size", 1), ("vocab_size", 1), ("intermediate_size", 1)
+    E, M = ("num_experts", 1), ("moe_intermediate_size", 1)
+    S = ("shared_expert_intermediate_size", 1)
     hd = spec.head_dim
     q, kv = ("num_attention_heads", hd), ("num_key_value_heads", hd)
     per_suffix = {
@@ -435,6 +473,10 @@ def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]
         "mlp.up_proj.weight": (F, H), "mlp.down_proj.weight": (H, F),
         "input_layernorm.weight": (H,), "post_attention_layernorm.weight": (H,),
         "model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "model.norm.weight": (H,),
+        "mlp.gate.weight": (E, H), "mlp.experts.E.gate_proj.weight": (M, H),
+        "mlp.experts.E.up_proj.weight": (M, H), "mlp.experts.E.down_proj.weight": (H, M),
+        "mlp.shared_expert.gate_proj.weight": (S, H), "mlp.shared_expert.up_proj.weight": (S, H),
+        "mlp.shared_expert.down_proj.weight": (H, S), "mlp.shared_expert_gate.weight": (_ONE, H),
     }
     out = {}
     for rule in rules(spec, role):
@@ -442,7 +484,7 @@ def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]
             continue
         layers = range(spec.num_layers) if rule.place == "layer" else [None]
         for template in rule.hf:
-            suffix = template.split("{i}.")[-1]
+            suffix = _EXPERT.sub("mlp.experts.E.", template.split("{i}.")[-1])
             for i in layers:
                 out[template.format(i=i)] = per_suffix[suffix]
     return out
@@ -466,7 +508,12 @@ def check_checkpoint(spec: ModelSpec, shapes: Mapping[str, Sequence[int]],
         if len(shape) != len(dims):
             raise ConfigMismatchError(f"tensor {name} has shape {shape}, expected "
                                       f"{len(dims)} dims")
-        for size, (field, factor) in zip(shape, dims):
+        for dim, (size, (field, factor)) in enumerate(zip(shape, dims)):
+            if not field:
+                if size != factor:
+                    raise ConfigMismatchError(f"tensor {name} has shape {shape}, expected "
+                                              f"{factor} in dim {dim}")
+                continue
             want = getattr(spec, CONFIG_KEY_TO_SPEC[field]) * factor
             if size != want:
                 implied = f"{size / factor:g}" if size % factor == 0 else f"{size}/{factor}"

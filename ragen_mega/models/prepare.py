@@ -86,27 +86,41 @@ def resolve_model(path: str) -> str:
     return str(prepare_smollm2()) if path == "smollm2" else path
 
 
+#: the model types :func:`make_tiny_model` writes (transformers' ``model_type`` names)
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embeddings: bool = False,
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                     num_kv_heads: int = 2, intermediate_size: int = 128, seed: int = 0,
                     tokenizer_dir: str | Path | None = None) -> Path:
-    """Write a small random ``arch`` (llama | qwen2 | qwen3) checkpoint with SmolLM2's tokenizer.
+    """Write a small random ``arch`` checkpoint (one of :data:`TINY_ARCHS`) with SmolLM2's
+    tokenizer.
 
     The vocabulary is the tokenizer's (49152), so prompts tokenize the same for every model.
+    The mixtures of experts have 4 experts of ``intermediate_size // 4``, 2 per token, every
+    layer sparse: qwen3_moe renormalises the chosen experts' probabilities as Qwen3-30B-A3B's
+    config does (``norm_topk_prob``), qwen2_moe does not and adds a shared expert of
+    ``intermediate_size // 2``.
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    model_types = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-    if arch not in model_types:
-        raise ValueError(f"make_tiny_model: arch must be one of {sorted(model_types)}, got {arch!r}")
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"make_tiny_model: arch must be one of {list(TINY_ARCHS)}, got {arch!r}")
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir else prepare_smollm2()
 
     def build(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-        extra = {"head_dim": hidden_size // num_heads} if arch == "qwen3" else {}
+        extra = {"head_dim": hidden_size // num_heads} if arch.startswith("qwen3") else {}
+        if arch.endswith("_moe"):
+            extra.update(num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=intermediate_size // 4,
+                         norm_topk_prob=arch == "qwen3_moe")
+        if arch == "qwen2_moe":
+            extra["shared_expert_intermediate_size"] = intermediate_size // 2
         cfg = AutoConfig.for_model(
-            model_types[arch], vocab_size=len(tok), hidden_size=hidden_size,
+            arch, vocab_size=len(tok), hidden_size=hidden_size,
             num_hidden_layers=num_layers, num_attention_heads=num_heads,
             num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
             max_position_embeddings=2048, rms_norm_eps=1e-6,
@@ -132,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="ragen-mega prepare-model", description=main.__doc__)
     parser.add_argument("model", nargs="?", default="smollm2",
-                        choices=["smollm2", "tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+                        choices=["smollm2", *(f"tiny-{arch}" for arch in TINY_ARCHS)])
     parser.add_argument("--out", default=None, help="output directory (default: under the cache)")
     args = parser.parse_args(argv)
     if args.model == "smollm2":

@@ -40,6 +40,11 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 _SIGNATURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "kv_channels", "normalization", "gated_linear_unit",
                      "add_bias_linear", "add_qkv_bias", "qk_layernorm", "layernorm_epsilon")
+# ... and those of a mixture of experts (in the signature of MoE models only, so the checkpoints
+# of dense models written before experts existed keep their signature)
+_MOE_SIGNATURE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
+                         "moe_router_pre_softmax", "moe_shared_expert_intermediate_size",
+                         "moe_shared_expert_gate")
 # Files copied from the HF model directory so a checkpoint can be exported on its own.
 _HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
                   "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
@@ -67,7 +72,8 @@ def model_signature(model) -> dict:
     from a critic (value head). Two models load each other's checkpoints iff the signatures match.
     """
     first = _chunks(model)[0]
-    sig = {f: getattr(first.config, f, None) for f in _SIGNATURE_FIELDS}
+    fields = _SIGNATURE_FIELDS + (_MOE_SIGNATURE_FIELDS if first.config.num_moe_experts else ())
+    sig = {f: getattr(first.config, f, None) for f in fields}
     sig["normalization"] = str(sig["normalization"])
     sig["vocab_size"] = getattr(first, "vocab_size", None)
     sig["share_embeddings_and_output_weights"] = bool(

@@ -1,12 +1,13 @@
 """Run real megatron-core 0.16.1 on a machine without CUDA.
 
-``apply_cpu_patches()`` applies patches 1-5 and 7 once (and nothing when CUDA is available);
+``apply_cpu_patches()`` applies patches 1-5, 7 and 8 once (and nothing when CUDA is available);
 patch 6 is the context manager ``cuda_tensor_type_names()``, entered only around Megatron's
 optimizer construction and step. ``quiet_cpu_warnings()`` silences megatron's "no TE/Apex"
 import chatter on CPU.
 
-Megatron calls CUDA in about forty places. Seven small patches make model building, the
-pipeline schedules, Megatron DDP, the optimizers and dist checkpointing work on CPU with gloo:
+Megatron calls CUDA in about forty places. Eight small patches make model building, the
+pipeline schedules, Megatron DDP, the optimizers, dist checkpointing and MoE layers work on CPU
+with gloo:
 
 1. ``torch.cuda.current_device`` -> the CPU device (used as ``device=`` for new tensors);
 2. ``torch.cuda.synchronize`` -> no-op;
@@ -21,7 +22,15 @@ pipeline schedules, Megatron DDP, the optimizers and dist checkpointing work on 
    ``distributed.param_and_grad_buffer``, ``megatron.core.utils``);
 6. ``Tensor.type()`` reports ``torch.cuda.*Tensor`` names — Megatron's optimizer and grad
    clipping assert on those names; only inside ``cuda_tensor_type_names()``;
-7. ``Tensor.cuda`` -> returns the tensor itself (tied embeddings under PP, checkpoint paths).
+7. ``Tensor.cuda`` -> returns the tensor itself (tied embeddings under PP, checkpoint paths);
+8. mixtures of experts: the alltoall token dispatcher copies its split sizes to the host on a
+   side CUDA stream (a class-level ``torch.cuda.Stream()`` made in ``__init__``, then
+   ``torch.cuda.current_stream``/``stream``/``record_event``): the dispatcher module's
+   ``torch`` gets the proxy of 4-5 with a ``cuda`` of stand-in streams whose waits do nothing
+   (on the CPU every copy is done when it returns). Replacing ``torch.cuda.Stream`` itself would
+   break transformers' import. And the router's fp32 GEMM calls ``te_general_gemm``, which
+   ``moe_utils`` leaves undefined without TransformerEngine: it is set to None, the plain
+   ``torch.mm`` path the code has for that case.
 
 Nothing here changes numerics: every patched call either picks a device or handles RNG state.
 docs/cpu_stack.md maps each patch to the Megatron call sites it covers and lists what to
@@ -86,6 +95,35 @@ class _CpuTorchProxy(types.ModuleType):
         return getattr(torch, name)
 
 
+class _HostEvent:
+    """A CUDA event on a machine without one: every host copy has finished already."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _HostStream:
+    """A CUDA stream on a machine without one (patch 8): work runs when it is called."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return _HostEvent()
+
+
+_CURRENT_STREAM = _HostStream()
+
+
+def _host_streams() -> types.SimpleNamespace:
+    """The ``torch.cuda`` the MoE token dispatcher sees on the CPU (patch 8)."""
+    return types.SimpleNamespace(Stream=_HostStream, current_stream=lambda device=None:
+                                 _CURRENT_STREAM, stream=lambda stream: contextlib.nullcontext())
+
+
 def _cpu_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
     state = torch.get_rng_state()
     return state.clone() if clone else state
@@ -110,7 +148,7 @@ def quiet_cpu_warnings() -> None:
 
 
 def apply_cpu_patches() -> bool:
-    """Apply the seven patches once. Returns True if they are (now) active, False on CUDA."""
+    """Apply the patches once. Returns True if they are (now) active, False on CUDA."""
     global _APPLIED
     if torch.cuda.is_available():
         return False
@@ -133,6 +171,13 @@ def apply_cpu_patches() -> bool:
         module.torch = proxy
     # 7
     torch.Tensor.cuda = lambda self, *a, **k: self
+    # 8
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    dispatcher_torch = _CpuTorchProxy()
+    dispatcher_torch.cuda = _host_streams()
+    token_dispatcher.torch = dispatcher_torch
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
     _APPLIED = True
     return True
 

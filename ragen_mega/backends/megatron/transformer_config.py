@@ -25,6 +25,12 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
     from megatron.core.transformer import TransformerConfig
 
     spec.check_parallel(tp, pp, vpp)
+    if spec.is_moe and tp > 1:
+        # megatron-core's MoELayer refuses to train under TP without sequence parallelism,
+        # which this trainer does not run yet (its value head and ragged micro-batches)
+        raise ValueError(f"tensor parallel size {tp} with a mixture of experts "
+                         f"(model_type={spec.arch}) needs sequence parallelism, which this "
+                         f"trainer does not run yet; use tp=1")
     cuda = torch.cuda.is_available()
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -43,6 +49,8 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         masked_softmax_fusion=False, bias_activation_fusion=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, persist_layer_norm=False,
     )
+    if spec.is_moe:
+        kwargs.update(moe_config(spec))
     if vpp:
         # Interleaved 1F1B with Megatron's default batched p2p trades activations and gradients
         # with the same peer in one batch when pp=2 (next stage == previous stage): they arrive
@@ -51,6 +59,28 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_config(spec: ModelSpec) -> dict:
+    """The ``TransformerConfig`` settings of a qwen2_moe / qwen3_moe MLP (``spec.is_moe``).
+
+    Routing as transformers: a softmax over all experts' router logits, the top k kept. With
+    ``norm_topk_prob`` the k probabilities are renormalised to sum to 1, which is Megatron's
+    softmax *after* the top-k (``moe_router_pre_softmax=False``); without it they stay
+    fractions of the full softmax (``pre_softmax=True``). On the tiny random models of
+    tests/test_moe.py the wrong one moves log-probs by 5e-3 to 1.3e-2, the right one matches
+    transformers to 1e-5. The router runs in fp32. ``SequentialMLP`` experts (no grouped
+    GEMM: one linear per expert, whose names the mapping speaks) and the alltoall dispatcher
+    that every layout already uses. No auxiliary load-balancing loss: the router is trained by the policy loss
+    alone (a load-balancing loss is still to come as a config key)."""
+    shared = spec.shared_expert_ffn_hidden_size
+    return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k,
+                moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_grouped_gemm=False,
+                moe_router_score_function="softmax",
+                moe_router_pre_softmax=not spec.moe_norm_topk_prob, moe_router_dtype="fp32",
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_shared_expert_intermediate_size=shared or None,
+                moe_shared_expert_gate=bool(shared), moe_shared_expert_overlap=False)
 
 
 def te_available() -> bool:
@@ -76,9 +106,12 @@ def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: 
                          f"got {local_attention!r}")
     if use_te is None:
         use_te = te_available()
+    experts = dict(num_experts=spec.num_experts or None, moe_grouped_gemm=False)
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    layers = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm,
+                                                          **experts)
+    layers = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_layernorm,
+                                      **experts)
     if local_attention == "sdpa":
         from ragen_mega.backends.megatron.sdpa_attention import SDPAttention
 
