@@ -72,10 +72,10 @@ def test_streamed_steps_then_exact_resume(tiny_run_overrides, tmp_path, private_
     (ckpt / "latest_step").write_text("2")
     real_rollout, killed = RolloutManager.window, []
 
-    def engine_dies(rollouts, step, faults):
+    def engine_dies(rollouts, step, faults, weight_version):
         killed.append(server_pids(tmp_path)[-1])
         with server_killed_under_first_request(rollouts.engines, killed[-1]):
-            return real_rollout(rollouts, step, faults)
+            return real_rollout(rollouts, step, faults, weight_version)
 
     monkeypatch.setattr(RolloutManager, "window", engine_dies)
     resumed = train(load_run_config(DEMO, streamed_overrides(tiny_run_overrides,
