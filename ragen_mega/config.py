@@ -378,6 +378,9 @@ class ModelTrainingConfig:
     tp: int = 1
     pp: int = 1
     vpp: int | None = None              # virtual pipeline chunks per rank (interleaved 1F1B)
+    ep: int = 1                         # expert parallel: a mixture of experts' experts split
+                                        # over this many of the data-parallel ranks (a divisor
+                                        # of trainer.data_parallel and of the expert count)
     micro_batch_size: int = 1
     ppo_mini_batch_size: int | None = None  # episodes per optimizer update (RAGEN/verl count
                                         # trajectories; an episode's turns stay together);
@@ -405,7 +408,7 @@ class ModelTrainingConfig:
                                         # "unfused" = Megatron's DotProductAttention
 
     def validate(self):
-        for field in ("tp", "pp", "micro_batch_size", "ppo_epochs"):
+        for field in ("tp", "pp", "ep", "micro_batch_size", "ppo_epochs"):
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 raise ConfigError(f"{field}: must be an integer >= 1, got "
                                   f"{getattr(self, field)!r}")
@@ -418,6 +421,11 @@ class ModelTrainingConfig:
                               f"{self.max_tokens_per_micro_batch!r}")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             raise ConfigError(f"vpp: must be None or >= 1 together with pp > 1, got {self.vpp!r}")
+        if self.ep > 1 and self.max_tokens_per_micro_batch is not None:
+            raise ConfigError("max_tokens_per_micro_batch: with ep > 1 every expert-parallel "
+                              "rank must run as many micro-batches as the others (their tokens "
+                              "meet in each MoE layer's all-to-all), which a token budget does "
+                              "not guarantee; set it null (micro_batch_size rows each)")
         if not self.lr > 0:
             raise ConfigError(f"lr: must be > 0, got {self.lr!r}")
         if not 0 <= self.min_lr <= self.lr:
@@ -649,6 +657,12 @@ class RunConfig:
                               "std, which a critic-free estimator's advantages are measured "
                               "against (RAGEN-2 applies it to GRPO); set critic.enable=false "
                               "with algo.adv_estimator=grpo or gigpo, or leave it false")
+        for role in ("actor", "critic"):
+            ep = getattr(self, role).ep
+            if self.trainer.data_parallel % ep:
+                raise ConfigError(f"{role}.ep: expert parallelism splits the data-parallel "
+                                  f"ranks, so it must divide trainer.data_parallel="
+                                  f"{self.trainer.data_parallel}, got {ep}")
         if self.algo.adv_estimator == "gigpo" and self.critic.enable:
             raise ConfigError("critic.enable: algo.adv_estimator=gigpo is critic-free (its "
                               "step term replaces the critic's credit); set critic.enable=false "

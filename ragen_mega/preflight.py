@@ -9,7 +9,9 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
   once, in this process: a wrong kwarg is named here, not in an env worker minutes later; with
   ``env.remote``, each env server answers and serves the config's env and kwargs instead;
 - ``rollout.agent`` imports and is an async function;
-- ``actor.bf16`` / ``critic.bf16`` have a GPU to run on.
+- ``actor.bf16`` / ``critic.bf16`` have a GPU to run on;
+- the model (``model.path``'s config.json) splits over the actor's and the critic's parallel
+  layout: TP divides the heads and MLP widths, PP the layers, EP the experts.
 
 ``ragen-mega train``, ``eval`` and ``sft`` run it right after loading the config.
 """
@@ -49,7 +51,28 @@ def preflight(cfg: RunConfig) -> RunConfig:
         if getattr(cfg, role).bf16 and not torch.cuda.is_available():
             raise ConfigError(f"{role}.bf16: bf16 training needs a GPU; this machine has none "
                               f"(set {role}.bf16=false)")
+    check_model_layout(cfg)
     return cfg
+
+
+def check_model_layout(cfg: RunConfig) -> None:
+    """The model's config.json against each trained role's TP / PP / EP layout. ``smollm2``
+    is written from its GGUF on first use, which a check must not start: the trainer checks
+    its layout when it builds the model."""
+    from ragen_mega.models.hf_config import model_spec
+
+    if cfg.model.path == "smollm2":
+        return
+    try:
+        spec = model_spec(cfg.model.path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: {e}") from e
+    for role in ("actor", "critic") if cfg.critic.enable else ("actor",):
+        section = getattr(cfg, role)
+        try:
+            spec.check_parallel(section.tp, section.pp, section.vpp, section.ep)
+        except ValueError as e:
+            raise ConfigError(f"{role}: {e}") from e
 
 
 def env_builds(cfg: RunConfig) -> list[tuple[str, str, dict]]:

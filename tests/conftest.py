@@ -220,8 +220,16 @@ def make_batch(vocab: int, lengths=LENGTHS, seed: int = 0):
     return ids * mask + 2 * (1 - mask), mask     # pad id 2 (SmolLM2's) on the right
 
 
-def training_grads(chunks, ids, mask, rank):
-    """One training-mode schedule run with a loss on log-probs and entropy; HF-named grads."""
+def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
+    """One training-mode schedule run with a loss on log-probs and entropy; HF-named grads.
+
+    ``reduce_over_dp``: each data-parallel rank was given its own micro-batches; the gradients
+    are reduced as Megatron's DDP does: scaled by 1 / DP, then summed over the data-parallel
+    group (the expert-data-parallel group for experts, which already saw every rank's tokens
+    routed to them). The result is the gradient of the M x DP micro-batches' mean loss."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
     from ragen_mega.backends.megatron.forward import make_forward_step, run_schedule, split_microbatches
     from ragen_mega.backends.megatron.model import export_hf_state
 
@@ -233,6 +241,11 @@ def training_grads(chunks, ids, mask, rank):
     metrics = run_schedule(chunks, split_microbatches(ids, mask, 2), step, forward_only=False)
     params = [p for chunk in chunks for p in chunk.parameters()]
     for p in params:   # export the gradients through the same gather + mapping as the weights
+        if reduce_over_dp:
+            p.grad /= mpu.get_data_parallel_world_size()
+            dist.all_reduce(p.grad, group=mpu.get_data_parallel_group()
+                            if getattr(p, "allreduce", True)   # Megatron marks experts False
+                            else mpu.get_expert_data_parallel_group())
         p.data = p.grad
     grads = dict(export_hf_state(chunks))
     return (grads if rank == 0 else None), metrics

@@ -116,9 +116,10 @@ def moe_worker(rank, world, dirs, ids, mask, ckpt_root):
     return out
 
 
-def hf_expert_grads(grads: dict, spec) -> dict:
+def per_expert(grads: dict, spec) -> dict:
     """transformers keeps a layer's experts fused in memory ([experts, 2 x ffn, hidden] gate
-    then up, [experts, hidden, ffn] down); the checkpoint's per-expert names, as exported."""
+    then up, [experts, hidden, ffn] down): its weights or gradients under the checkpoint's
+    per-expert names, as exported."""
     out = {}
     for name, grad in grads.items():
         if name.endswith("mlp.experts.gate_up_proj"):
@@ -150,7 +151,7 @@ def test_megatron_moe_matches_transformers(moe_dirs, tmp_path):
         assert miss > 1e-3, (arch, float(miss))
         assert results[arch, "resumed"], arch
         assert "field 'moe_router_pre_softmax' is" in results[arch, "refused"], arch
-        want = hf_expert_grads(hf_grads(hf_dir, ids, mask)[0], spec)
+        want = per_expert(hf_grads(hf_dir, ids, mask)[0], spec)
         got = results[arch, "grads"]
         assert got.keys() == want.keys()
         for name, grad in want.items():
@@ -164,3 +165,105 @@ def test_experts_under_tensor_parallelism_are_refused_by_name(moe_dirs):
     with pytest.raises(ValueError, match="tensor parallel size 2 with a mixture of experts "
                                          r"\(model_type=qwen3_moe\) needs sequence parallelism"):
         megatron_config(model_spec(moe_dirs["qwen3_moe"]), tp=2)
+
+
+# --------------------------------------------------------------------- expert parallelism
+def ep_worker(rank, world, dirs, ids, mask, batch, settings, ckpt_root):
+    """World 2 launched at expert parallel 2 (DP 2; each rank holds 2 of the 4 experts).
+    Per arch: log-probs, both exports, gradients of rows split over the ranks; then an actor
+    step at EP 2 and at EP 1 (DP 2), and a second step at EP 2 against the same step resumed
+    at EP 1 from the torch_dist checkpoint EP 2 saved."""
+    import gc
+
+    from ragen_mega.backends.megatron.forward import forward_logprobs
+    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.parallel import init_parallel, parallel_info
+    from ragen_mega.backends.megatron.train import MegatronTrainer
+    from ragen_mega.config import ActorConfig
+
+    out = {"ep": parallel_info().ep}
+    # this DP rank's micro-batch for the grads: together the two of hf_grads' reference
+    mine = slice(0, 2) if rank == 0 else slice(2, 3)
+    for arch, hf_dir in dirs.items():
+        chunks = build_model(hf_dir)
+        load_hf_checkpoint(chunks, hf_dir)
+        out[arch, "experts"] = sorted(n for n, _ in chunks[0].named_parameters()
+                                      if "local_experts" in n and n.startswith("decoder.layers.0"))
+        out[arch, "lp"] = forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0]
+        out[arch, "export"] = _export_diff(dict(export_hf_state(chunks)), hf_dir)
+        direct = dict(export_hf_state(chunks, dst=0))
+        out[arch, "direct"] = _export_diff(direct, hf_dir) if rank == 0 else direct
+        out[arch, "grads"] = training_grads(chunks, ids[mine], mask[mine], rank,
+                                            reduce_over_dp=True)[0]
+
+    def step(trainer):
+        old = trainer.compute_logprobs(batch) + batch["noise"]
+        metrics = trainer.train({**batch, "old_logprobs": old})
+        # copies: replicated weights come out as views of the live ones the next step moves
+        return metrics, {k: v.clone() for k, v in trainer.export_hf_state()}
+
+    hf_dir = dirs["qwen2_moe"]
+    for ep in (2, 1):
+        init_parallel(rank, world, None, ep=ep)
+        trainer = MegatronTrainer(ActorConfig(ep=ep, **settings), hf_dir, total_steps=10)
+        out["step", ep] = step(trainer)
+        if ep == 2:
+            saved = trainer.save_checkpoint(ckpt_root, 1)
+            out["second", 2] = step(trainer)
+        del trainer
+        gc.collect()
+    trainer = MegatronTrainer(ActorConfig(ep=1, **settings), hf_dir, total_steps=10)
+    trainer.load_checkpoint(saved)
+    out["second", 1] = step(trainer)
+    return out
+
+
+def test_expert_parallel_matches_transformers_and_resumes_at_another_layout(
+        moe_dirs, actor_batch, actor_step, tmp_path):
+    """EP 2 on two processes: every rank's log-probs and the gradients of rows split over
+    the data-parallel ranks equal transformers'; both exports give back the checkpoint; a
+    StarPO actor step (Adam, clipping active, KL to the reference) at EP 2 and at EP 1 equals
+    the transformers + AdamW step, and the step after it at EP 2 equals that step resumed at
+    EP 1 from the checkpoint EP 2 saved."""
+    ids, mask = make_batch(49152)
+    results = run_workers(ep_worker, 2, moe_dirs, ids, mask, actor_batch, actor_step.settings,
+                          str(tmp_path), ep=2, timeout=900)
+    valid = mask[:, 1:].bool()
+    assert results[0]["ep"] == 2
+    for arch, hf_dir in moe_dirs.items():
+        spec = model_spec(hf_dir)
+        # each rank holds its own two experts, under Megatron's local indices 0 and 1
+        assert results[0][arch, "experts"] == results[1][arch, "experts"]
+        assert {n.split(".")[6] for n in results[0][arch, "experts"]} == {"0", "1"}
+        ref_lp, _, _ = hf_reference(hf_dir, ids, mask)
+        for r in range(2):
+            assert (results[r][arch, "lp"] - ref_lp)[valid].abs().max() < 1e-5, (arch, r)
+            assert results[r][arch, "export"] == (set(), 0.0), arch
+        assert results[0][arch, "direct"] == (set(), 0.0) and results[1][arch, "direct"] == {}
+        want = per_expert(hf_grads(hf_dir, ids, mask)[0], spec)
+        got = results[0][arch, "grads"]
+        assert got.keys() == want.keys()
+        for name, grad in want.items():
+            scale = grad.abs().max().clamp_min(1e-6)
+            assert (got[name] - grad).abs().max() / scale < 1e-4, (arch, name)
+
+    hf_dir = moe_dirs["qwen2_moe"]
+    ref = actor_step.reference(hf_dir, actor_batch, "token-mean")
+    assert ref["grad_norm"] > actor_step.clip                    # clipping was active
+    ref_weights = per_expert(ref["weights"], model_spec(hf_dir))
+    for ep in (2, 1):
+        metrics, weights = results[0]["step", ep]
+        assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+        assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+        assert weights.keys() == ref_weights.keys()
+        for name, tensor in weights.items():
+            torch.testing.assert_close(tensor, ref_weights[name], atol=1e-5, rtol=0,
+                                       msg=lambda msg: f"ep {ep} {name}: {msg}")
+    (m2, w2), (m1, w1) = results[0]["second", 2], results[0]["second", 1]
+    assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-6)
+    assert w1.keys() == w2.keys()
+    for name, tensor in w2.items():
+        torch.testing.assert_close(w1[name], tensor, atol=1e-6, rtol=0)
+    first = results[0]["step", 2][1]
+    assert all(not torch.equal(w2[name], first[name]) for name in w2)   # the step moved all

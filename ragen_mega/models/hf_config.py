@@ -72,8 +72,15 @@ class ModelSpec:
         mult = math.lcm(self.vocab_divisor * 8, self.vocab_divisor * tp)
         return -(-self.vocab_size // mult) * mult
 
-    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None) -> None:
-        """Raise a ValueError naming the size that a TP / PP layout cannot split."""
+    def check_parallel(self, tp: int = 1, pp: int = 1, vpp: int | None = None,
+                       ep: int = 1) -> None:
+        """Raise a ValueError naming the size that a TP / PP / EP layout cannot split."""
+        if ep != 1 and not self.is_moe:
+            raise ValueError(f"expert parallel size {ep} needs a mixture of experts; "
+                             f"model_type={self.arch} has none")
+        if self.is_moe and (ep < 1 or self.num_experts % ep):
+            raise ValueError(f"expert parallel size {ep} does not divide "
+                             f"num_experts={self.num_experts}")
         mlp = ((("moe_intermediate_size", self.moe_ffn_hidden_size),
                 ("shared_expert_intermediate_size", self.shared_expert_ffn_hidden_size))
                if self.is_moe else (("intermediate_size", self.ffn_hidden_size),))

@@ -53,6 +53,7 @@ from ragen_mega.models.hf_config import ConfigMismatchError, ModelSpec
 
 ROLES = ("actor", "critic")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"\.local_experts\.(\d+)\.")
 
 # TE spec name -> local spec name (the TE linears carry the preceding norm's weight)
 TE_ALIASES = {
@@ -71,6 +72,7 @@ class Rule:
     place: str = "layer"          # "layer" | "embedding" (first chunk) | "head" (last chunk)
     export: bool = True           # False: a copy of another parameter (tied output under PP)
     optional: bool = False        # may be absent from an HF checkpoint (critic value head)
+    expert: int | None = None     # the (global) expert this parameter belongs to
 
 
 def _check_role(role: str) -> None:
@@ -112,11 +114,12 @@ def rules(spec: ModelSpec, role: str = "actor") -> tuple[Rule, ...]:
     return tuple(table)
 
 
-def _mlp_rules(megatron: str, hf: str) -> list[Rule]:
+def _mlp_rules(megatron: str, hf: str, expert: int | None = None) -> list[Rule]:
     """A gated MLP's two linears (a dense layer's, an expert's, the shared expert's)."""
     return [Rule(megatron + "linear_fc1.weight", (hf + "gate_proj.weight", hf + "up_proj.weight"),
-                 "gate_up", 0),
-            Rule(megatron + "linear_fc2.weight", (hf + "down_proj.weight",), tp_dim=1)]
+                 "gate_up", 0, expert=expert),
+            Rule(megatron + "linear_fc2.weight", (hf + "down_proj.weight",), tp_dim=1,
+                 expert=expert)]
 
 
 def _moe_rules(spec: ModelSpec) -> list[Rule]:
@@ -124,7 +127,7 @@ def _moe_rules(spec: ModelSpec) -> list[Rule]:
     L, A = "decoder.layers.{i}.mlp.", "model.layers.{i}.mlp."
     out = [Rule(L + "router.weight", (A + "gate.weight",))]
     for e in range(spec.num_experts):
-        out += _mlp_rules(L + f"experts.local_experts.{e}.", A + f"experts.{e}.")
+        out += _mlp_rules(L + f"experts.local_experts.{e}.", A + f"experts.{e}.", e)
     if spec.shared_expert_ffn_hidden_size:
         out += [*_mlp_rules(L + "shared_experts.", A + "shared_expert."),
                 Rule(L + "shared_experts.gate_weight", (A + "shared_expert_gate.weight",))]
@@ -177,13 +180,37 @@ def chunk_has_head(pp_rank: int, pp_size: int, vpp: int | None = None,
     return pp_rank == pp_size - 1 and vp_stage == (vpp or 1) - 1
 
 
-def to_local(name: str, layer_offset: int) -> str:
+def local_experts(spec: ModelSpec, ep_rank: int = 0, ep_size: int = 1) -> range:
+    """Global indices of the experts expert-parallel rank ``ep_rank`` holds (Megatron gives each
+    rank a contiguous block; its ``local_experts.{j}`` is global expert ``start + j``)."""
+    if not 0 <= ep_rank < ep_size:
+        raise ValueError(f"ep_rank={ep_rank} outside [0, ep_size={ep_size})")
+    spec.check_parallel(ep=ep_size)
+    per_rank = spec.num_experts // ep_size
+    return range(ep_rank * per_rank, (ep_rank + 1) * per_rank)
+
+
+def expert_owner(global_name: str, spec: ModelSpec, ep_size: int) -> int | None:
+    """The expert-parallel rank that holds an expert parameter; None for any other parameter
+    (those every expert-parallel rank holds)."""
+    m = _EXPERT_INDEX.search(global_name)
+    return None if m is None else int(m.group(1)) // (spec.num_experts // ep_size)
+
+
+def to_local(name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    """A global name as a chunk calls it: layer ids less the chunk's first layer, expert ids
+    less its expert-parallel rank's first expert."""
     m = _LAYER.match(name)
-    return name if not m else f"decoder.layers.{int(m.group(1)) - layer_offset}.{name[m.end():]}"
+    if m:
+        name = f"decoder.layers.{int(m.group(1)) - layer_offset}.{name[m.end():]}"
+    if expert_offset:
+        name = _EXPERT_INDEX.sub(lambda e: f".local_experts.{int(e.group(1)) - expert_offset}.",
+                                 name)
+    return name
 
 
-def to_global(name: str, layer_offset: int) -> str:
-    return to_local(name, -layer_offset)
+def to_global(name: str, layer_offset: int, expert_offset: int = 0) -> str:
+    return to_local(name, -layer_offset, -expert_offset)
 
 
 def _layer_index(name: str) -> int | None:
@@ -211,18 +238,22 @@ def megatron_names(spec: ModelSpec, role: str = "actor") -> list[str]:
 
 
 def chunk_param_names(spec: ModelSpec, pp_rank: int, pp_size: int, vpp: int | None = None,
-                      vp_stage: int | None = None, role: str = "actor") -> list[tuple[str, str]]:
-    """(global, local) names of the parameters one model chunk holds."""
+                      vp_stage: int | None = None, role: str = "actor", *, ep_rank: int = 0,
+                      ep_size: int = 1) -> list[tuple[str, str]]:
+    """(global, local) names of the parameters one model chunk holds (on expert-parallel rank
+    ``ep_rank``: its own experts only)."""
     layers = chunk_layers(spec, pp_rank, pp_size, vpp, vp_stage)
     emb = chunk_has_embedding(pp_rank, pp_size, vpp, vp_stage)
     head = chunk_has_head(pp_rank, pp_size, vpp, vp_stage)
+    experts = local_experts(spec, ep_rank, ep_size) if spec.is_moe else range(0)
     out = []
     for rule in rules(spec, role):
-        if not _present(rule, emb, head):
+        if not _present(rule, emb, head) or (rule.expert is not None
+                                             and rule.expert not in experts):
             continue
         if rule.place == "layer":
-            out += [(rule.megatron.format(i=i), rule.megatron.format(i=i - layers.start))
-                    for i in layers]
+            out += [(name, to_local(name, layers.start, experts.start))
+                    for name in (rule.megatron.format(i=i) for i in layers)]
         else:
             out.append((rule.megatron, rule.megatron))
     return out
@@ -387,8 +418,10 @@ def hf_names(global_name: str, spec: ModelSpec, role: str = "actor") -> tuple[st
 def iter_hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec,
                               tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1, *,
                               vpp: int | None = None, vp_stage: int | None = None,
-                              role: str = "actor") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (local Megatron name, this TP rank's shard) for one model chunk.
+                              role: str = "actor", ep_rank: int = 0, ep_size: int = 1
+                              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (local Megatron name, this TP rank's shard) for one model chunk (of expert-parallel
+    rank ``ep_rank``: its own experts only).
 
     ``hf_state`` is only indexed by the names this chunk needs (a lazy safetensors view works).
     A missing HF tensor raises KeyError naming it (except optional ones, which are skipped).
@@ -396,7 +429,8 @@ def iter_hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelS
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} outside [0, tp_size={tp_size})")
     spec.check_parallel(tp_size, pp_size, vpp)
-    for global_name, local_name in chunk_param_names(spec, pp_rank, pp_size, vpp, vp_stage, role):
+    for global_name, local_name in chunk_param_names(spec, pp_rank, pp_size, vpp, vp_stage, role,
+                                                     ep_rank=ep_rank, ep_size=ep_size):
         rule, layer = _rule_for(global_name, spec, role)
         names = [n.format(i=layer) for n in rule.hf]
         missing = [n for n in names if n not in hf_state]
@@ -411,10 +445,12 @@ def iter_hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelS
 def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec, tp_rank: int,
                          tp_size: int, pp_rank: int = 0, pp_size: int = 1, *,
                          vpp: int | None = None, vp_stage: int | None = None,
-                         role: str = "actor") -> dict[str, torch.Tensor]:
+                         role: str = "actor", ep_rank: int = 0, ep_size: int = 1
+                         ) -> dict[str, torch.Tensor]:
     """{local Megatron name: this TP rank's shard} for one model chunk (see the iterator)."""
     return dict(iter_hf_to_megatron_shard(hf_state, spec, tp_rank, tp_size, pp_rank, pp_size,
-                                          vpp=vpp, vp_stage=vp_stage, role=role))
+                                          vpp=vpp, vp_stage=vp_stage, role=role, ep_rank=ep_rank,
+                                          ep_size=ep_size))
 
 
 def megatron_to_hf(items: Iterable[tuple[str, torch.Tensor | Sequence[torch.Tensor]]],

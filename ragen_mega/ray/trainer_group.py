@@ -61,7 +61,7 @@ class TrainerWorker:
             torch.set_num_threads(threads)
         self.rank = rank
         init_parallel(rank, world_size, init_method, tp=config.tp, pp=config.pp, vpp=config.vpp,
-                      seed=derived["seed"])
+                      ep=config.ep, seed=derived["seed"])
         self.trainer = MegatronTrainer(config, hf_dir, role=role, **derived)
         self.sender = None
         self.sync_bucket_bytes = None  # set by connect_engines, on every rank

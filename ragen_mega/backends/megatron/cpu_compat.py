@@ -1,11 +1,11 @@
 """Run real megatron-core 0.16.1 on a machine without CUDA.
 
-``apply_cpu_patches()`` applies patches 1-5, 7 and 8 once (and nothing when CUDA is available);
+``apply_cpu_patches()`` applies patches 1-5 and 7-9 once (and nothing when CUDA is available);
 patch 6 is the context manager ``cuda_tensor_type_names()``, entered only around Megatron's
 optimizer construction and step. ``quiet_cpu_warnings()`` silences megatron's "no TE/Apex"
 import chatter on CPU.
 
-Megatron calls CUDA in about forty places. Eight small patches make model building, the
+Megatron calls CUDA in about forty places. Nine small patches make model building, the
 pipeline schedules, Megatron DDP, the optimizers, dist checkpointing and MoE layers work on CPU
 with gloo:
 
@@ -31,6 +31,11 @@ with gloo:
    break transformers' import. And the router's fp32 GEMM calls ``te_general_gemm``, which
    ``moe_utils`` leaves undefined without TransformerEngine: it is set to None, the plain
    ``torch.mm`` path the code has for that case.
+9. expert parallelism: the same dispatcher hands ``all_to_all_single`` its split sizes as the
+   host numpy arrays that ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`` makes of
+   CUDA tensors; it converts nothing that is already on the CPU, and gloo's ``all_to_all``
+   refuses split sizes given as tensors. The dispatcher's ``maybe_move_tensor_to_cpu`` does
+   the same conversion for CPU tensors.
 
 Nothing here changes numerics: every patched call either picks a device or handles RNG state.
 docs/cpu_stack.md maps each patch to the Megatron call sites it covers and lists what to
@@ -124,6 +129,12 @@ def _host_streams() -> types.SimpleNamespace:
                                  _CURRENT_STREAM, stream=lambda stream: contextlib.nullcontext())
 
 
+def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU (patch 9): the
+    numpy array it makes of a CUDA tensor when ``as_numpy``, the tensor itself otherwise."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 def _cpu_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
     state = torch.get_rng_state()
     return state.clone() if clone else state
@@ -178,6 +189,8 @@ def apply_cpu_patches() -> bool:
     token_dispatcher.torch = dispatcher_torch
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # 9
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
     _APPLIED = True
     return True
 

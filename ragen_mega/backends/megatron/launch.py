@@ -58,12 +58,13 @@ def _worker(rank, world_size, tmp, fn, args, layout, threads):
 
 
 def run_workers(fn, world_size: int, *args, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                seed: int = 1234, timeout: float = 300.0, threads_per_worker: int = 1) -> list:
+                ep: int = 1, seed: int = 1234, timeout: float = 300.0,
+                threads_per_worker: int = 1) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; return results by rank."""
     if world_size < 1:
         raise ValueError(f"run_workers: world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
-    layout = dict(tp=tp, pp=pp, vpp=vpp, seed=seed)
+    layout = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, seed=seed)
     with tempfile.TemporaryDirectory(prefix="ragen_mega_launch_") as tmp:
         # Not daemonic: torch_dist checkpoint saving starts helper processes, which Python
         # forbids inside a daemon. The finally-block below kills every worker by PID instead.

@@ -66,7 +66,9 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
     pp = mpu.get_pipeline_model_parallel_world_size()
     vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
-    config = megatron_config(spec, tp=tp, pp=pp, vpp=vpp, dtype=dtype, **(config_overrides or {}))
+    ep, ep_rank = _expert_parallel()
+    config = megatron_config(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, dtype=dtype,
+                             **(config_overrides or {}))
     layers = layer_spec(spec, use_te=use_te, local_attention=local_attention)
     chunks = []
     for vp_stage in range(vpp or 1):
@@ -83,12 +85,34 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
             model.output_layer = ValueHead(spec.hidden_size, dtype)
         model.ragen_spec, model.ragen_role, model.ragen_vp_stage = spec, role, stage
         model.ragen_layers = mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)
+        model.ragen_experts = (mapping.local_experts(spec, ep_rank, ep) if spec.is_moe
+                               else range(0))
+        if spec.is_moe:
+            _experts_apart(model)
         if torch.cuda.is_available():  # norms and the value head are built on the CPU
             model.cuda(torch.cuda.current_device())
         if dtype in (torch.bfloat16, torch.float16):
             model = Float16Module(config, model)
         chunks.append(model)
     return chunks
+
+
+def _experts_apart(model: nn.Module) -> None:
+    """Mark the experts' weights as Megatron does at expert parallel size > 1 only
+    (``allreduce=False``): their gradients are then reduced over the expert-data-parallel
+    group and Adam keeps them in a second optimizer. At EP 1 that group is the data-parallel
+    group (the same reduction), and every EP has the same two optimizers, so a checkpoint's
+    optimizer state loads at any EP (one optimizer at EP 1 and two at EP 2 do not)."""
+    for name, param in model.named_parameters():
+        if ".mlp.experts." in name:
+            param.allreduce = False
+
+
+def _expert_parallel() -> tuple[int, int]:
+    """(size, rank) of this rank's expert-parallel group."""
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
 
 
 def unwrap(chunk: nn.Module) -> nn.Module:
@@ -175,6 +199,7 @@ def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
     pp = mpu.get_pipeline_model_parallel_world_size()
     pp_rank = mpu.get_pipeline_model_parallel_rank()
     vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
+    ep, ep_rank = _expert_parallel()
     for chunk in chunks:
         model = unwrap(chunk)
         params = _local_params(model)
@@ -182,7 +207,7 @@ def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
         with torch.no_grad():
             for name, tensor in mapping.iter_hf_to_megatron_shard(
                     state, spec, tp_rank, tp, pp_rank, pp, vpp=vpp, vp_stage=model.ragen_vp_stage,
-                    role=role):
+                    role=role, ep_rank=ep_rank, ep_size=ep):
                 if name not in params:
                     raise KeyError(f"mapping produced {name}, which the model chunk lacks")
                 if params[name].shape != tensor.shape:
@@ -204,16 +229,18 @@ def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = 
     """Yield (HF name, full tensor) for the whole model, one parameter at a time.
 
     ``dst=None``: ON EVERY RANK. For each parameter the owning pipeline stage all-gathers its TP
-    shards and converts them to HF tensors, which are then broadcast over the pipeline group.
-    ``dst=<global rank>`` (weight sync: only the sending rank needs the tensors): the ranks of
-    ``dst``'s model-parallel group send their shards straight to ``dst`` (point to point, into
-    place, see ``DirectExport``); ``dst`` yields the tensors, the other ranks yield nothing, and
-    the other data-parallel replicas return at once. An all-gather moves every shard to every
-    TP rank (and gloo's is ~5x slower than send/recv of the same bytes on loopback).
+    shards and converts them to HF tensors (an expert's: its expert-parallel rank, which then
+    broadcasts them over the expert-parallel group), which are then broadcast over the pipeline
+    group.
+    ``dst=<global rank>`` (weight sync: only the sending rank needs the tensors): the ranks that
+    hold what ``dst`` lacks send their shards straight to ``dst`` (point to point, into place,
+    see ``DirectExport``); ``dst`` yields the tensors, the other ranks yield nothing. An
+    all-gather moves every shard to every TP rank (and gloo's is ~5x slower than send/recv of
+    the same bytes on loopback).
 
-    These are collectives: every rank of a model-parallel group must consume the iterator to
-    the end, in step. Order: embedding, layers, head. Replicated parameters may be yielded as
-    views of the live parameters: use them before the next optimizer step.
+    These are collectives: every rank must consume the iterator to the end, in step. Order:
+    embedding, layers, head. Replicated parameters may be yielded as views of the live
+    parameters: use them before the next optimizer step.
     """
     if dst is not None:
         yield from DirectExport(chunks, dst, spec, prefetch_bytes)
@@ -223,33 +250,39 @@ def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = 
     from megatron.core import parallel_state as mpu
 
     tp_group = mpu.get_tensor_model_parallel_group()
-    pp_group = mpu.get_pipeline_model_parallel_group()
     where = parallel_info()
-    tp, pp, pp_rank, vpp = where.tp, where.pp, where.pp_rank, where.vpp
-    params = {model.ragen_vp_stage or 0: (model.ragen_layers.start, _local_params(model))
-              for model in map(unwrap, chunks)}
-    first = next(unwrap(chunks[0]).parameters())
+    mine = _owned_params(chunks)
+    dtype, device = next(iter(mine.values())).dtype, where.device
     for name in mapping.megatron_names(spec, role):
-        owner_pp, owner_vp = mapping.owner(name, spec, pp, vpp)
+        owner_pp, _ = mapping.owner(name, spec, where.pp, where.vpp)
+        owner_ep = mapping.expert_owner(name, spec, where.ep)
         hf_tensors = None
-        if owner_pp == pp_rank:
-            offset, local = params[owner_vp]
-            shard = local[mapping.to_local(name, offset)].detach().contiguous()
-            shards = [shard]
-            if tp > 1 and mapping.is_tp_split(name, spec, role):
-                shards = [torch.empty_like(shard) for _ in range(tp)]
-                dist.all_gather(shards, shard, group=tp_group)
-            hf_tensors = list(mapping.megatron_to_hf([(name, shards)], spec, role))
-        if pp == 1:
-            yield from hf_tensors
-            continue
-        src = dist.get_global_rank(pp_group, owner_pp)
-        for hf_name in mapping.hf_names(name, spec, role):
-            tensor = (dict(hf_tensors)[hf_name].contiguous() if hf_tensors is not None else
-                      torch.empty(mapping.hf_shape(hf_name, spec, role), dtype=first.dtype,
-                                  device=first.device))
-            dist.broadcast(tensor, src=src, group=pp_group)
-            yield hf_name, tensor
+        if name in mine:
+            shards = [mine[name].contiguous()]
+            if where.tp > 1 and mapping.is_tp_split(name, spec, role):
+                shards = [torch.empty_like(shards[0]) for _ in range(where.tp)]
+                dist.all_gather(shards, mine[name].contiguous(), group=tp_group)
+            hf_tensors = dict(mapping.megatron_to_hf([(name, shards)], spec, role))
+        if owner_ep is not None and where.ep > 1 and owner_pp == where.pp_rank:
+            hf_tensors = _broadcast_hf(hf_tensors, name, spec, role, owner_ep,
+                                       mpu.get_expert_model_parallel_group(), dtype, device)
+        if where.pp > 1:
+            hf_tensors = _broadcast_hf(hf_tensors, name, spec, role, owner_pp,
+                                       mpu.get_pipeline_model_parallel_group(), dtype, device)
+        yield from hf_tensors.items()
+
+
+def _broadcast_hf(hf_tensors: dict | None, name: str, spec: ModelSpec, role: str, src: int,
+                  group, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """The HF tensors of one Megatron parameter, broadcast from the group's rank ``src`` (which
+    has them) to the others (which pass None and learn the shapes from the mapping)."""
+    out = {}
+    for hf_name in mapping.hf_names(name, spec, role):
+        tensor = (hf_tensors[hf_name].contiguous() if hf_tensors is not None else
+                  torch.empty(mapping.hf_shape(hf_name, spec, role), dtype=dtype, device=device))
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
+        out[hf_name] = tensor
+    return out
 
 
 def _owned_params(chunks) -> dict[str, torch.Tensor]:
@@ -257,17 +290,19 @@ def _owned_params(chunks) -> dict[str, torch.Tensor]:
     out = {}
     for model in map(unwrap, chunks):
         for local_name, p in _local_params(model).items():
-            out[mapping.to_global(local_name, model.ragen_layers.start)] = p.detach()
+            out[mapping.to_global(local_name, model.ragen_layers.start,
+                                  model.ragen_experts.start)] = p.detach()
     return out
 
 
 class DirectExport:
     """``export_hf_state(dst=...)``: every shard travels once, straight to ``dst``.
 
-    Constructing it is the handshake, a collective over ``dst``'s model-parallel group (other
-    data-parallel replicas skip it and yield nothing): ``dst`` learns who holds what (one small
-    ``gather_object``: each rank's (pp, tp) rank and, from TP rank 0 of each stage, its shard
-    shapes and dtypes). On ``dst``, :attr:`layout` then lists ``(hf_name, shape, dtype)`` of
+    Constructing it is the handshake, a collective over all ranks (one small ``gather_object``):
+    ``dst`` learns who holds what it lacks: the dense weights from its model-parallel group
+    (each rank's (pp, tp) rank and, from TP rank 0 of each stage, its shard shapes and dtypes),
+    an MoE model's experts from its expert-model-pipeline group (each (pp, ep) rank's own
+    experts, which no TP rank splits). Ranks in neither group yield nothing. On ``dst``, :attr:`layout` then lists ``(hf_name, shape, dtype)`` of
     everything the iteration will yield, in order, before any shard has moved: a consumer can
     announce a bucket before its tensors exist (the weight sender streams them as they land).
 
@@ -290,30 +325,40 @@ class DirectExport:
         own_spec, self.role = chunk_spec(chunks)
         self.spec, self.dst, self.prefetch_bytes = spec or own_spec, dst, prefetch_bytes
         self.layout: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
-        mp_group = mpu.get_model_parallel_group()
-        self.member = dst in dist.get_process_group_ranks(mp_group)
-        if not self.member:
-            return  # another data-parallel replica: its ranks hold the same weights
         self.where = parallel_info()
+        dense = set(dist.get_process_group_ranks(mpu.get_model_parallel_group()))
+        experts = (set(dist.get_process_group_ranks(
+            mpu.get_expert_tensor_model_pipeline_parallel_group())) if self.spec.is_moe
+            else set())
+        # a dense weight comes from dst's model-parallel group, an expert from its expert group
+        self.sends_dense, self.sends_experts = dst in dense, dst in experts
+        self.member = self.sends_dense or self.sends_experts
         self.tp_group = mpu.get_tensor_model_parallel_group()
-        self.mine = _owned_params(chunks)
+        self.mine = _owned_params(chunks) if self.member else {}
         self.names = mapping.megatron_names(self.spec, self.role)
-        meta = {n: (tuple(self.mine[n].shape), self.mine[n].dtype) for n in self.names
-                if n in self.mine} if self.where.tp_rank == 0 else {}
-        gathered = [None] * dist.get_world_size(mp_group) if self.where.rank == dst else None
-        dist.gather_object((self.where.rank, self.where.pp_rank, self.where.tp_rank, meta),
-                           gathered, dst=dst, group=mp_group)
+        meta = {n: (tuple(p.shape), p.dtype) for n, p in self.mine.items()
+                if (self._expert(n) and self.sends_experts)
+                or (not self._expert(n) and self.sends_dense and self.where.tp_rank == 0)}
+        gathered = [None] * self.where.world_size if self.where.rank == dst else None
+        dist.gather_object((self.where.rank, self.where.pp_rank, self.where.tp_rank,
+                            self.where.ep_rank, meta), gathered, dst=dst)
         if self.where.rank != dst:
             return
-        self.rank_of = {(p, t): g for g, p, t, _ in gathered}
-        self.shapes = {n: sm for *_, m in gathered for n, sm in m.items()}
+        self.rank_of = {(p, t): g for g, p, t, _, _ in gathered if g in dense}
+        self.expert_rank_of = {(p, e): g for g, p, _, e, _ in gathered if g in experts}
+        self.shapes = {n: sm for g, *_, m in gathered if g in dense | experts
+                       for n, sm in m.items()}
         # the conversion itself, run on meta tensors: exactly the names/shapes/dtypes it yields
         self.layout = [(hf_name, tuple(t.shape), t.dtype) for name in self.names
                        for hf_name, t in mapping.megatron_to_hf(
                            [(name, self._full(name, device="meta"))], self.spec, self.role)]
 
+    def _expert(self, name: str) -> bool:
+        return mapping.expert_owner(name, self.spec, self.where.ep) is not None
+
     def _split(self, name: str) -> bool:
-        return self.where.tp > 1 and mapping.is_tp_split(name, self.spec, self.role)
+        return (self.where.tp > 1 and not self._expert(name)
+                and mapping.is_tp_split(name, self.spec, self.role))
 
     def _full(self, name: str, device) -> torch.Tensor:
         """An empty full (TP-merged) tensor for ``name``, as ``dst`` assembles it."""
@@ -334,7 +379,11 @@ class DirectExport:
         for name in self.names:
             if name not in self.mine:
                 continue
-            if self._split(name):
+            if self._expert(name):
+                pieces = [self.mine[name]] if self.sends_experts else []
+            elif not self.sends_dense:
+                continue
+            elif self._split(name):
                 pieces = mapping.shard_pieces(name, self.mine[name], self.spec, self.where.tp,
                                               self.role)
             elif not dst_in_my_stage and self.where.tp_rank == 0:
@@ -359,6 +408,10 @@ class DirectExport:
             return self.mine[name], []
         owner_pp = mapping.owner(name, self.spec, self.where.pp, self.where.vpp)[0]
         full = self._full(name, device)
+        if self._expert(name):
+            owner_ep = mapping.expert_owner(name, self.spec, self.where.ep)
+            return full, [(dist.irecv(full, self.expert_rank_of[owner_pp, owner_ep]), full,
+                           full)]
         if not self._split(name):
             return full, [(dist.irecv(full, self.rank_of[owner_pp, 0]), full, full)]
         recvs = []

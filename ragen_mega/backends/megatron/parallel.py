@@ -1,7 +1,9 @@
 """Process groups for the Megatron trainer: torch.distributed + megatron parallel_state + RNG.
 
 Layout: Megatron's default order ``tp-cp-ep-dp-pp`` — TP ranks are adjacent (rank // 1), PP is the
-outermost dimension. DP = world_size / (tp * pp). ``backend=None`` picks nccl with CUDA, gloo
+outermost dimension. DP = world_size / (tp * pp). Expert parallelism (EP) is carved out of DP:
+the ``ep`` ranks of one expert-parallel group hold different experts and the same dense
+weights, so an MoE model's experts are replicated over DP / EP ranks only. ``backend=None`` picks nccl with CUDA, gloo
 otherwise; on CPU the patches of ``cpu_compat`` are applied here, before any Megatron object
 exists, so every caller of ``init_parallel`` gets a working CPU Megatron.
 """
@@ -29,23 +31,26 @@ class ParallelInfo:
     pp_rank: int
     dp_rank: int
     device: torch.device
+    ep: int = 1
+    ep_rank: int = 0
 
 
 def init_parallel(rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
                   vpp: int | None = None, backend: str | None = None, seed: int = 1234,
-                  timeout_minutes: int = 30) -> ParallelInfo:
-    """Join the process group and build Megatron's TP/PP/DP groups and model-parallel RNG.
+                  timeout_minutes: int = 30, ep: int = 1) -> ParallelInfo:
+    """Join the process group and build Megatron's TP/PP/DP/EP groups and model-parallel RNG.
 
     ``init_method`` is a torch.distributed URL (``file:///tmp/x`` avoids the port reuse races of
     back-to-back ``tcp://`` launches); it is ignored when the process group already exists, and
     existing Megatron groups are replaced, so one launch can visit several TP x PP layouts.
     ``vpp`` is the number of virtual pipeline chunks per rank (interleaved schedule) or None.
     """
-    if tp < 1 or pp < 1:
-        raise ValueError(f"init_parallel: tp and pp must be >= 1, got tp={tp}, pp={pp}")
-    if world_size % (tp * pp):
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"init_parallel: tp, pp and ep must be >= 1, got tp={tp}, pp={pp}, "
+                         f"ep={ep}")
+    if world_size % (tp * pp * ep):
         raise ValueError(f"init_parallel: world_size={world_size} is not divisible by "
-                         f"tp*pp={tp}*{pp}={tp * pp}")
+                         f"tp*pp*ep={tp}*{pp}*{ep}={tp * pp * ep}")
     if vpp is not None and (vpp < 1 or pp == 1):
         raise ValueError(f"init_parallel: vpp={vpp} needs pp > 1 and vpp >= 1 (pp={pp})")
     if not 0 <= rank < world_size:
@@ -69,6 +74,7 @@ def init_parallel(rank: int, world_size: int, init_method: str, tp: int = 1, pp:
         mpu.destroy_model_parallel()
     mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                   virtual_pipeline_model_parallel_size=vpp,
+                                  expert_model_parallel_size=ep,
                                   distributed_timeout_minutes=timeout_minutes)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -87,7 +93,8 @@ def parallel_info() -> ParallelInfo:
         dp=mpu.get_data_parallel_world_size(),
         vpp=mpu.get_virtual_pipeline_model_parallel_world_size(),
         tp_rank=mpu.get_tensor_model_parallel_rank(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
-        dp_rank=mpu.get_data_parallel_rank(), device=local_device())
+        dp_rank=mpu.get_data_parallel_rank(), device=local_device(),
+        ep=mpu.get_expert_model_parallel_world_size(), ep_rank=mpu.get_expert_model_parallel_rank())
 
 
 def local_device() -> torch.device:

@@ -152,7 +152,8 @@ class MegatronTrainer:
             raise ValueError("bf16: bf16 training needs a GPU; this machine has none")
         for field, actual in (("tp", mpu.get_tensor_model_parallel_world_size()),
                               ("pp", mpu.get_pipeline_model_parallel_world_size()),
-                              ("vpp", mpu.get_virtual_pipeline_model_parallel_world_size())):
+                              ("vpp", mpu.get_virtual_pipeline_model_parallel_world_size()),
+                              ("ep", mpu.get_expert_model_parallel_world_size())):
             if getattr(config, field) != actual:
                 raise ValueError(f"{type(config).__name__}.{field}={getattr(config, field)} but "
                                  f"the process groups were initialised with {field}={actual}")

@@ -14,7 +14,7 @@ from ragen_mega.models.hf_config import LOCAL_ATTENTIONS, LocalAttention, ModelS
 
 
 def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | None = None,
-                    dtype: torch.dtype = torch.float32, **overrides):
+                    ep: int = 1, dtype: torch.dtype = torch.float32, **overrides):
     """The ``TransformerConfig`` that computes what transformers computes for ``spec``.
 
     Fusions are off and ``use_cpu_initialization`` on when there is no GPU (docs/cpu_stack.md);
@@ -24,7 +24,7 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    spec.check_parallel(tp, pp, vpp)
+    spec.check_parallel(tp, pp, vpp, ep)
     if spec.is_moe and tp > 1:
         # megatron-core's MoELayer refuses to train under TP without sequence parallelism,
         # which this trainer does not run yet (its value head and ragged micro-batches)
@@ -41,7 +41,8 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_layernorm,
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, sequence_parallel=False,
+        virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+        sequence_parallel=False,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not cuda, variable_seq_lengths=True,
