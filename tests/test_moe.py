@@ -159,6 +159,30 @@ def test_megatron_moe_matches_transformers(moe_dirs, tmp_path):
             assert (got[name] - grad).abs().max() / scale < 1e-4, name
 
 
+def test_expert_parallel_layouts_the_run_cannot_take_are_config_errors(moe_dirs, tiny_model):
+    """Loading checks EP against the data-parallel ranks it splits and the micro-batching;
+    the start-up check reads the model and names the expert count EP must divide."""
+    from ragen_mega.config import load_run_config
+    from ragen_mega.config_tree import ConfigError
+    from ragen_mega.preflight import preflight
+
+    for overrides, needle in (
+            (["actor.ep=2"], "actor.ep: expert parallelism splits the data-parallel ranks, "
+                             "so it must divide trainer.data_parallel=1, got 2"),
+            (["trainer.data_parallel=2", "critic.ep=2", "critic.max_tokens_per_micro_batch=64"],
+             "critic.max_tokens_per_micro_batch: with ep > 1 every expert-parallel rank")):
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
+            load_run_config(None, overrides)
+    for path, needle in ((moe_dirs["qwen3_moe"], "actor: expert parallel size 3 does not "
+                                                  "divide num_experts=4"),
+                         (tiny_model("qwen2"), "actor: expert parallel size 3 needs a mixture "
+                                               "of experts; model_type=qwen2 has none")):
+        cfg = load_run_config(None, [f"model.path={path}", "trainer.data_parallel=3",
+                                     "actor.ep=3"])
+        with pytest.raises(ConfigError, match=needle):
+            preflight(cfg)
+
+
 def test_experts_under_tensor_parallelism_are_refused_by_name(moe_dirs):
     from ragen_mega.backends.megatron.transformer_config import megatron_config
 
@@ -267,3 +291,48 @@ def test_expert_parallel_matches_transformers_and_resumes_at_another_layout(
         torch.testing.assert_close(w1[name], tensor, atol=1e-6, rtol=0)
     first = results[0]["step", 2][1]
     assert all(not torch.equal(w2[name], first[name]) for name in w2)   # the step moved all
+
+
+def test_conversion_round_trips_exactly_across_pipeline_and_expert_layouts(moe_dirs, tmp_path,
+                                                                           capsys):
+    """qwen2_moe (shared expert, biases) through the CLI: imported at PP 2 x EP 2 (four
+    processes, each writing its own experts of its own layers), exported at EP 2: the same
+    bytes as the original, and transformers loads the result. Layouts the model cannot take
+    are refused before any process starts, naming both numbers."""
+    from transformers import AutoModelForCausalLM
+
+    from ragen_mega.backends.megatron.convert import main
+    from safetensors.torch import load_file
+
+    hf_dir = Path(moe_dirs["qwen2_moe"])
+    assert main(["hf-to-megatron", "--hf-dir", str(hf_dir), "--out-dir", str(tmp_path / "m"),
+                 "--pp", "2", "--ep", "2"]) == 0
+    assert main(["megatron-to-hf", "--megatron-dir", str(tmp_path / "m"), "--out-dir",
+                 str(tmp_path / "hf"), "--ep", "2"]) == 0
+    original, back = (load_file(f"{d}/model.safetensors") for d in (hf_dir, tmp_path / "hf"))
+    assert back.keys() == original.keys()
+    assert all(torch.equal(back[k], original[k]) for k in original)
+    AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert main(["hf-to-megatron", "--hf-dir", str(hf_dir), "--out-dir", str(tmp_path / "x"),
+                 "--ep", "3"]) == 1
+    assert "expert parallel size 3 does not divide num_experts=4" in capsys.readouterr().err
+
+
+def test_expert_parallel_trainer_syncs_into_sglang_engines(moe_dirs):
+    """An EP 2 trainer, whose experts live half on each rank, syncs the way the training loop
+    does (every rank's shards go straight to rank 0, which streams them on) into a TP 2 and a
+    TP 1 SGLang engine serving qwen3_moe: in one broadcast group, then through the colocated
+    tensor path. Before any sync, after each, every engine's greedy tokens are the trainer's
+    own and its log-probs within 1e-4; after a train step and before its sync they are not."""
+    from ragen_mega.backends.sglang.server import launch_server
+    from test_weight_sync_megatron import _check_engines_follow, _sync_worker
+
+    hf_dir = moe_dirs["qwen3_moe"]
+    rounds = [("distributed", None, True, 1.0), ("tensor", None, False, -1.0)]
+    with launch_server(hf_dir, tp=2, dtype="float32", startup_timeout=600,
+                       cpu_threads=1) as tp2_engine, \
+            launch_server(hf_dir, dtype="float32", startup_timeout=600,
+                          cpu_threads=1) as tp1_engine:
+        report, _ = run_workers(_sync_worker, 2, hf_dir, [tp2_engine.url, tp1_engine.url],
+                                rounds, {"ep": 2}, ep=2, timeout=900)
+    _check_engines_follow(report, rounds)

@@ -96,37 +96,41 @@ def _train_step(trainer, observed: dict, sign: float) -> dict:
                                 "old_logprobs": old, "advantages": adv * loss_mask})
 
 
-def _sync_worker(rank, world_size, hf_dir, urls, rounds):
-    """A TP=``world_size`` trainer that, per round ``(load_format, streamed, sign)``, trains a
-    step, observes the stale engines, syncs them as the training loop does (``DirectExport`` to
-    rank 0; ``streamed``: the sender follows its layout) and observes them again."""
+def _sync_worker(rank, world_size, hf_dir, urls, rounds, layout=None):
+    """A TP=``world_size`` trainer (or ``layout``: its ActorConfig parallel fields) that, per
+    round ``(mode, load_format, streamed, sign)``, trains a step, observes the stale engines,
+    syncs them as the training loop does (``DirectExport`` to rank 0, a sender of that
+    ``mode``; ``streamed``: the sender follows the export's layout) and observes them again."""
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.backends.sglang.client import EngineClient
     from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
     from ragen_mega.config import ActorConfig
 
-    trainer = MegatronTrainer(ActorConfig(lr=1e-2, micro_batch_size=3, tp=world_size), hf_dir)
+    trainer = MegatronTrainer(ActorConfig(lr=1e-2, micro_batch_size=3,
+                                          **(layout or {"tp": world_size})), hf_dir)
     clients = [EngineClient(u, timeout=120, retries=1) for u in urls] if rank == 0 else []
-    sender = None
-    if rank == 0:
-        sender = BucketedWeightSender(clients, mode="distributed", backend="gloo",
-                                      bucket_bytes=BUCKET_BYTES)
-        sender.connect()
+    senders = {}   # mode -> the sender, made on its first round (rank 0 only)
     report = {"start": _observe(trainer, clients)}
     last = report["start"]
-    for version, (load_format, streamed, sign) in enumerate(rounds, start=1):
+    for version, (mode, load_format, streamed, sign) in enumerate(rounds, start=1):
         report[f"train_{version}"] = _train_step(trainer, last, sign)
         report[f"stale_{version}"] = _observe(trainer, clients)  # the engines have old weights
         export = trainer.weight_export(dst=0, prefetch_bytes=BUCKET_BYTES)
-        if sender is None:  # rank 1: its shards go straight to rank 0
+        if rank != 0:  # its shards go straight to rank 0
             for _ in export:
                 pass
         else:
+            if mode not in senders:
+                senders[mode] = BucketedWeightSender(clients, mode=mode, backend="gloo",
+                                                     bucket_bytes=BUCKET_BYTES)
+                if mode == "distributed":
+                    senders[mode].connect()
+            sender = senders[mode]
             sender.load_format = load_format
             report[f"stats_{version}"] = sender.send(
                 export, version=version, layout=export.layout if streamed else None)
         report[f"v{version}"] = last = _observe(trainer, clients)
-    if sender is not None:
+    for sender in senders.values():
         sender.close()
     for client in clients:
         client.close()
@@ -214,7 +218,7 @@ def test_export_to_one_rank_is_the_checkpoint_bit_for_bit(tiny_model):
 @pytest.mark.slow
 def test_tp1_megatron_sync_engine_follows_trainer(tiny_model):
     hf_dir = tiny_model("llama", tied=True)
-    rounds = [(None, True, 1.0), ("flattened_bucket", False, -1.0)]
+    rounds = [("distributed", None, True, 1.0), ("distributed", "flattened_bucket", False, -1.0)]
     with launch_server(hf_dir, dtype="float32", startup_timeout=600, cpu_threads=1) as server:
         [report] = run_workers(_sync_worker, 1, str(hf_dir), [server.url], rounds, timeout=600)
     _check_engines_follow(report, rounds)
@@ -225,7 +229,7 @@ def test_tp2_megatron_sync_into_a_tp2_and_a_tp1_engine(tiny_model):
     """TP=2 trainer -> two engines in one broadcast group: a TP=2 engine (group ranks 1-2, each
     SGLang rank loads its own shard of the broadcast) and a TP=1 engine (rank 3)."""
     hf_dir = tiny_model("qwen2", tied=False)
-    rounds = [(None, True, 1.0), (None, False, -1.0)]
+    rounds = [("distributed", None, True, 1.0), ("distributed", None, False, -1.0)]
     with launch_server(hf_dir, tp=2, dtype="float32", startup_timeout=600,
                        cpu_threads=1) as tp2_engine, \
             launch_server(hf_dir, dtype="float32", startup_timeout=600,

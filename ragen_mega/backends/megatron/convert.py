@@ -2,15 +2,17 @@
 
 CLI::
 
-    ragen-mega convert hf-to-megatron --hf-dir A --out-dir B [--tp N] [--pp M]
+    ragen-mega convert hf-to-megatron --hf-dir A --out-dir B [--tp N] [--pp M] [--ep E]
     ragen-mega convert megatron-to-hf --megatron-dir B --out-dir C [--hf-dir A] [--tp N] [--pp M]
+                                      [--ep E]
     python -m ragen_mega.backends.megatron.convert hf-to-megatron ...
 
-Both directions launch their own worker processes (``launch.run_workers``, one per TP x PP rank)
+Both directions launch their own worker processes (``launch.run_workers``, one per TP x PP x EP
+rank; EP, for mixtures of experts, splits the experts over that many processes)
 and go through the one HF <-> Megatron mapping (``models.mapping``) that the weight sync uses.
 The Megatron side is a weights-only ragen_mega checkpoint (``checkpoint.py``: torch_dist, so it
-loads at any TP x PP; it keeps a copy of config.json and the tokenizer). ``--tp/--pp`` of the
-export only choose how many processes share the work. The HF output is written to a temp dir and
+loads at any TP x PP x EP; it keeps a copy of config.json and the tokenizer). ``--tp/--pp/--ep``
+of the export only choose how many processes share the work. The HF output is written to a temp dir and
 renamed into place: safetensors in the dtype of the source config (vocab padding removed),
 config.json, tokenizer files — loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
 """
@@ -37,15 +39,15 @@ def _threads(world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // world_size)
 
 
-def _check_layout(hf_dir: Path, tp: int, pp: int) -> None:
+def _check_layout(hf_dir: Path, tp: int, pp: int, ep: int) -> None:
     """Fail in the parent, before any process starts, on a layout the model cannot take."""
     from ragen_mega.models.hf_config import model_spec
 
     if not (hf_dir / "config.json").exists():
         raise FileNotFoundError(f"{hf_dir} has no config.json (not a Hugging Face model dir)")
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tp and pp must be >= 1, got tp={tp}, pp={pp}")
-    model_spec(hf_dir).check_parallel(tp, pp)
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"tp, pp and ep must be >= 1, got tp={tp}, pp={pp}, ep={ep}")
+    model_spec(hf_dir).check_parallel(tp, pp, ep=ep)
 
 
 def _progress(total: int, desc: str, unit: str):
@@ -73,15 +75,16 @@ def _import_worker(rank, world_size, hf_dir, out_dir, role):
     return str(path)
 
 
-def hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, role: str = "actor") -> Path:
+def hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, role: str = "actor",
+                   ep: int = 1) -> Path:
     """Write the HF model at ``hf_dir`` as a Megatron checkpoint ``<out_dir>/step_0``."""
     hf_dir, out_dir = Path(hf_dir).resolve(), Path(out_dir).resolve()
-    _check_layout(hf_dir, tp, pp)
+    _check_layout(hf_dir, tp, pp, ep)
     if (out_dir / "step_0").exists():
         raise FileExistsError(f"{out_dir / 'step_0'} already exists")
-    world = tp * pp
+    world = tp * pp * ep
     results = run_workers(_import_worker, world, str(hf_dir), str(out_dir), role, tp=tp, pp=pp,
-                          timeout=24 * 3600, threads_per_worker=_threads(world))
+                          ep=ep, timeout=24 * 3600, threads_per_worker=_threads(world))
     return Path(results[0])
 
 
@@ -167,14 +170,15 @@ def _export_worker(rank, world_size, ckpt_dir, src_hf, tmp_out, role):
     return None
 
 
-def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1) -> Path:
+def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
+                   ep: int = 1) -> Path:
     """Write a Megatron checkpoint (a ``step_N`` dir, or the newest under a root) as an HF dir.
 
     ``hf_dir`` supplies config.json and the tokenizer; default: the copy inside the checkpoint.
     """
     ckpt_dir = _resolve_checkpoint(Path(megatron_dir).resolve())
     src_hf = Path(hf_dir).resolve() if hf_dir else ckpt.checkpoint_hf_dir(ckpt_dir)
-    _check_layout(src_hf, tp, pp)
+    _check_layout(src_hf, tp, pp, ep)
     role = ckpt.read_checkpoint_state(ckpt_dir)["signature"].get("role") or "actor"
     out_dir = Path(out_dir).resolve()
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -183,9 +187,9 @@ def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        world = tp * pp
+        world = tp * pp * ep
         run_workers(_export_worker, world, str(ckpt_dir), str(src_hf), str(tmp), role, tp=tp,
-                    pp=pp, timeout=24 * 3600, threads_per_worker=_threads(world))
+                    pp=pp, ep=ep, timeout=24 * 3600, threads_per_worker=_threads(world))
         for item in src_hf.iterdir():  # config, generation config, tokenizer, chat template
             if item.is_file() and not any(item.match(p) for p in _WEIGHT_FILES):
                 shutil.copy2(item, tmp / item.name)
@@ -207,6 +211,8 @@ def build_parser(prog: str = "ragen-mega convert") -> argparse.ArgumentParser:
     imp.add_argument("--out-dir", required=True)
     imp.add_argument("--tp", type=int, default=1, help="tensor parallel size of the save")
     imp.add_argument("--pp", type=int, default=1, help="pipeline parallel size of the save")
+    imp.add_argument("--ep", type=int, default=1,
+                     help="expert parallel size of the save (mixtures of experts)")
     exp = sub.add_parser("megatron-to-hf", help="Megatron checkpoint -> HF model dir")
     exp.add_argument("--megatron-dir", required=True,
                      help="a step_N checkpoint dir, or a root (its newest complete checkpoint)")
@@ -215,6 +221,8 @@ def build_parser(prog: str = "ragen-mega convert") -> argparse.ArgumentParser:
                      help="config/tokenizer source (default: the copy inside the checkpoint)")
     exp.add_argument("--tp", type=int, default=1, help="processes sharing the export (TP)")
     exp.add_argument("--pp", type=int, default=1, help="processes sharing the export (PP)")
+    exp.add_argument("--ep", type=int, default=1,
+                     help="processes sharing the experts of the export (EP)")
     return parser
 
 
@@ -223,10 +231,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.direction == "hf-to-megatron":
-            path = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp)
+            path = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp,
+                                  ep=args.ep)
         else:
             path = megatron_to_hf(args.megatron_dir, args.out_dir, hf_dir=args.hf_dir,
-                                  tp=args.tp, pp=args.pp)
+                                  tp=args.tp, pp=args.pp, ep=args.ep)
     except (OSError, ValueError, KeyError, WorkerError) as err:
         print(f"ragen-mega convert: error: {err}", file=sys.stderr)
         return 1
