@@ -336,3 +336,29 @@ def test_expert_parallel_trainer_syncs_into_sglang_engines(moe_dirs):
         report, _ = run_workers(_sync_worker, 2, hf_dir, [tp2_engine.url, tp1_engine.url],
                                 rounds, {"ep": 2}, ep=2, timeout=900)
     _check_engines_follow(report, rounds)
+
+
+def test_whole_loop_trains_a_mixture_of_experts_at_ep2_and_resumes(moe_dirs, tiny_run_overrides,
+                                                                    tmp_path, private_ray):
+    """``train`` (the real driver: Ray, a Megatron actor on two ranks at EP 2, one SGLang
+    engine, the bandit) on the tiny qwen3_moe: one step, then a second run that resumes from
+    its checkpoint and trains step 2. After each sync the engine's log-probs of the sampled
+    tokens equal the trainer's; the resumed actor's Adam continued from step 1's state (its
+    step-2 checkpoint counts two optimizer steps: a fresh optimizer would count one)."""
+    from ragen_mega.config import load_run_config
+    from ragen_mega.train import train
+
+    moe = [f"model.path={moe_dirs['qwen3_moe']}", "actor.tp=1", "trainer.data_parallel=2",
+           "actor.ep=2", "critic.enable=false", "algo.adv_estimator=grpo"]
+    first = train(load_run_config("examples/bandit_cpu_demo.yaml",
+                                  tiny_run_overrides(tmp_path, 1) + moe))
+    resumed = train(load_run_config("examples/bandit_cpu_demo.yaml",
+                                    tiny_run_overrides(tmp_path, 2) + moe))
+    assert [h["step"] for h in first + resumed] == [1, 2]
+    for h in first + resumed:
+        assert h["actor/update_successful"] == 1.0
+        assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
+        assert h["train/rollout_vs_trainer_logprob_diff"] < 1e-3
+    actor = tmp_path / "checkpoints" / "actor"
+    assert [torch.load(actor / f"step_{s}" / "ragen_state.pt", weights_only=False)
+            ["optimizer_steps"] for s in (1, 2)] == [1, 2]

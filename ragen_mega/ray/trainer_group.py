@@ -67,20 +67,27 @@ class TrainerWorker:
         self.sync_bucket_bytes = None  # set by connect_engines, on every rank
 
     def _local(self, batch: dict) -> dict:
-        from ragen_mega.backends.megatron.train import dp_shard
+        """This DP rank's rows of ``batch``, padded first to a multiple of the DP ranks (a
+        weight-sync probe is one row; ``_gather_rows`` drops the padding again)."""
+        from megatron.core import parallel_state as mpu
 
-        return dp_shard(batch)
+        from ragen_mega.backends.megatron.train import dp_shard, pad_rows
+
+        return dp_shard(pad_rows(batch, mpu.get_data_parallel_world_size()))
 
     def compute_logprobs(self, batch: dict) -> torch.Tensor | None:
         """Log-probs [B, S] of the global batch (returned by rank 0 only)."""
-        return self._gather_rows(self.trainer.compute_logprobs(self._local(batch)))
+        rows = len(batch["input_ids"])
+        return self._gather_rows(self.trainer.compute_logprobs(self._local(batch)), rows)
 
     def compute_ref_logprobs(self, batch: dict) -> torch.Tensor | None:
         """The reference policy's log-probs [B, S] of the global batch (rank 0 only)."""
-        return self._gather_rows(self.trainer.compute_ref_logprobs(self._local(batch)))
+        rows = len(batch["input_ids"])
+        return self._gather_rows(self.trainer.compute_ref_logprobs(self._local(batch)), rows)
 
     def compute_values(self, batch: dict) -> torch.Tensor | None:
-        return self._gather_rows(self.trainer.compute_values(self._local(batch)))
+        rows = len(batch["input_ids"])
+        return self._gather_rows(self.trainer.compute_values(self._local(batch)), rows)
 
     def train(self, batch: dict) -> dict[str, float]:
         return self.trainer.train(batch)  # cuts its PPO mini-batches, then each one's DP shard
@@ -143,8 +150,9 @@ class TrainerWorker:
                 client.close()
             self.sender = None
 
-    def _gather_rows(self, local: torch.Tensor) -> torch.Tensor | None:
-        """Rows of every DP rank, in global order, on rank 0 (None elsewhere)."""
+    def _gather_rows(self, local: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """The first ``rows`` rows of every DP rank's, in global order, on rank 0 (None
+        elsewhere)."""
         from megatron.core import parallel_state as mpu
 
         dp = mpu.get_data_parallel_world_size()
@@ -153,7 +161,7 @@ class TrainerWorker:
             torch.distributed.all_gather(parts, local.contiguous(),
                                          group=mpu.get_data_parallel_group())
             local = torch.cat(parts)
-        return local if self.rank == 0 else None
+        return local[:rows] if self.rank == 0 else None
 
 
 class TrainerGroup:

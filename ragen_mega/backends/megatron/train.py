@@ -84,7 +84,8 @@ def pad_rows(batch: dict, multiple: int) -> dict:
     if not extra:
         return batch
     padded = {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
-    padded["loss_mask"][rows:] = 0
+    if "loss_mask" in padded:
+        padded["loss_mask"][rows:] = 0
     return padded
 
 
