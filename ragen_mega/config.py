@@ -473,6 +473,11 @@ class ActorConfig(ModelTrainingConfig):
     #: behaviour policy (verl's tis_imp_ratio_cap, slime's --use-tis; slime caps at 2). None: off.
     #: trainer.async_rollout needs it: its samples come from weights one version older.
     tis_cap: float | None = None
+    #: mixtures of experts: train every token through the experts the engine routed it to
+    #: (slime's --use-rollout-routing-replay), so the trainer's log-probs are those of the
+    #: routing the engine sampled with. Whether or not it is on, actor/routing_mismatch logs
+    #: the share of (token, layer) routings where the two disagree.
+    routing_replay: bool = False
 
     def validate(self):
         super().validate()
@@ -687,7 +692,11 @@ class RunConfig:
 
     def _validate_user_agent(self):
         """What an agent of the user's (``rollout.agent``) rules out: its episodes are whole
-        episodes of its own prompts, not the built-in agent's."""
+        episodes of its own prompts, not the built-in agent's, and the gateway does not ask
+        the engines for their routing."""
+        if self.actor.routing_replay:
+            raise ConfigError("actor.routing_replay: the gateway of rollout.agent does not "
+                              "collect the engines' routed experts yet; set it false")
         if self.rollout.mode != "episodes":
             raise ConfigError(f"rollout.agent: an agent plays whole episodes "
                               f"(rollout.mode=episodes), got rollout.mode={self.rollout.mode!r}")

@@ -73,6 +73,9 @@ def check_model_layout(cfg: RunConfig) -> None:
             spec.check_parallel(section.tp, section.pp, section.vpp, section.ep)
         except ValueError as e:
             raise ConfigError(f"{role}: {e}") from e
+    if cfg.actor.routing_replay and not spec.is_moe:
+        raise ConfigError(f"actor.routing_replay: replays the experts a mixture of experts "
+                          f"routed each token to; model_type={spec.arch} has none")
 
 
 def env_builds(cfg: RunConfig) -> list[tuple[str, str, dict]]:

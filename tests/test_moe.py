@@ -341,10 +341,12 @@ def test_expert_parallel_trainer_syncs_into_sglang_engines(moe_dirs):
 def test_whole_loop_trains_a_mixture_of_experts_at_ep2_and_resumes(moe_dirs, tiny_run_overrides,
                                                                     tmp_path, private_ray):
     """``train`` (the real driver: Ray, a Megatron actor on two ranks at EP 2, one SGLang
-    engine, the bandit) on the tiny qwen3_moe: one step, then a second run that resumes from
-    its checkpoint and trains step 2. After each sync the engine's log-probs of the sampled
-    tokens equal the trainer's; the resumed actor's Adam continued from step 1's state (its
-    step-2 checkpoint counts two optimizer steps: a fresh optimizer would count one)."""
+    engine that returns each token's experts, the bandit) on the tiny qwen3_moe: one step,
+    then a second run that resumes from its checkpoint and trains step 2 with routing replay
+    on. After each sync the engine's log-probs of the sampled tokens equal the trainer's; the
+    engine's routing is the trainer's own (both fp32 here: ``actor/routing_mismatch`` 0); the
+    resumed actor's Adam continued from step 1's state (its step-2 checkpoint counts two
+    optimizer steps: a fresh optimizer would count one)."""
     from ragen_mega.config import load_run_config
     from ragen_mega.train import train
 
@@ -353,12 +355,138 @@ def test_whole_loop_trains_a_mixture_of_experts_at_ep2_and_resumes(moe_dirs, tin
     first = train(load_run_config("examples/bandit_cpu_demo.yaml",
                                   tiny_run_overrides(tmp_path, 1) + moe))
     resumed = train(load_run_config("examples/bandit_cpu_demo.yaml",
-                                    tiny_run_overrides(tmp_path, 2) + moe))
+                                    tiny_run_overrides(tmp_path, 2) + moe
+                                    + ["actor.routing_replay=true"]))
     assert [h["step"] for h in first + resumed] == [1, 2]
     for h in first + resumed:
         assert h["actor/update_successful"] == 1.0
         assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
         assert h["train/rollout_vs_trainer_logprob_diff"] < 1e-3
+        print("routing mismatch", h["actor/routing_mismatch"])
+        assert h["actor/routing_mismatch"] == 0.0
     actor = tmp_path / "checkpoints" / "actor"
     assert [torch.load(actor / f"step_{s}" / "ragen_state.pt", weights_only=False)
             ["optimizer_steps"] for s in (1, 2)] == [1, 2]
+
+
+#: Qwen3-30B-A3B's config.json (the Hub's values; no weights needed to check a layout)
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960,
+    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+    "hidden_act": "silu"}
+
+
+def test_the_qwen3_30b_a3b_example_fits_the_model_and_the_nodes(tmp_path):
+    """The multi-node MoE example against Qwen3-30B-A3B's real shape: its PP and EP split the
+    layers and experts, the start-up check passes, and its 32 actor ranks are 4 nodes x 8."""
+    from ragen_mega.config import load_run_config
+    from ragen_mega.preflight import check_model_layout
+    from ragen_mega.ray.placement import plan_resources
+
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    example = "examples/ragen_sokoban_qwen3_30b_a3b_multinode.yaml"
+    cfg = load_run_config(example, [f"model.path={tmp_path}"])
+    check_model_layout(cfg)
+    spec = model_spec(tmp_path)
+    assert (spec.num_experts, spec.moe_top_k, spec.moe_norm_topk_prob) == (128, 8, True)
+    assert mapping.local_experts(spec, 7, cfg.actor.ep) == range(112, 128)
+    plan = plan_resources(cfg, cluster_cpus=4 * 64, host_cpus=64, use_gpu=True)
+    assert plan.actor_world == 32 and plan.critic_world == 0
+
+
+# --------------------------------------------------------------------- routing replay
+def hf_routing(hf_dir, ids, mask, forced=None):
+    """transformers' log-probs, each token's top-k experts [B, S, layers, k] (-1 past each
+    row's length) and the gradients of minus the log-probs' sum (per-expert names);
+    ``forced``: route through these experts instead (the router's own softmax probabilities at
+    them, renormalised as ``norm_topk_prob`` says), an independent replay."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    b, s = ids.shape
+    chosen = []
+    for i, layer in enumerate(model.model.layers):
+        gate = layer.mlp.gate
+
+        def route(hidden, gate=gate, i=i):
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            index = torch.topk(probs, gate.top_k, dim=-1).indices
+            if forced is not None:     # tokens without given experts (padding) keep their own
+                given = forced[:, :, i].reshape(b * s, -1).long()
+                index = torch.where(given >= 0, given, index)
+            chosen.append(index.detach().reshape(b, s, -1))
+            value = probs.gather(1, index)
+            if gate.norm_topk_prob:
+                value = value / value.sum(dim=-1, keepdim=True)
+            return logits, value.to(logits.dtype), index
+
+        gate.forward = route
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    lp = lp * mask[:, 1:]
+    (-lp.sum()).backward()
+    routed = torch.stack(chosen, dim=2)
+    routed[~mask.bool()] = -1
+    grads = per_expert({n: p.grad for n, p in model.named_parameters()}, model_spec(hf_dir))
+    return lp.detach(), routed.to(torch.int16), grads
+
+
+def replay_worker(rank, world, hf_dir, ids, mask, own, other):
+    """Megatron's log-probs and routing-mismatch counts: routing on its own, given
+    transformers' experts (counted, not replayed), given other experts (counted, then
+    replayed); then the gradients of minus the log-probs' sum, replayed through the others."""
+    from ragen_mega.backends.megatron.forward import (forward_logprobs, make_forward_step,
+                                                      run_schedule, split_microbatches)
+    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.routing import take_mismatch_counts
+
+    chunks = build_model(hf_dir)
+    load_hf_checkpoint(chunks, hf_dir)
+    out = {}
+    for name, routed, replay in (("alone", None, False), ("own", own, False),
+                                 ("other", other, False), ("other_replayed", other, True)):
+        out[name] = (forward_logprobs(chunks, ids, mask, routed_experts=routed,
+                                      routing_replay=replay)[0],
+                     take_mismatch_counts(chunks).tolist())
+    step = make_forward_step(compute_entropy=False, routing_replay=True,
+                             loss_fn=lambda outputs, mb: (-outputs["logprobs"].sum(), {}))
+    run_schedule(chunks, split_microbatches(ids, mask, len(ids), routed_experts=other), step,
+                 forward_only=False)
+    for param in chunks[0].parameters():
+        param.data = param.grad
+    out["grads"] = dict(export_hf_state(chunks))
+    return out
+
+
+def test_routing_replay_routes_through_the_given_experts(moe_dirs):
+    """With transformers' own top-k as the engine's routing, Megatron's routing agrees on every
+    (token, layer) and the log-probs are transformers'. Given other experts (each one shifted
+    by one), every pair is counted as differing; not replayed, the log-probs stay the model's
+    own; replayed, they and the gradients (the router's too) are those of transformers forced
+    through the same experts, and far from the model's own."""
+    hf_dir = moe_dirs["qwen3_moe"]
+    ids, mask = make_batch(49152)
+    valid = mask[:, 1:].bool()
+    ref_lp, own, _ = hf_routing(hf_dir, ids, mask)
+    other = torch.where(own >= 0, (own + 1) % 4, own)
+    forced_lp, forced, forced_grads = hf_routing(hf_dir, ids, mask, forced=other)
+    assert torch.equal(forced, other)     # (-1 past each row: those are masked alike)
+    [out] = run_workers(replay_worker, 1, hf_dir, ids, mask, own, other, timeout=600)
+    pairs = float(mask.sum() * 2)                        # tokens x layers
+    assert out["alone"][1] == [0.0, 0.0]                 # nothing to compare with
+    assert out["own"][1] == [0.0, pairs]
+    assert out["other"][1] == [pairs, pairs] == out["other_replayed"][1]
+    for name in ("alone", "own", "other"):
+        assert (out[name][0] - ref_lp)[valid].abs().max() < 1e-5, name
+    assert (out["other_replayed"][0] - forced_lp)[valid].abs().max() < 1e-5
+    assert (forced_lp - ref_lp)[valid].abs().max() > 1e-2
+    assert out["grads"].keys() == forced_grads.keys()
+    for name, grad in forced_grads.items():
+        scale = grad.abs().max().clamp_min(1e-6)
+        assert (out["grads"][name] - grad).abs().max() / scale < 1e-4, name
+    assert forced_grads["model.layers.1.mlp.gate.weight"].abs().max() > 0   # router trained

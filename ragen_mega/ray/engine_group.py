@@ -27,6 +27,8 @@ import itertools
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
+import torch
+
 from ragen_mega.ray.actor_group import ActorGroup
 from ragen_mega.rollout.episode import (EngineRestarted, Episode, EpisodeSpec, Generation, OpenEnvFn,
                                         PromptTooLong)
@@ -78,6 +80,9 @@ class EngineGroup:
     :meth:`release_memory` frees their GPU memory; ``mem_fraction``: SGLang's
     ``--mem-fraction-static`` (see ``backends/sglang/server.py``); ``max_restarts_per_step``:
     restarts of dead engines allowed between two :meth:`take_fault_counts`.
+    ``routed_experts`` (a mixture of experts: its ``(layers, top-k, experts)``): the servers
+    record, and every generation returns, the experts each token was routed to (routing
+    replay).
     ``resync({engine: url})``: loads the current weights into restarted engines (None: the
     engines serve ``model_path`` as it is, so a new server already has them)."""
 
@@ -87,7 +92,8 @@ class EngineGroup:
                  dtype: str | None, log_dir: str, num_cpus: float,
                  startup_timeout: float = 600.0, seeded_sampling: bool = False,
                  memory_saver: bool = False, mem_fraction: float | None = None,
-                 max_restarts_per_step: int = 0):
+                 max_restarts_per_step: int = 0,
+                 routed_experts: tuple[int, int, int] | None = None):
         from ragen_mega.backends.sglang.client import AsyncEngineClient
         from ragen_mega.ray.devices import bundle_gpu_ids
 
@@ -97,12 +103,15 @@ class EngineGroup:
                                 init_args=(model_path, log_dir, startup_timeout, gpu_ids,
                                            dict(tp=tp, dtype=dtype, mem_fraction=mem_fraction,
                                                 seeded_sampling=seeded_sampling,
-                                                memory_saver=memory_saver)))
+                                                memory_saver=memory_saver,
+                                                extra_args=["--enable-return-routed-experts"]
+                                                if routed_experts else [])))
         self.urls = self.group.call("url", timeout_s=startup_timeout)
         self.tp_sizes = [tp] * len(self.urls)
         self.clients = [AsyncEngineClient(u) for u in self.urls]
         self._next = itertools.cycle(range(len(self.clients)))
         self.log_dir, self.max_restarts_per_step = log_dir, max_restarts_per_step
+        self.routed_shape = routed_experts
         self._lives = [0] * len(self.urls)  # restarts of each engine so far
         self._restart_lock = asyncio.Lock()  # renewed by run: a lock belongs to one event loop
         self._faults = self._no_faults()
@@ -131,14 +140,22 @@ class EngineGroup:
         engine = next(self._next) if engine is None else engine
         life = self._lives[engine]
         try:
-            out = await self.clients[engine].generate(prompt_ids, sampling, return_logprob=True)
+            out = await self.clients[engine].generate(
+                prompt_ids, sampling, return_logprob=True,
+                return_routed_experts=self.routed_shape is not None)
         except ContextLengthExceeded as e:
             raise PromptTooLong(str(e)) from e
         except EngineError as e:
             await self._restart_if_dead(engine, life, e)
             raise EngineRestarted(f"engine {engine} died under a request and was restarted: "
                                   f"{e}") from e
-        return Generation(out.output_ids, out.output_logprobs, out.finish_reason)
+        routed = None
+        if self.routed_shape is not None:
+            # one byte per expert id where it fits (128 experts: Qwen3-30B's 48 x 8 per token)
+            dtype = torch.uint8 if self.routed_shape[2] <= 256 else torch.int16
+            routed = torch.from_numpy(out.routed_experts.copy()).view(
+                -1, *self.routed_shape[:2]).to(dtype)
+        return Generation(out.output_ids, out.output_logprobs, out.finish_reason, routed)
 
     async def _restart_if_dead(self, engine: int, life: int, error: Exception) -> None:
         """Return once ``engine`` (which failed ``error`` in its ``life``-th life) is up again;

@@ -122,6 +122,15 @@ def build_run(cfg: RunConfig, *, with_trainers: bool = True) -> Iterator[Run]:
     run.shutdown()
 
 
+def _routing_shape(model_dir: str) -> tuple[int, int, int] | None:
+    """(layers, top-k, experts) of a mixture of experts, whose engines return each token's
+    experts (routing replay and ``actor/routing_mismatch``); None for a dense model."""
+    from ragen_mega.models.hf_config import model_spec
+
+    spec = model_spec(model_dir)
+    return (spec.num_layers, spec.moe_top_k, spec.num_experts) if spec.is_moe else None
+
+
 def _place(run: Run, with_trainers: bool) -> None:
     """Start the run's processes one at a time, each kept in ``run`` as soon as it exists."""
     from ragen_mega.ray.engine_group import EngineGroup
@@ -136,7 +145,8 @@ def _place(run: Run, with_trainers: bool) -> None:
                               log_dir=str(log_dir.resolve()), num_cpus=res.engine_cpus,
                               seeded_sampling=cfg.rollout.seeded, memory_saver=t.colocate,
                               mem_fraction=cfg.rollout.mem_fraction,
-                              max_restarts_per_step=cfg.rollout.max_engine_restarts_per_step)
+                              max_restarts_per_step=cfg.rollout.max_engine_restarts_per_step,
+                              routed_experts=_routing_shape(run.model_dir))
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)

@@ -14,6 +14,8 @@ import contextlib
 import dataclasses
 from typing import Any, Awaitable, Callable, Protocol, Sequence
 
+import torch
+
 from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
 from ragen_mega.envs import env_class, make
 from ragen_mega.rollout.sample import Sample
@@ -21,10 +23,13 @@ from ragen_mega.rollout.sample import Sample
 
 @dataclasses.dataclass
 class Generation:
-    """What an engine returns for one prompt: sampled ids and their log-probs."""
+    """What an engine returns for one prompt: sampled ids and their log-probs (and, from the
+    engines of a mixture of experts, the experts of every token but the last:
+    ``routed_experts`` [prompt + output - 1, layers, top-k])."""
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str = ""
+    routed_experts: torch.Tensor | None = None
 
 
 #: ``await generate(prompt_ids, sampling_params)`` -> :class:`Generation`
@@ -230,7 +235,7 @@ async def take_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
         group_id=spec.group_id, turn=state.turn, done=state.done, last=state.over,
         env_tag=spec.env_tag or spec.env_name, seed=spec.seed,
         info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason},
-        state_key=state_key)
+        state_key=state_key, routed_experts=gen.routed_experts)
 
 
 async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, generate: GenerateFn,

@@ -120,4 +120,6 @@ def pack_trajectories(samples: Sequence[Sample], per_turn: dict[str, torch.Tenso
                           "train/pack_fallbacks": float(fallbacks)})
     batch["loss_mask"] = layout.to_train(per_turn["loss_mask"])
     batch["rollout_logprobs"] = layout.to_train(per_turn["rollout_logprobs"])
+    if "routed_experts" in per_turn:  # a packed row is its last turn's, whose request read it all
+        batch["routed_experts"] = per_turn["routed_experts"][source, :width]
     return layout

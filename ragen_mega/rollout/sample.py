@@ -37,16 +37,26 @@ class Sample:
     #: the key of the env state this turn acted in (``TextEnv.state_key`` of the observation
     #: it was given): turns of a group with equal keys are GiGPO's anchor states
     state_key: str = ""
+    #: a mixture of experts' engine: the experts it routed each prompt and response token but
+    #: the last to, [prompt + response - 1, layers, top-k] (routing replay, the mismatch metric)
+    routed_experts: torch.Tensor | None = None
 
     def __post_init__(self):
         if len(self.rollout_logprobs) != len(self.response_ids):
             raise ValueError(f"Sample: {len(self.response_ids)} response ids but "
                              f"{len(self.rollout_logprobs)} rollout log-probs")
+        read = len(self.prompt_ids) + len(self.response_ids) - 1
+        if self.routed_experts is not None and (self.routed_experts.dim() != 3
+                                                or self.routed_experts.shape[0] != read):
+            raise ValueError(f"Sample: routed_experts of shape "
+                             f"{tuple(self.routed_experts.shape)} for {read} tokens read "
+                             f"(prompt + response - 1) x layers x top-k")
 
     def to_dict(self) -> dict[str, Any]:
         """Every field as plain Python values (lists of ints and floats, str, bool, None, and
-        ``info`` as nested dicts/lists of those), so a checkpoint holding it loads with
-        ``torch.load(weights_only=True)``; :meth:`from_dict` gives an equal Sample back.
+        ``info`` as nested dicts/lists of those; ``routed_experts`` stays a tensor), so a
+        checkpoint holding it loads with ``torch.load(weights_only=True)``; :meth:`from_dict`
+        gives an equal Sample back.
 
         ``info`` (``episode.take_turn``: ``format_ok``, ``finish_reason``) must hold only such
         values: anything else (an object, an array) raises TypeError naming its key rather than
@@ -59,7 +69,8 @@ class Sample:
                 "last": bool(self.last), "env_tag": str(self.env_tag), "seed": int(self.seed),
                 "info": _plain(self.info, "info"), "weight_version": int(self.weight_version),
                 "stream": None if self.stream is None else int(self.stream),
-                "cut": bool(self.cut), "state_key": str(self.state_key)}
+                "cut": bool(self.cut), "state_key": str(self.state_key),
+                "routed_experts": self.routed_experts}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:
@@ -102,7 +113,9 @@ def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
     of token t is computed from the tokens before it; column 0 is never a loss token):
     ``input_ids``, ``attention_mask``, ``loss_mask`` (1 exactly on the model-written tokens),
     ``rollout_logprobs`` (the engine's log-prob of each written token). ``response_start`` [B]
-    is each sample's first response column.
+    is each sample's first response column. When every sample carries its engine's routing:
+    ``routed_experts`` [B, S, layers, top-k] (int16; -1 where the engine read no token: each
+    row's last token and its padding).
     """
     if not samples:
         raise ValueError("collate: no samples")
@@ -121,6 +134,13 @@ def collate(samples: Sequence[Sample], pad_id: int) -> dict[str, torch.Tensor]:
         attention[i, :p + r] = 1
         loss_mask[i, p:p + r] = 1.0
         logprobs[i, p:p + r] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
-            "rollout_logprobs": logprobs,
-            "response_start": torch.tensor([len(s.prompt_ids) for s in samples])}
+    batch = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
+             "rollout_logprobs": logprobs,
+             "response_start": torch.tensor([len(s.prompt_ids) for s in samples])}
+    if all(s.routed_experts is not None for s in samples):
+        layers, top_k = samples[0].routed_experts.shape[1:]
+        routed = torch.full((b, seq, layers, top_k), -1, dtype=torch.int16)
+        for i, s in enumerate(samples):
+            routed[i, :len(s.routed_experts)] = s.routed_experts
+        batch["routed_experts"] = routed
+    return batch

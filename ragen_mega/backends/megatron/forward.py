@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ragen_mega.backends.megatron.model import unwrap
+from ragen_mega.backends.megatron.routing import set_engine_routing
 from ragen_mega.backends.megatron.parallel import local_device
 
 
@@ -169,18 +170,22 @@ def _postprocess(model, output_tensor: torch.Tensor, batch: dict, temperature: f
 
 
 def make_forward_step(*, temperature: float = 1.0, compute_entropy: bool = True,
-                      loss_fn: Callable | None = None):
+                      loss_fn: Callable | None = None, routing_replay: bool = False):
     """Megatron forward-step function: ``(data_iterator, model) -> (output, loss_func)``.
 
     Every stage draws the next micro-batch (so all stages stay in step); the first stage embeds
     ``input_ids``, the last turns the output into log-probs/entropy or values and hands them to
     ``loss_fn(outputs, batch)``; without ``loss_fn`` the loss is 0 and the detached outputs are
-    what the schedule collects.
+    what the schedule collects. A mixture of experts' micro-batch may carry the engine's
+    ``routed_experts`` [b, s, layers, top-k]: the routers count where they differ and, with
+    ``routing_replay``, route through them (``routing.py``).
     """
     def forward_step(data_iterator, model):
         device = local_device()
         batch = {k: (v.to(device) if torch.is_tensor(v) else v)
                  for k, v in next(data_iterator).items()}
+        if unwrap(model).ragen_spec.is_moe:
+            set_engine_routing(model, batch.get("routed_experts"), routing_replay)
         input_ids = batch["input_ids"]
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
@@ -249,11 +254,15 @@ def _check_role(chunks, role: str, fn: str) -> None:
 
 def forward_logprobs(chunks, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                      *, temperature: float = 1.0, compute_entropy: bool = True,
-                     micro_batch_size: int | None = None):
-    """Per-token log-probs of the given next tokens (+ entropy), see the module docstring."""
+                     micro_batch_size: int | None = None,
+                     routed_experts: torch.Tensor | None = None, routing_replay: bool = False):
+    """Per-token log-probs of the given next tokens (+ entropy), see the module docstring.
+    ``routed_experts``: the engine's experts of every token (see :func:`make_forward_step`)."""
     _check_role(chunks, "actor", "forward_logprobs")
-    microbatches = split_microbatches(input_ids, attention_mask, micro_batch_size)
-    step = make_forward_step(temperature=temperature, compute_entropy=compute_entropy)
+    extra = {} if routed_experts is None else {"routed_experts": routed_experts}
+    microbatches = split_microbatches(input_ids, attention_mask, micro_batch_size, **extra)
+    step = make_forward_step(temperature=temperature, compute_entropy=compute_entropy,
+                             routing_replay=routing_replay)
     with torch.no_grad():
         results = run_schedule(chunks, microbatches, step, forward_only=True)
     batch, seq = input_ids.shape

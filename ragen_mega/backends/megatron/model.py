@@ -88,7 +88,10 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
         model.ragen_experts = (mapping.local_experts(spec, ep_rank, ep) if spec.is_moe
                                else range(0))
         if spec.is_moe:
+            from ragen_mega.backends.megatron import routing
+
             _experts_apart(model)
+            routing.install(model)
         if torch.cuda.is_available():  # norms and the value head are built on the CPU
             model.cuda(torch.cuda.current_device())
         if dtype in (torch.bfloat16, torch.float16):

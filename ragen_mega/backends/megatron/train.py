@@ -53,7 +53,8 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
                                                   make_forward_step, run_schedule,
                                                   split_microbatches)
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
-                                                load_hf_checkpoint)
+                                                load_hf_checkpoint, unwrap)
+from ragen_mega.backends.megatron.routing import take_mismatch_counts
 from ragen_mega.backends.megatron.parallel import local_device
 
 def _dp_group():
@@ -169,6 +170,8 @@ class MegatronTrainer:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         self.role, self.hf_dir, self.steps = role, hf_dir, 0
+        # the actor's MoE routers take the engine's experts (ActorConfig.routing_replay)
+        self.routing_replay = bool(getattr(config, "routing_replay", False))
         self.skipped_in_row = 0
         self.objective = objective if objective is not None else OBJECTIVES[role](config)
         self.dtype = torch.bfloat16 if config.bf16 else torch.float32
@@ -238,7 +241,9 @@ class MegatronTrainer:
         batch = _to_device(batch)
         logprobs, _ = forward_logprobs(chunks, batch["input_ids"], batch.get("attention_mask"),
                                        temperature=self.temperature, compute_entropy=False,
-                                       micro_batch_size=self.config.micro_batch_size)
+                                       micro_batch_size=self.config.micro_batch_size,
+                                       routed_experts=batch.get("routed_experts"),
+                                       routing_replay=self.routing_replay)
         return _unshifted(logprobs)
 
     def compute_values(self, batch: dict) -> torch.Tensor:
@@ -257,6 +262,8 @@ class MegatronTrainer:
         padding fraction of the micro-batches (padded tokens / all tokens fed)."""
         mbs, budget = self.config.micro_batch_size, self.config.max_tokens_per_micro_batch
         extra = {k: _shifted(batch[k]) for k in ("loss_mask", *keys)}
+        if self.role == "actor" and "routed_experts" in batch:  # the engine served the actor
+            extra["routed_experts"] = batch["routed_experts"]
         mbs_list = split_microbatches(batch["input_ids"], batch.get("attention_mask"), mbs,
                                       max_tokens=budget, **extra)
         fed = sum(mb["attention_mask"].numel() for mb in mbs_list)  # tokens incl. padding
@@ -331,8 +338,9 @@ class MegatronTrainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         results = run_schedule(self.model, microbatches,
-                               make_forward_step(temperature=self.temperature,
-                                                 loss_fn=loss_fn), forward_only=False)
+                               make_forward_step(temperature=self.temperature, loss_fn=loss_fn,
+                                                 routing_replay=self.routing_replay),
+                               forward_only=False)
         lr = self.optimizer.param_groups[0]["lr"]
         updated, grad_norm = False, None
         if self._all_finite(results):  # else skipped: weights and Adam state untouched
@@ -374,8 +382,20 @@ class MegatronTrainer:
             loss, stats = objective(outputs, mb, norm)
             return loss * scale, {"stats": stats}
 
-        return {**self._step(microbatches, loss_fn, objective.stat_names),
-                "padding_frac": padding}
+        take_mismatch_counts(self.model)  # counted from here: this update's forward only
+        metrics = {**self._step(microbatches, loss_fn, objective.stat_names),
+                   "padding_frac": padding}
+        return {**metrics, **self._routing_mismatch()}
+
+    def _routing_mismatch(self) -> dict:
+        """``routing_mismatch``: the share of (token, MoE layer) pairs of the update's forward
+        whose own top-k experts differ from the engine's (``routing.py``), over every rank;
+        nothing for a dense model or a batch without the engine's experts."""
+        if not unwrap(self.model[0]).ragen_spec.is_moe:
+            return {}
+        counts = take_mismatch_counts(self.model).to(local_device())
+        dist.all_reduce(counts)  # DP ranks hold other tokens, PP stages other layers
+        return {"routing_mismatch": float(counts[0] / counts[1])} if counts[1] else {}
 
     # ------------------------------------------------------------------ state
     def save_checkpoint(self, root, step: int, extra: dict | None = None):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import binascii
 import contextlib
 import json
 import threading
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import aiohttp
+import numpy as np
 
 
 class EngineError(RuntimeError):
@@ -49,6 +51,9 @@ class Completion:
     ``output_logprobs[i]`` is the engine's log-probability of ``output_ids[i]`` (``None`` when
     the request did not ask for logprobs). ``finish_reason`` is ``"stop"`` (EOS, a stop token or
     a stop string: ``matched_stop`` says which), ``"length"`` or ``"abort"``.
+    ``routed_experts`` (a mixture of experts, when asked for and the server was started with
+    ``--enable-return-routed-experts``): the experts each prompt and output token but the last
+    was routed to, flat int32 in the order [token, layer, top-k].
     """
 
     output_ids: list[int]
@@ -59,6 +64,7 @@ class Completion:
     prompt_tokens: int
     text: str
     meta_info: dict
+    routed_experts: np.ndarray | None = None
 
 
 def _is_token_list(x: Any) -> bool:
@@ -198,7 +204,8 @@ class AsyncEngineClient:
 
     # ----- generation -----
 
-    def _parse_completion(self, item: Any, return_logprob: bool) -> Completion:
+    def _parse_completion(self, item: Any, return_logprob: bool,
+                          return_routed_experts: bool = False) -> Completion:
         where = f"POST {self.url}/generate"
         try:
             output_ids = [int(t) for t in item["output_ids"]]
@@ -211,26 +218,32 @@ class AsyncEngineClient:
                     raise EngineError(f"{where}: malformed response: output_token_logprobs "
                                       f"token ids do not match output_ids")
                 logprobs = [float(e[0]) for e in entries]
+            routed = None
+            if return_routed_experts:
+                routed = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
             return Completion(output_ids=output_ids, output_logprobs=logprobs,
                               finish_reason=finish.get("type", "unknown"),
                               matched_stop=finish.get("matched"),
                               weight_version=str(meta.get("weight_version")),
                               prompt_tokens=int(meta.get("prompt_tokens", 0)),
-                              text=item.get("text", ""), meta_info=meta)
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+                              text=item.get("text", ""), meta_info=meta,
+                              routed_experts=routed)
+        except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as e:
             raise EngineError(f"{where}: malformed response ({type(e).__name__}: {e}): "
                               f"{str(item)[:300]}") from None
 
     async def _generate_request(self, input_ids, sampling_params: dict, return_logprob: bool,
-                                timeout: float | None) -> list:
-        out = await self.request("POST", "/generate", {
-            "input_ids": input_ids, "sampling_params": sampling_params,
-            "return_logprob": return_logprob}, timeout=timeout)
+                                timeout: float | None, return_routed_experts: bool) -> list:
+        body = {"input_ids": input_ids, "sampling_params": sampling_params,
+                "return_logprob": return_logprob}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        out = await self.request("POST", "/generate", body, timeout=timeout)
         return out if isinstance(out, list) else [out]
 
     async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
                        sampling_params: dict | None = None, *, return_logprob: bool = True,
-                       timeout: float | None = None):
+                       timeout: float | None = None, return_routed_experts: bool = False):
         """Sample completions for one prompt or a batch of prompts, given as token ids.
 
         ``sampling_params`` is SGLang's dict (``temperature``, ``top_p``, ``top_k``,
@@ -239,6 +252,7 @@ class AsyncEngineClient:
         mirrors the input: one prompt -> a :class:`Completion` (or a list of ``n``); a batch ->
         a list with that per prompt. A batch with ``n == 1`` is one engine request; with
         ``n > 1`` each prompt is its own concurrent request (SGLang's advice for n > 1).
+        ``return_routed_experts``: each completion's ``routed_experts`` (see :class:`Completion`).
         """
         single = _check_input_ids(input_ids)
         params = dict(sampling_params or {})
@@ -249,16 +263,18 @@ class AsyncEngineClient:
 
         if n == 1:
             items = await self._generate_request(prompts[0] if single else prompts, params,
-                                                 return_logprob, timeout)
+                                                 return_logprob, timeout, return_routed_experts)
             per_prompt = [[item] for item in items]
         else:
             per_prompt = await asyncio.gather(*(
-                self._generate_request(p, params, return_logprob, timeout) for p in prompts))
+                self._generate_request(p, params, return_logprob, timeout,
+                                       return_routed_experts) for p in prompts))
         if len(per_prompt) != len(prompts) or any(len(x) != n for x in per_prompt):
             raise EngineError(f"POST {self.url}/generate: malformed response: expected "
                               f"{len(prompts)} prompt(s) x n={n} completions, got "
                               f"{[len(x) for x in per_prompt]}")
-        results = [[self._parse_completion(item, return_logprob) for item in group]
+        results = [[self._parse_completion(item, return_logprob, return_routed_experts)
+                    for item in group]
                    for group in per_prompt]
         shaped = [group[0] if n == 1 else group for group in results]
         return shaped[0] if single else shaped

@@ -23,6 +23,8 @@ PLUGINS = {
     "ragen_mega_seeded_sampling":
         "ragen_mega.backends.sglang.seeded_sampling:seeded_sampling_plugin",
     "ragen_mega_warm_receive": "ragen_mega.backends.sglang.warm_receive:warm_receive_plugin",
+    "ragen_mega_unpinned_host_buffers":
+        "ragen_mega.backends.sglang.host_buffers:unpinned_host_buffers_plugin",
 }
 
 
