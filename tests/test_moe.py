@@ -1,20 +1,25 @@
-"""Mixtures of experts (issue 24): Qwen3-MoE and Qwen2-MoE read, mapped and run by the real
-megatron-core against transformers, on tiny random checkpoints that transformers writes
-(``models/prepare.make_tiny_model``: 4 experts, 2 per token; qwen2_moe with a gated shared
-expert and q/k/v biases, qwen3_moe with q/k norms and renormalised top-k probabilities).
+"""Mixtures of experts (issue 24): Qwen3-MoE and Qwen2-MoE read, mapped, trained, converted,
+synced and served by the real megatron-core and SGLang against transformers, on tiny random
+checkpoints that transformers writes (``models/prepare.make_tiny_model``: 4 experts, 2 per token;
+qwen2_moe with a gated shared expert and q/k/v biases, qwen3_moe with q/k norms and renormalised
+top-k probabilities).
 
-- The config: both expert-count keys, the router's normalisation, dense layers refused by name.
+- The config: both expert-count keys, the router's normalisation, dense layers refused by name;
+  EP layouts the run or the model cannot take are config errors naming both numbers.
 - The mapping: HF -> Megatron TP shards -> HF is bit-exact, and a checkpoint whose expert
   tensors contradict the config is refused naming the key.
 - Megatron (local spec, ``SequentialMLP`` experts, alltoall dispatcher, on gloo with
-  ``cpu_compat`` patch 8): log-probs and entropies against transformers' forward,
-  gradients against transformers' backward, the export against the checkpoint's files. The
-  negative control builds the other router normalisation (``moe_router_pre_softmax``) and must
-  miss the reference by far more than the tolerance. A torch_dist checkpoint loads into a fresh
-  model exactly, and into the other normalisation's not at all (the signature names it).
+  ``cpu_compat`` patches 8 and 9): log-probs, entropies and gradients against transformers at
+  EP 1 and EP 2; the export against the checkpoint's files. The negative control builds the
+  other router normalisation (``moe_router_pre_softmax``) and must miss the reference by far
+  more than the tolerance. An Adam step at EP 2 and at EP 1 against transformers + AdamW; a
+  torch_dist checkpoint saved at EP 2 resumes at EP 1.
+- Conversion through the CLI at PP x EP, bit-exact; the weight sync from an EP 2 trainer into
+  SGLang engines of TP 2 and TP 1 (broadcast and tensor paths); routing replay against
+  transformers forced through the same experts; one whole run with a resume.
 
-Not here yet (issue 24): expert parallelism, experts under TP (megatron-core trains them only with
-sequence parallelism: refused by name), serving and weight sync into SGLang, routing replay.
+Not here (issue 24): experts under TP (megatron-core trains them only with sequence
+parallelism: refused by name), SGLang's own expert parallelism on CPU.
 """
 from __future__ import annotations
 
