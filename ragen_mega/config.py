@@ -406,6 +406,14 @@ class ModelTrainingConfig:
     local_attention: LocalAttention = "sdpa"  # without TransformerEngine: "sdpa" = one fused
                                         # scaled_dot_product_attention call (flash on GPUs);
                                         # "unfused" = Megatron's DotProductAttention
+    #: mixtures of experts: the weight of megatron-core's load-balancing loss (summed over the
+    #: MoE layers, averaged over micro-batches, added to the model's loss); 0 = none, the router
+    #: learns from the RL loss alone (transformers' Qwen3-MoE trains with 0.001 / top-k in
+    #: Megatron's scale: Megatron divides by top-k where transformers does not)
+    moe_aux_loss_coeff: float = 0.0
+    #: which load-balancing loss: "aux_loss" (over each micro-batch's tokens, Switch
+    #: Transformer's), "seq_aux_loss" (per sequence), "global_aux_loss" (over the global batch)
+    moe_load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = "aux_loss"
 
     def validate(self):
         for field in ("tp", "pp", "ep", "micro_batch_size", "ppo_epochs"):
@@ -421,6 +429,13 @@ class ModelTrainingConfig:
                               f"{self.max_tokens_per_micro_batch!r}")
         if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
             raise ConfigError(f"vpp: must be None or >= 1 together with pp > 1, got {self.vpp!r}")
+        if not self.moe_aux_loss_coeff >= 0:
+            raise ConfigError(f"moe_aux_loss_coeff: must be >= 0 (0: no load-balancing loss), "
+                              f"got {self.moe_aux_loss_coeff!r}")
+        balancing = ("aux_loss", "seq_aux_loss", "global_aux_loss")
+        if self.moe_load_balancing not in balancing:
+            raise ConfigError(f"moe_load_balancing: must be one of {balancing}, got "
+                              f"{self.moe_load_balancing!r}")
         if self.ep > 1 and self.max_tokens_per_micro_batch is not None:
             raise ConfigError("max_tokens_per_micro_batch: with ep > 1 every expert-parallel "
                               "rank must run as many micro-batches as the others (their tokens "

@@ -495,3 +495,69 @@ def test_routing_replay_routes_through_the_given_experts(moe_dirs):
         scale = grad.abs().max().clamp_min(1e-6)
         assert (out["grads"][name] - grad).abs().max() / scale < 1e-4, name
     assert forced_grads["model.layers.1.mlp.gate.weight"].abs().max() > 0   # router trained
+
+
+# --------------------------------------------------------------------- load balancing
+AUX = 0.5   # large enough to move the router's gradient far beyond the tolerance
+
+
+def hf_grads_with_load_balancing(hf_dir, ids, coeff):
+    """transformers' gradients of training_grads' loss plus megatron-core's load-balancing loss
+    worked by hand from the router logits: per MoE layer and micro-batch of T tokens,
+    coeff * E / (k * T^2) * sum_e (sum_t softmax(logits)_te) * (tokens routed to e), summed
+    over layers; each micro-batch's total divided by the schedule's 2 micro-batches."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    spec = model_spec(hf_dir)
+    e, k = spec.num_experts, spec.moe_top_k
+    for rows in ((0, 1), (2,)):                    # split_microbatches(.., 2) of three rows
+        out = model(input_ids=ids[list(rows)], output_router_logits=True)
+        logp = torch.log_softmax(out.logits[:, :-1].float(), -1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        target = ids[list(rows), 1:, None]
+        loss = -(logp.gather(-1, target).sum() + 0.1 * entropy.sum())
+        for logits in out.router_logits:
+            probs = torch.softmax(logits.float(), dim=-1)
+            tokens = torch.zeros(e).index_add_(0, probs.topk(k, dim=-1).indices.reshape(-1),
+                                               torch.ones(probs.shape[0] * k))
+            t = probs.shape[0]
+            loss = loss + coeff * e / (k * t * t) * (probs.sum(0) * tokens).sum()
+        (loss / 2).backward()
+    return per_expert({n: p.grad for n, p in model.named_parameters()}, spec)
+
+
+def load_balancing_worker(rank, world, hf_dir, ids, mask, settings):
+    """Gradients with the load-balancing loss the trainer configures, and the trainer's own
+    Megatron config for it."""
+    from megatron.core.utils import get_model_config
+
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
+    from ragen_mega.backends.megatron.train import MegatronTrainer
+    from ragen_mega.config import ActorConfig
+
+    trainer = MegatronTrainer(ActorConfig(moe_aux_loss_coeff=AUX, **settings), hf_dir)
+    config = get_model_config(trainer.model[0])
+    chunks = build_model(hf_dir, config_overrides=trainer._load_balancing())
+    load_hf_checkpoint(chunks, hf_dir)
+    return ((config.moe_router_load_balancing_type, config.moe_aux_loss_coeff),
+            training_grads(chunks, ids, mask, rank)[0])
+
+
+def test_load_balancing_loss_is_megatron_cores_switch_loss(moe_dirs, actor_step):
+    """``actor.moe_aux_loss_coeff``: the trainer's model gets megatron-core's aux loss, whose
+    gradients (on rows without padding) are those of the hand-worked Switch loss added to the
+    model's loss, and move the router's far from its gradient without it."""
+    hf_dir = moe_dirs["qwen3_moe"]
+    ids, mask = make_batch(49152, lengths=[9, 9, 9])
+    [(setting, got)] = run_workers(load_balancing_worker, 1, hf_dir, ids, mask,
+                                   actor_step.settings, timeout=600)
+    assert setting == ("aux_loss", AUX)
+    want = hf_grads_with_load_balancing(hf_dir, ids, AUX)
+    without = per_expert(hf_grads(hf_dir, ids, mask)[0], model_spec(hf_dir))
+    assert got.keys() == want.keys()
+    for name, grad in want.items():
+        scale = grad.abs().max().clamp_min(1e-6)
+        assert (got[name] - grad).abs().max() / scale < 1e-4, name
+    router = "model.layers.1.mlp.gate.weight"
+    assert (want[router] - without[router]).abs().max() > 1e-2 * want[router].abs().max()

@@ -55,6 +55,7 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
                                                 load_hf_checkpoint, unwrap)
 from ragen_mega.backends.megatron.routing import take_mismatch_counts
+from ragen_mega.models.hf_config import model_spec
 from ragen_mega.backends.megatron.parallel import local_device
 
 def _dp_group():
@@ -187,9 +188,19 @@ class MegatronTrainer:
     # ------------------------------------------------------------------ construction
     def _load(self, role: str) -> list:
         chunks = build_model(self.hf_dir, role=role, dtype=self.dtype,
-                             local_attention=self.config.local_attention)
+                             local_attention=self.config.local_attention,
+                             config_overrides=self._load_balancing())
         load_hf_checkpoint(chunks, self.hf_dir)
         return chunks
+
+    def _load_balancing(self) -> dict:
+        """megatron-core's load-balancing loss of a mixture of experts, as configured
+        (``moe_aux_loss_coeff``, ``moe_load_balancing``); nothing for a dense model."""
+        coeff = getattr(self.config, "moe_aux_loss_coeff", 0.0)
+        if not coeff or not model_spec(self.hf_dir).is_moe:
+            return {}
+        return {"moe_router_load_balancing_type": self.config.moe_load_balancing,
+                "moe_aux_loss_coeff": coeff}
 
     def _wrap_ddp(self, chunks: list) -> list:
         from megatron.core.distributed import (DistributedDataParallel,
