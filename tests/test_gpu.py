@@ -1,7 +1,8 @@
 """The CUDA paths the CPU suite cannot reach: the Megatron trainer on a GPU (NCCL process group,
 fp32 and bf16 with Megatron's mixed-precision optimizer; the local spec's SDPA core attention
-against the unfused one, and on its flash kernel) and the colocated weight-sync payload shared
-through CUDA IPC.
+against the unfused one, and on its flash kernel; a mixture of experts' step at EP 1, and at
+EP 2 over NCCL where two GPUs are lent) and the colocated weight-sync payload shared through
+CUDA IPC.
 
 Every test here is skipped on machines without a CUDA GPU (CI has none); on a GPU box run
 ``pytest tests/test_gpu.py``. The references are the same as the CPU suite's: transformers +
@@ -158,3 +159,50 @@ def test_colocated_payload_shares_cuda_tensors(result):
             assert abs_total == pytest.approx(expected[name][2], rel=1e-12), (key, name)
         # handles, not the bytes: the payload is far smaller than the bucket it describes
         assert result[key]["payload_bytes"] < result["bucket_bytes"] / 100, key
+
+
+def _moe_gpu_worker(rank, world_size, hf_dir, batch, actor_settings, ep):
+    """A qwen2_moe actor step on CUDA/NCCL (SequentialMLP experts, alltoall dispatcher) in
+    fp32 and bf16, at expert parallel size ``ep``."""
+    from ragen_mega.backends.megatron.train import MegatronTrainer
+    from ragen_mega.config import ActorConfig
+
+    out = {}
+    for name, bf16 in (("fp32", False), ("bf16", True)):
+        trainer = MegatronTrainer(ActorConfig(**actor_settings, bf16=bf16, ep=ep), hf_dir,
+                                  total_steps=10)
+        logprobs = trainer.compute_logprobs(batch).cpu()
+        metrics = trainer.train({**batch, "old_logprobs": logprobs + batch["noise"]})
+        out[name] = {"logprobs": logprobs, "metrics": metrics,
+                     "weights": {n: t.float().cpu() for n, t in trainer.export_hf_state()}}
+        del trainer
+    return out if rank == 0 else None
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_step_on_gpu_matches_transformers_and_adamw(tiny_model, actor_batch, actor_step, ep):
+    """Mixtures of experts on CUDA: the actor step of a tiny qwen2_moe (shared expert, q/k/v
+    biases) at EP 1 on one GPU and EP 2 over NCCL on two, fp32 against transformers + AdamW,
+    bf16 within bf16 rounding of it."""
+    if torch.cuda.device_count() < ep:
+        pytest.skip(f"needs {ep} CUDA GPUs for expert parallel size {ep}, this machine has "
+                    f"{torch.cuda.device_count()}")
+    from test_moe import per_expert
+    from ragen_mega.models.hf_config import model_spec
+
+    hf_dir = tiny_model("qwen2_moe")
+    got = run_workers(_moe_gpu_worker, ep, hf_dir, actor_batch, actor_step.settings, ep,
+                      ep=ep, timeout=600)[0]
+    ref = actor_step.reference(hf_dir, actor_batch, "token-mean")
+    weights = per_expert(ref["weights"], model_spec(hf_dir))
+    valid = _valid(ref)
+    expected = torch.cat([torch.zeros(4, 1), ref["ref_lp"]], dim=1)
+    torch.testing.assert_close(got["fp32"]["logprobs"][valid], expected[valid], atol=1e-4, rtol=0)
+    assert got["fp32"]["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    for name, tensor in got["fp32"]["weights"].items():
+        torch.testing.assert_close(tensor, weights[name], atol=1e-4, rtol=0,
+                                   msg=lambda msg: f"{name}: {msg}")
+    diff = (got["bf16"]["logprobs"][valid] - expected[valid]).abs()
+    print(f"MoE EP {ep} bf16 vs fp32 log-probs: max {diff.max():.4f}, mean {diff.mean():.5f}")
+    assert diff.mean() < 0.02 and diff.max() < 0.15
+    assert got["bf16"]["metrics"]["grad_norm"] == pytest.approx(ref["grad_norm"], rel=0.05)
