@@ -241,6 +241,8 @@ def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
     metrics = run_schedule(chunks, split_microbatches(ids, mask, 2), step, forward_only=False)
     params = [p for chunk in chunks for p in chunk.parameters()]
     for p in params:   # export the gradients through the same gather + mapping as the weights
+        if getattr(p, "sequence_parallel", False):   # each TP rank saw its slice of the tokens
+            dist.all_reduce(p.grad, group=mpu.get_tensor_model_parallel_group())
         if reduce_over_dp:
             p.grad /= mpu.get_data_parallel_world_size()
             dist.all_reduce(p.grad, group=mpu.get_data_parallel_group()

@@ -188,12 +188,103 @@ def test_expert_parallel_layouts_the_run_cannot_take_are_config_errors(moe_dirs,
             preflight(cfg)
 
 
-def test_experts_under_tensor_parallelism_are_refused_by_name(moe_dirs):
-    from ragen_mega.backends.megatron.transformer_config import megatron_config
+def tp_ep_worker(rank, world, dirs, ids, mask, value_head, batch, settings, own, other):
+    """TP 2 x EP 2 on four processes (DP 2; sequence parallelism, which megatron-core needs for
+    experts under TP): per arch, log-probs, both exports and the gradients of rows split over
+    the DP ranks; a critic's values through a given value head; qwen3_moe's routing given
+    transformers' own experts and replayed through others; an actor step."""
+    from megatron.core import parallel_state as mpu
 
-    with pytest.raises(ValueError, match="tensor parallel size 2 with a mixture of experts "
-                                         r"\(model_type=qwen3_moe\) needs sequence parallelism"):
-        megatron_config(model_spec(moe_dirs["qwen3_moe"]), tp=2)
+    from ragen_mega.backends.megatron.forward import forward_logprobs, forward_values
+    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import unwrap
+    from ragen_mega.backends.megatron.routing import take_mismatch_counts
+    from ragen_mega.backends.megatron.train import MegatronTrainer
+    from ragen_mega.config import ActorConfig
+
+    mine = slice(0, 2) if mpu.get_data_parallel_rank() == 0 else slice(2, 3)
+    out = {}
+    for arch, hf_dir in dirs.items():
+        chunks = build_model(hf_dir)
+        load_hf_checkpoint(chunks, hf_dir)
+        out[arch, "sp"] = unwrap(chunks[0]).config.sequence_parallel
+        out[arch, "lp"] = forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0]
+        out[arch, "export"] = _export_diff(dict(export_hf_state(chunks)), hf_dir)
+        direct = dict(export_hf_state(chunks, dst=0))
+        out[arch, "direct"] = _export_diff(direct, hf_dir) if rank == 0 else direct
+        out[arch, "grads"] = training_grads(chunks, ids[mine], mask[mine], rank,
+                                            reduce_over_dp=True)[0]
+        critic = build_model(hf_dir, role="critic")
+        load_hf_checkpoint(critic, hf_dir)
+        unwrap(critic[0]).output_layer.weight.data.copy_(value_head)
+        out[arch, "values"] = forward_values(critic, ids, mask, micro_batch_size=2)
+    chunks = build_model(dirs["qwen3_moe"])
+    load_hf_checkpoint(chunks, dirs["qwen3_moe"])
+    for name, routed, replay in (("own", own, False), ("other_replayed", other, True)):
+        lp = forward_logprobs(chunks, ids, mask, routed_experts=routed, routing_replay=replay)[0]
+        counts = take_mismatch_counts(chunks)
+        torch.distributed.all_reduce(counts)
+        out[name] = lp, counts.tolist()
+    trainer = MegatronTrainer(ActorConfig(tp=2, ep=2, **settings), dirs["qwen2_moe"],
+                              total_steps=10)
+    old = trainer.compute_logprobs(batch) + batch["noise"]
+    out["step"] = (trainer.train({**batch, "old_logprobs": old}),
+                   {k: v.clone() for k, v in trainer.export_hf_state()})
+    return out
+
+
+def test_experts_under_tensor_and_expert_parallelism_match_transformers(
+        moe_dirs, actor_batch, actor_step):
+    """TP 2 x EP 2 (experts split over EP and each expert's linears over TP, the sequence
+    split over TP between layers): log-probs, the critic's values and the gradients equal
+    transformers', both exports give back the checkpoint, and a StarPO actor step equals the
+    transformers + AdamW step. Routing replay, where each TP rank routes its slice of the
+    positions: transformers' own experts agree on every (token, layer), and replayed other
+    experts give transformers' log-probs forced through them."""
+    from transformers import AutoModelForCausalLM
+
+    ids, mask = make_batch(49152)
+    valid = mask[:, 1:].bool()
+    value_head = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    _, own, _ = hf_routing(moe_dirs["qwen3_moe"], ids, mask)
+    other = torch.where(own >= 0, (own + 1) % 4, own)
+    forced_lp, _, _ = hf_routing(moe_dirs["qwen3_moe"], ids, mask, forced=other)
+    results = run_workers(tp_ep_worker, 4, moe_dirs, ids, mask, value_head, actor_batch,
+                          actor_step.settings, own, other, tp=2, ep=2, timeout=900)
+    pairs = float(mask.sum() * 2) * 2    # (tokens x layers), counted by each of the 2 DP ranks
+    for r in range(4):
+        assert results[r]["own"][1] == [0.0, pairs]
+        assert results[r]["other_replayed"][1] == [pairs, pairs]
+        assert (results[r]["other_replayed"][0] - forced_lp)[valid].abs().max() < 1e-5
+    for arch, hf_dir in moe_dirs.items():
+        spec = model_spec(hf_dir)
+        ref_lp, _, _ = hf_reference(hf_dir, ids, mask)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        with torch.no_grad():
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        ref_values = (hidden @ value_head.t()).squeeze(-1) * mask
+        for r in range(4):
+            assert results[r][arch, "sp"]
+            assert (results[r][arch, "lp"] - ref_lp)[valid].abs().max() < 1e-5, (arch, r)
+            assert (results[r][arch, "values"] - ref_values).abs().max() < 1e-4, (arch, r)
+            assert results[r][arch, "export"] == (set(), 0.0), arch
+        assert results[0][arch, "direct"] == (set(), 0.0)
+        assert all(results[r][arch, "direct"] == {} for r in (1, 2, 3))
+        want = per_expert(hf_grads(hf_dir, ids, mask)[0], spec)
+        got = results[0][arch, "grads"]
+        assert got.keys() == want.keys()
+        for name, grad in want.items():
+            scale = grad.abs().max().clamp_min(1e-6)
+            assert (got[name] - grad).abs().max() / scale < 1e-4, (arch, name)
+    hf_dir = moe_dirs["qwen2_moe"]
+    ref = actor_step.reference(hf_dir, actor_batch, "token-mean")
+    ref_weights = per_expert(ref["weights"], model_spec(hf_dir))
+    metrics, weights = results[0]["step"]
+    assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, ref_weights[name], atol=1e-5, rtol=0,
+                                   msg=lambda msg: f"{name}: {msg}")
 
 
 # --------------------------------------------------------------------- expert parallelism
@@ -300,10 +391,10 @@ def test_expert_parallel_matches_transformers_and_resumes_at_another_layout(
 
 def test_conversion_round_trips_exactly_across_pipeline_and_expert_layouts(moe_dirs, tmp_path,
                                                                            capsys):
-    """qwen2_moe (shared expert, biases) through the CLI: imported at PP 2 x EP 2 (four
-    processes, each writing its own experts of its own layers), exported at EP 2: the same
-    bytes as the original, and transformers loads the result. Layouts the model cannot take
-    are refused before any process starts, naming both numbers."""
+    """qwen2_moe (shared expert, biases) through the CLI: imported at TP 2 x EP 2 (four
+    processes, each writing its TP shard of its own experts), exported at PP 2 x EP 2: the
+    same bytes as the original, and transformers loads the result. Layouts the model cannot
+    take are refused before any process starts, naming both numbers."""
     from transformers import AutoModelForCausalLM
 
     from ragen_mega.backends.megatron.convert import main
@@ -311,9 +402,9 @@ def test_conversion_round_trips_exactly_across_pipeline_and_expert_layouts(moe_d
 
     hf_dir = Path(moe_dirs["qwen2_moe"])
     assert main(["hf-to-megatron", "--hf-dir", str(hf_dir), "--out-dir", str(tmp_path / "m"),
-                 "--pp", "2", "--ep", "2"]) == 0
+                 "--tp", "2", "--ep", "2"]) == 0
     assert main(["megatron-to-hf", "--megatron-dir", str(tmp_path / "m"), "--out-dir",
-                 str(tmp_path / "hf"), "--ep", "2"]) == 0
+                 str(tmp_path / "hf"), "--pp", "2", "--ep", "2"]) == 0
     original, back = (load_file(f"{d}/model.safetensors") for d in (hf_dir, tmp_path / "hf"))
     assert back.keys() == original.keys()
     assert all(torch.equal(back[k], original[k]) for k in original)

@@ -1,11 +1,11 @@
 """Run real megatron-core 0.16.1 on a machine without CUDA.
 
-``apply_cpu_patches()`` applies patches 1-5 and 7-9 once (and nothing when CUDA is available);
+``apply_cpu_patches()`` applies patches 1-5 and 7-10 once (and nothing when CUDA is available);
 patch 6 is the context manager ``cuda_tensor_type_names()``, entered only around Megatron's
 optimizer construction and step. ``quiet_cpu_warnings()`` silences megatron's "no TE/Apex"
 import chatter on CPU.
 
-Megatron calls CUDA in about forty places. Nine small patches make model building, the
+Megatron calls CUDA in about forty places. Ten small patches make model building, the
 pipeline schedules, Megatron DDP, the optimizers, dist checkpointing and MoE layers work on CPU
 with gloo:
 
@@ -36,6 +36,12 @@ with gloo:
    CUDA tensors; it converts nothing that is already on the CPU, and gloo's ``all_to_all``
    refuses split sizes given as tensors. The dispatcher's ``maybe_move_tensor_to_cpu`` does
    the same conversion for CPU tensors.
+10. experts under TP (sequence parallelism): the alltoall dispatcher all-gathers each TP
+   rank's routed tokens, and reduce-scatters their gradients, in UNEVEN pieces
+   (``tensor_parallel.mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``
+   with split sizes, i.e. ``all_gather`` / ``reduce_scatter`` of tensor lists). NCCL takes
+   uneven lists, gloo refuses them ("invalid tensor size"); on gloo the pieces are padded to
+   the largest, exchanged evenly, and cut back. Equal splits take Megatron's own path.
 
 Nothing here changes numerics: every patched call either picks a device or handles RNG state.
 docs/cpu_stack.md maps each patch to the Megatron call sites it covers and lists what to
@@ -135,6 +141,45 @@ def _host_split_sizes(tensor, as_numpy: bool = False, record_stream: bool = Fals
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _uneven_on_gloo(original, padded, sizes_arg: str):
+    """Patch 10: ``original`` (a Megatron first-dim collective), except that uneven split
+    sizes on a gloo group go through ``padded``."""
+    @functools.wraps(original)
+    def collective(input_, group, *args, **kwargs):
+        names = ("output_split_sizes" if sizes_arg == "output_split_sizes"
+                 else "input_split_sizes", "use_global_buffer")
+        bound = dict(zip(names, args)) | kwargs
+        sizes = bound.get(sizes_arg)
+        if sizes is None or group.size() == 1 or len(set(sizes)) == 1 \
+                or torch.distributed.get_backend(group) != "gloo":
+            return original(input_, group, *args, **kwargs)
+        return padded(input_, group, [int(n) for n in sizes])
+    return collective
+
+
+def _padded_gather(input_, group, sizes: list[int]):
+    """All-gather along dim 0 of pieces of ``sizes`` rows, each padded to the largest."""
+    dist = torch.distributed
+    most = max(sizes)
+    piece = input_.new_zeros((most, *input_.shape[1:]))
+    piece[:input_.shape[0]] = input_
+    gathered = input_.new_empty((most * len(sizes), *input_.shape[1:]))
+    dist.all_gather_into_tensor(gathered, piece.contiguous(), group=group)
+    return torch.cat([gathered[r * most:r * most + n] for r, n in enumerate(sizes)])
+
+
+def _padded_reduce_scatter(input_, group, sizes: list[int]):
+    """Reduce-scatter along dim 0 into pieces of ``sizes`` rows, each padded to the largest."""
+    dist = torch.distributed
+    most = max(sizes)
+    padded = input_.new_zeros((most * len(sizes), *input_.shape[1:]))
+    for r, chunk in enumerate(input_.split(sizes)):
+        padded[r * most:r * most + len(chunk)] = chunk
+    out = input_.new_empty((most, *input_.shape[1:]))
+    dist.reduce_scatter_tensor(out, padded, group=group)
+    return out[:sizes[dist.get_rank(group)]]
+
+
 def _cpu_get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
     state = torch.get_rng_state()
     return state.clone() if clone else state
@@ -191,6 +236,12 @@ def apply_cpu_patches() -> bool:
         moe_utils.te_general_gemm = None
     # 9
     token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
+    # 10
+    from megatron.core.tensor_parallel import mappings
+    mappings._gather_along_first_dim = _uneven_on_gloo(mappings._gather_along_first_dim,
+                                                       _padded_gather, "output_split_sizes")
+    mappings._reduce_scatter_along_first_dim = _uneven_on_gloo(
+        mappings._reduce_scatter_along_first_dim, _padded_reduce_scatter, "input_split_sizes")
     _APPLIED = True
     return True
 

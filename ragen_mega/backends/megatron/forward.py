@@ -184,12 +184,19 @@ def make_forward_step(*, temperature: float = 1.0, compute_entropy: bool = True,
         device = local_device()
         batch = {k: (v.to(device) if torch.is_tensor(v) else v)
                  for k, v in next(data_iterator).items()}
-        if unwrap(model).ragen_spec.is_moe:
-            set_engine_routing(model, batch.get("routed_experts"), routing_replay)
-        input_ids = batch["input_ids"]
+        inner = unwrap(model)
+        width = batch["input_ids"].shape[1]
+        input_ids = _pad_width(batch["input_ids"], _sequence_multiple(inner), 0)
+        if inner.ragen_spec.is_moe:
+            routed = batch.get("routed_experts")
+            set_engine_routing(model, None if routed is None else
+                               _pad_width(routed, _sequence_multiple(inner), -1),
+                               routing_replay)
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
         output = model(input_ids, position_ids, None)
+        if inner.post_process:   # the padding for sequence parallelism off again
+            output = output[:, :width]
 
         def loss_func(output_tensor):
             outputs = _postprocess(model, output_tensor, batch, temperature, compute_entropy)
@@ -203,6 +210,23 @@ def make_forward_step(*, temperature: float = 1.0, compute_entropy: bool = True,
     return forward_step
 
 
+def _sequence_multiple(model) -> int:
+    """What a chunk's input length must be a multiple of: TP under sequence parallelism (each
+    TP rank holds its slice of the sequence between layers), else 1."""
+    from megatron.core import parallel_state as mpu
+
+    return mpu.get_tensor_model_parallel_world_size() if model.config.sequence_parallel else 1
+
+
+def _pad_width(t: torch.Tensor, multiple: int, value) -> torch.Tensor:
+    """``t`` [b, s, ...] padded along dim 1 with ``value`` to a multiple of ``multiple``: right
+    padding, which a causal model's earlier positions never see."""
+    extra = -t.shape[1] % multiple
+    if not extra:
+        return t
+    return torch.cat([t, t.new_full((t.shape[0], extra, *t.shape[2:]), value)], dim=1)
+
+
 def run_schedule(chunks, microbatches: list[dict], forward_step, *, forward_only: bool) -> list:
     """Run Megatron's schedule (no pipelining, 1F1B, or interleaved) over ``microbatches``.
 
@@ -211,7 +235,8 @@ def run_schedule(chunks, microbatches: list[dict], forward_step, *, forward_only
 
     if not microbatches:
         raise ValueError("run_schedule: no micro-batches")
-    seq = max(mb["input_ids"].shape[1] for mb in microbatches)
+    multiple = _sequence_multiple(unwrap(chunks[0]))
+    seq = max(-(-mb["input_ids"].shape[1] // multiple) * multiple for mb in microbatches)
     mbs = max(mb["input_ids"].shape[0] for mb in microbatches)
     iterators = ([iter(microbatches) for _ in chunks] if len(chunks) > 1
                  else iter(microbatches))

@@ -31,19 +31,28 @@ import torch.distributed as dist
 from torch import nn
 
 from ragen_mega.backends.megatron.parallel import parallel_info
-from ragen_mega.backends.megatron.transformer_config import layer_spec, megatron_config
+from ragen_mega.backends.megatron.transformer_config import (block_spec, layer_spec,
+                                                             megatron_config, te_available)
 from ragen_mega.models import mapping
 from ragen_mega.models.hf_config import ConfigMismatchError, ModelSpec, model_spec
 
 
 class ValueHead(nn.Module):
-    """Scalar value per token; replicated on every TP rank (the input is already replicated)."""
+    """Scalar value per token; replicated on every TP rank (its input is replicated, or, under
+    sequence parallelism, gathered from the TP ranks' slices of the sequence first)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel.mappings import (
+                gather_from_sequence_parallel_region)
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states,
+                                                                 tensor_parallel_output_grad=False)
         return torch.matmul(hidden_states, self.weight.t()), None
 
 
@@ -69,20 +78,24 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
     ep, ep_rank = _expert_parallel()
     config = megatron_config(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, dtype=dtype,
                              **(config_overrides or {}))
-    layers = layer_spec(spec, use_te=use_te, local_attention=local_attention)
+    use_te = te_available() if use_te is None else use_te
+    layers = layer_spec(spec, use_te=use_te, local_attention=local_attention,
+                        sequence_parallel=config.sequence_parallel and not use_te)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         pre = mapping.chunk_has_embedding(pp_rank, pp, vpp, stage)
         post = mapping.chunk_has_head(pp_rank, pp, vpp, stage)
+        block = block_spec(layers, len(mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)),
+                           config.sequence_parallel and not use_te)
         model = GPTModel(
-            config=config, transformer_layer_spec=layers, vocab_size=spec.padded_vocab(tp),
+            config=config, transformer_layer_spec=block, vocab_size=spec.padded_vocab(tp),
             max_sequence_length=spec.max_position_embeddings, pre_process=pre, post_process=post,
             parallel_output=True,
             share_embeddings_and_output_weights=spec.tie_word_embeddings and role == "actor",
             position_embedding_type="rope", rotary_base=spec.rope_theta, vp_stage=stage)
         if role == "critic" and post:
-            model.output_layer = ValueHead(spec.hidden_size, dtype)
+            model.output_layer = ValueHead(spec.hidden_size, dtype, config.sequence_parallel)
         model.ragen_spec, model.ragen_role, model.ragen_vp_stage = spec, role, stage
         model.ragen_layers = mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)
         model.ragen_experts = (mapping.local_experts(spec, ep_rank, ep) if spec.is_moe
@@ -304,8 +317,9 @@ class DirectExport:
     Constructing it is the handshake, a collective over all ranks (one small ``gather_object``):
     ``dst`` learns who holds what it lacks: the dense weights from its model-parallel group
     (each rank's (pp, tp) rank and, from TP rank 0 of each stage, its shard shapes and dtypes),
-    an MoE model's experts from its expert-model-pipeline group (each (pp, ep) rank's own
-    experts, which no TP rank splits). Ranks in neither group yield nothing. On ``dst``, :attr:`layout` then lists ``(hf_name, shape, dtype)`` of
+    an MoE model's experts from its expert-tensor-model-pipeline group (each (pp, ep, tp)
+    rank's shards of its own experts). Ranks in neither group yield nothing. On ``dst``,
+    :attr:`layout` then lists ``(hf_name, shape, dtype)`` of
     everything the iteration will yield, in order, before any shard has moved: a consumer can
     announce a bucket before its tensors exist (the weight sender streams them as they land).
 
@@ -340,15 +354,15 @@ class DirectExport:
         self.mine = _owned_params(chunks) if self.member else {}
         self.names = mapping.megatron_names(self.spec, self.role)
         meta = {n: (tuple(p.shape), p.dtype) for n, p in self.mine.items()
-                if (self._expert(n) and self.sends_experts)
-                or (not self._expert(n) and self.sends_dense and self.where.tp_rank == 0)}
+                if self.where.tp_rank == 0
+                and (self.sends_experts if self._expert(n) else self.sends_dense)}
         gathered = [None] * self.where.world_size if self.where.rank == dst else None
         dist.gather_object((self.where.rank, self.where.pp_rank, self.where.tp_rank,
                             self.where.ep_rank, meta), gathered, dst=dst)
         if self.where.rank != dst:
             return
         self.rank_of = {(p, t): g for g, p, t, _, _ in gathered if g in dense}
-        self.expert_rank_of = {(p, e): g for g, p, _, e, _ in gathered if g in experts}
+        self.expert_rank_of = {(p, e, t): g for g, p, t, e, _ in gathered if g in experts}
         self.shapes = {n: sm for g, *_, m in gathered if g in dense | experts
                        for n, sm in m.items()}
         # the conversion itself, run on meta tensors: exactly the names/shapes/dtypes it yields
@@ -360,8 +374,15 @@ class DirectExport:
         return mapping.expert_owner(name, self.spec, self.where.ep) is not None
 
     def _split(self, name: str) -> bool:
-        return (self.where.tp > 1 and not self._expert(name)
-                and mapping.is_tp_split(name, self.spec, self.role))
+        return self.where.tp > 1 and mapping.is_tp_split(name, self.spec, self.role)
+
+    def _holder(self, name: str, owner_pp: int, tp_rank: int) -> int:
+        """The global rank that holds TP shard ``tp_rank`` of a parameter of stage
+        ``owner_pp`` (an expert's: on its expert-parallel rank)."""
+        if self._expert(name):
+            owner_ep = mapping.expert_owner(name, self.spec, self.where.ep)
+            return self.expert_rank_of[owner_pp, owner_ep, tp_rank]
+        return self.rank_of[owner_pp, tp_rank]
 
     def _full(self, name: str, device) -> torch.Tensor:
         """An empty full (TP-merged) tensor for ``name``, as ``dst`` assembles it."""
@@ -382,15 +403,13 @@ class DirectExport:
         for name in self.names:
             if name not in self.mine:
                 continue
-            if self._expert(name):
-                pieces = [self.mine[name]] if self.sends_experts else []
-            elif not self.sends_dense:
+            if not (self.sends_experts if self._expert(name) else self.sends_dense):
                 continue
-            elif self._split(name):
+            if self._split(name):
                 pieces = mapping.shard_pieces(name, self.mine[name], self.spec, self.where.tp,
                                               self.role)
-            elif not dst_in_my_stage and self.where.tp_rank == 0:
-                pieces = [self.mine[name]]
+            elif self._expert(name) or (not dst_in_my_stage and self.where.tp_rank == 0):
+                pieces = [self.mine[name]]   # dst holds no copy of it
             else:
                 continue
             for piece in pieces:
@@ -411,16 +430,12 @@ class DirectExport:
             return self.mine[name], []
         owner_pp = mapping.owner(name, self.spec, self.where.pp, self.where.vpp)[0]
         full = self._full(name, device)
-        if self._expert(name):
-            owner_ep = mapping.expert_owner(name, self.spec, self.where.ep)
-            return full, [(dist.irecv(full, self.expert_rank_of[owner_pp, owner_ep]), full,
-                           full)]
         if not self._split(name):
-            return full, [(dist.irecv(full, self.rank_of[owner_pp, 0]), full, full)]
+            return full, [(dist.irecv(full, self._holder(name, owner_pp, 0)), full, full)]
         recvs = []
         for r in range(self.where.tp):
             views = mapping.tp_pieces(name, full, self.spec, r, self.where.tp, self.role)
-            if self.rank_of[owner_pp, r] == self.dst:
+            if self._holder(name, owner_pp, r) == self.dst:
                 own = mapping.shard_pieces(name, self.mine[name], self.spec, self.where.tp,
                                            self.role)
                 for view, piece in zip(views, own):
@@ -429,7 +444,7 @@ class DirectExport:
             for view in views:
                 buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=
                                                                           torch.contiguous_format)
-                recvs.append((dist.irecv(buf, self.rank_of[owner_pp, r]), buf, view))
+                recvs.append((dist.irecv(buf, self._holder(name, owner_pp, r)), buf, view))
         return full, recvs
 
     def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:

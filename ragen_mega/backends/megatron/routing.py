@@ -71,7 +71,14 @@ def _hooks(chunk) -> list[tuple[int, EngineRouting]]:
 
 def set_engine_routing(chunk, routed_experts: torch.Tensor | None, replay: bool) -> None:
     """The engine's experts of the micro-batch a chunk is about to read: ``routed_experts``
-    [b, s, layers, top-k] (None: route on its own, count nothing)."""
+    [b, s, layers, top-k] (None: route on its own, count nothing). Under sequence parallelism
+    a TP rank's routers see only its slice of the positions (``s`` a multiple of TP)."""
+    from megatron.core import parallel_state as mpu
+
+    if routed_experts is not None and unwrap(chunk).config.sequence_parallel:
+        tp, rank = (mpu.get_tensor_model_parallel_world_size(),
+                    mpu.get_tensor_model_parallel_rank())
+        routed_experts = routed_experts.chunk(tp, dim=1)[rank]
     for layer, hook in _hooks(chunk):
         if routed_experts is None:
             hook.target = None

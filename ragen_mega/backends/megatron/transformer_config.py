@@ -18,6 +18,8 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
     """The ``TransformerConfig`` that computes what transformers computes for ``spec``.
 
     Fusions are off and ``use_cpu_initialization`` on when there is no GPU (docs/cpu_stack.md);
+    a mixture of experts under TP runs with sequence parallelism (``forward.py`` pads each
+    micro-batch's length to a multiple of TP for it);
     ``moe_token_dispatcher_type="alltoall"`` + ``variable_seq_lengths`` let the pipeline schedule
     take micro-batches of different lengths. ``overrides`` go straight to TransformerConfig.
     """
@@ -25,12 +27,6 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
     from megatron.core.transformer import TransformerConfig
 
     spec.check_parallel(tp, pp, vpp, ep)
-    if spec.is_moe and tp > 1:
-        # megatron-core's MoELayer refuses to train under TP without sequence parallelism,
-        # which this trainer does not run yet (its value head and ragged micro-batches)
-        raise ValueError(f"tensor parallel size {tp} with a mixture of experts "
-                         f"(model_type={spec.arch}) needs sequence parallelism, which this "
-                         f"trainer does not run yet; use tp=1")
     cuda = torch.cuda.is_available()
     kwargs = dict(
         num_layers=spec.num_layers, hidden_size=spec.hidden_size,
@@ -42,7 +38,9 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
-        sequence_parallel=False,
+        # megatron-core trains an MoE layer under TP only with sequence parallelism (each TP
+        # rank routes its own slice of the sequence); dense models keep it off
+        sequence_parallel=spec.is_moe and tp > 1,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
         use_cpu_initialization=not cuda, variable_seq_lengths=True,
@@ -92,12 +90,15 @@ def te_available() -> bool:
     return torch.cuda.is_available()
 
 
-def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: LocalAttention = "sdpa"):
+def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: LocalAttention = "sdpa",
+               sequence_parallel: bool = False):
     """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise.
 
     ``local_attention`` picks the local spec's core attention: ``"sdpa"`` (one fused
     ``scaled_dot_product_attention`` call: flash kernels on a GPU) or ``"unfused"`` (Megatron's
     ``DotProductAttention``, materialised scores; kept as the reference and for comparison).
+    ``sequence_parallel``: the local spec's norms are ``SequenceParallelRMSNorm`` (torch's
+    refuses it; the block's final norm must be too: :func:`block_spec`).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
@@ -117,5 +118,27 @@ def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: 
         from ragen_mega.backends.megatron.sdpa_attention import SDPAttention
 
         layers.submodules.self_attention.submodules.core_attention = SDPAttention
+    if sequence_parallel:
+        from ragen_mega.backends.megatron.sequence_parallel_norm import SequenceParallelRMSNorm
+
+        layers.submodules.input_layernorm = SequenceParallelRMSNorm
+        layers.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+        attention = layers.submodules.self_attention.submodules
+        if spec.qk_layernorm:
+            attention.q_layernorm = attention.k_layernorm = SequenceParallelRMSNorm
     return layers
+
+
+def block_spec(layers, num_layers: int, sequence_parallel: bool):
+    """The transformer block of ``num_layers`` layers of spec ``layers``: what GPTModel makes of
+    a layer spec, except that with ``sequence_parallel`` (the local spec's, without
+    TransformerEngine) its final norm is ``SequenceParallelRMSNorm`` too."""
+    if not sequence_parallel:
+        return layers
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    from ragen_mega.backends.megatron.sequence_parallel_norm import SequenceParallelRMSNorm
+
+    return TransformerBlockSubmodules(layer_specs=[layers] * num_layers,
+                                      layer_norm=SequenceParallelRMSNorm)
 

@@ -1,0 +1,23 @@
+"""The RMSNorm of Megatron's local layer spec, for sequence parallelism.
+
+Without TransformerEngine or Apex, megatron-core's local spec builds torch's ``RMSNorm``
+(``WrappedTorchNorm``), which refuses ``sequence_parallel``: under it each TP rank normalises
+only its slice of the sequence, so a norm weight's gradient is a partial sum that must be summed
+over the TP ranks, and megatron-core's gradient finalisation does that only for parameters
+marked ``sequence_parallel``. This is the same torch ``RMSNorm``, marked. The trainer runs
+sequence parallelism for a mixture of experts under TP (megatron-core trains experts under TP
+only with it); the q/k norms get it too (their inputs hold other heads on each TP rank, which
+megatron-core sums by name anyway).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's ``RMSNorm`` built as megatron-core builds norms, its weight marked
+    ``sequence_parallel`` when the config runs it."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(normalized_shape=hidden_size, eps=eps)
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
