@@ -392,8 +392,8 @@ def test_expert_parallel_matches_transformers_and_resumes_at_another_layout(
 def test_conversion_round_trips_exactly_across_pipeline_and_expert_layouts(moe_dirs, tmp_path,
                                                                            capsys):
     """qwen2_moe (shared expert, biases) through the CLI: imported at TP 2 x EP 2 (four
-    processes, each writing its TP shard of its own experts), exported at PP 2 x EP 2: the
-    same bytes as the original, and transformers loads the result. Layouts the model cannot
+    processes, each writing its TP shard of its own experts), exported at PP 2: the same
+    bytes as the original, and transformers loads the result. Layouts the model cannot
     take are refused before any process starts, naming both numbers."""
     from transformers import AutoModelForCausalLM
 
@@ -404,7 +404,7 @@ def test_conversion_round_trips_exactly_across_pipeline_and_expert_layouts(moe_d
     assert main(["hf-to-megatron", "--hf-dir", str(hf_dir), "--out-dir", str(tmp_path / "m"),
                  "--tp", "2", "--ep", "2"]) == 0
     assert main(["megatron-to-hf", "--megatron-dir", str(tmp_path / "m"), "--out-dir",
-                 str(tmp_path / "hf"), "--pp", "2", "--ep", "2"]) == 0
+                 str(tmp_path / "hf"), "--pp", "2"]) == 0
     original, back = (load_file(f"{d}/model.safetensors") for d in (hf_dir, tmp_path / "hf"))
     assert back.keys() == original.keys()
     assert all(torch.equal(back[k], original[k]) for k in original)
@@ -416,30 +416,38 @@ def test_conversion_round_trips_exactly_across_pipeline_and_expert_layouts(moe_d
 
 def test_expert_parallel_trainer_syncs_into_sglang_engines(moe_dirs):
     """An EP 2 trainer, whose experts live half on each rank, syncs the way the training loop
-    does (every rank's shards go straight to rank 0, which streams them on) into a TP 2 and a
-    TP 1 SGLang engine serving qwen3_moe: in one broadcast group, then through the colocated
-    tensor path. Before any sync, after each, every engine's greedy tokens are the trainer's
-    own and its log-probs within 1e-4; after a train step and before its sync they are not."""
+    does (every rank's shards go straight to rank 0, which streams them on) into two SGLang
+    engines serving qwen3_moe: TP 2 (each expert split over two ranks) and TP 2 with EP 2
+    (each rank holds two whole experts: the ``ep_native_moe`` plugin), in one broadcast
+    group: streamed tensor by tensor, then in flattened buckets (a TP 1 engine and the
+    colocated tensor path are the whole-loop test's). Before any sync, after each, every
+    engine's greedy tokens are the trainer's own and its log-probs within 1e-4; after a train
+    step and before its sync they are not."""
     from ragen_mega.backends.sglang.server import launch_server
     from test_weight_sync_megatron import _check_engines_follow, _sync_worker
 
     hf_dir = moe_dirs["qwen3_moe"]
-    rounds = [("distributed", None, True, 1.0), ("tensor", None, False, -1.0)]
-    with launch_server(hf_dir, tp=2, dtype="float32", startup_timeout=600,
-                       cpu_threads=1) as tp2_engine, \
-            launch_server(hf_dir, dtype="float32", startup_timeout=600,
-                          cpu_threads=1) as tp1_engine:
-        report, _ = run_workers(_sync_worker, 2, hf_dir, [tp2_engine.url, tp1_engine.url],
-                                rounds, {"ep": 2}, ep=2, timeout=900)
+    rounds = [("distributed", None, True, 1.0), ("distributed", "flattened_bucket", False, -1.0)]
+    engine = dict(dtype="float32", startup_timeout=600, cpu_threads=1)
+    with launch_server(hf_dir, tp=2, **engine) as tp2, \
+            launch_server(hf_dir, tp=2, extra_args=["--ep-size", "2"], **engine) as ep2:
+        report, _ = run_workers(_sync_worker, 2, hf_dir, [tp2.url, ep2.url], rounds,
+                                {"ep": 2}, ep=2, timeout=900)
     _check_engines_follow(report, rounds)
+    assert len(report["v2"]["engines"]) == 2
 
 
 def test_whole_loop_trains_a_mixture_of_experts_at_ep2_and_resumes(moe_dirs, tiny_run_overrides,
                                                                     tmp_path, private_ray):
     """``train`` (the real driver: Ray, a Megatron actor on two ranks at EP 2, one SGLang
-    engine that returns each token's experts, the bandit) on the tiny qwen3_moe: one step,
-    then a second run that resumes from its checkpoint and trains step 2 with routing replay
-    on. After each sync the engine's log-probs of the sampled tokens equal the trainer's; the
+    engine that returns each token's experts, the bandit) on the tiny qwen3_moe: one step
+    with the engine on its own (weights broadcast), then a second run that resumes from the
+    first one's checkpoint and trains step 2 with routing replay on, colocated: the engine
+    shares the trainer's bundles, frees its memory for the train phase (a no-op on CPU, the
+    protocol still runs) and takes the new weights through the tensor path (shared memory
+    here, CUDA IPC on GPUs); its envs live in two Ray env workers, and its filter is RAGEN-2's
+    ``min_p`` over the groups' mean reward (the step trains on the best groups' turns only).
+    After each sync the engine's log-probs of the sampled tokens equal the trainer's; the
     engine's routing is the trainer's own (both fp32 here: ``actor/routing_mismatch`` 0); the
     resumed actor's Adam continued from step 1's state (its step-2 checkpoint counts two
     optimizer steps: a fresh optimizer would count one)."""
@@ -452,7 +460,10 @@ def test_whole_loop_trains_a_mixture_of_experts_at_ep2_and_resumes(moe_dirs, tin
                                   tiny_run_overrides(tmp_path, 1) + moe))
     resumed = train(load_run_config("examples/bandit_cpu_demo.yaml",
                                     tiny_run_overrides(tmp_path, 2) + moe
-                                    + ["actor.routing_replay=true"]))
+                                    + ["actor.routing_replay=true", "trainer.colocate=true",
+                                       "rollout.env_workers=2", "filter.strategy=min_p",
+                                       "filter.min_p=1.0", "filter.metric=reward",
+                                       "filter.mode=largest", "filter.loss_scaling=linear"]))
     assert [h["step"] for h in first + resumed] == [1, 2]
     for h in first + resumed:
         assert h["actor/update_successful"] == 1.0
@@ -463,6 +474,16 @@ def test_whole_loop_trains_a_mixture_of_experts_at_ep2_and_resumes(moe_dirs, tin
     actor = tmp_path / "checkpoints" / "actor"
     assert [torch.load(actor / f"step_{s}" / "ragen_state.pt", weights_only=False)
             ["optimizer_steps"] for s in (1, 2)] == [1, 2]
+    h = resumed[0]
+    assert h["filter/kept_groups"] >= 1 and h["filter/chosen_score"] >= h["filter/score"]
+    assert h["train/batch_samples"] == 2 * h["filter/kept_groups"]  # 2 one-turn episodes each
+    log = (tmp_path / "logs" / "engine_0.log").read_text()
+    first_run, second_run = log.split("SGLang server pid")[1:]   # one server per run
+    assert "/update_weights_from_distributed" in first_run
+    for endpoint in ("/release_memory_occupation", "/resume_memory_occupation",
+                     "/update_weights_from_tensor"):
+        assert endpoint in second_run, f"the colocated engine's log shows no {endpoint} call"
+    assert "/update_weights_from_distributed" not in second_run
 
 
 #: Qwen3-30B-A3B's config.json (the Hub's values; no weights needed to check a layout)

@@ -1,6 +1,7 @@
 """The whole loop on a tiny model: real Ray, real megatron-core (actor TP=2, critic TP=1), real
-SGLang: a run that fails half-built is torn down; a colocated step with Ray env workers. (Whole
-synchronous runs and their resume: tests/test_resume_equivalence.py.)"""
+SGLang: a run that fails half-built is torn down. (Whole synchronous runs and their resume:
+tests/test_resume_equivalence.py; a colocated step with Ray env workers: the mixture-of-experts
+run of tests/test_moe.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -43,27 +44,3 @@ def test_half_built_run_is_torn_down(tiny_model, tiny_run_overrides, tmp_path, p
         requests.get(f"{engines.urls[0]}/health", timeout=10)
     # removing the placement group also ends every actor placed in it
     assert [pg["state"] for pg in ray.util.placement_group_table().values()] == ["REMOVED"]
-
-
-def test_colocated_step_with_env_workers(tiny_run_overrides, tmp_path, private_ray):
-    """Colocated mode: the engine shares the trainer's bundles, frees its memory for the train
-    phase (a no-op on CPU, the protocol still runs) and takes the new weights through the
-    tensor path (shared memory here, CUDA IPC on GPUs) instead of a broadcast. The envs live in
-    two Ray env workers here (``rollout.env_workers``). The filter is RAGEN-2's ``min_p`` over
-    the groups' mean reward: the step trains on the best-scoring groups' turns only."""
-    overrides = tiny_run_overrides(tmp_path, total_steps=1) + [
-        "trainer.colocate=true", "trainer.save_every=0", "rollout.env_workers=2",
-        "filter.strategy=min_p", "filter.min_p=1.0", "filter.metric=reward",
-        "filter.mode=largest", "filter.loss_scaling=linear"]
-    history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
-    assert [h["step"] for h in history] == [1]
-    h = history[0]
-    assert h["filter/kept_groups"] >= 1 and h["filter/chosen_score"] >= h["filter/score"]
-    assert h["train/batch_samples"] == 2 * h["filter/kept_groups"]  # 2 one-turn episodes each
-    assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
-    assert h["weight_version"] == 1 and h["actor/update_successful"] == 1.0
-    log = (tmp_path / "logs" / "engine_0.log").read_text()
-    for endpoint in ("/release_memory_occupation", "/resume_memory_occupation",
-                     "/update_weights_from_tensor"):
-        assert endpoint in log, f"engine log shows no {endpoint} call"
-    assert "/update_weights_from_distributed" not in log

@@ -25,6 +25,7 @@ PLUGINS = {
     "ragen_mega_warm_receive": "ragen_mega.backends.sglang.warm_receive:warm_receive_plugin",
     "ragen_mega_unpinned_host_buffers":
         "ragen_mega.backends.sglang.host_buffers:unpinned_host_buffers_plugin",
+    "ragen_mega_ep_native_moe": "ragen_mega.backends.sglang.ep_native_moe:ep_native_moe_plugin",
 }
 
 

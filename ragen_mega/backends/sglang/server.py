@@ -25,7 +25,7 @@ whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU an
 CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also get the
 ``warm_receive.py`` plugin (weight-sync receives into reused memory, loaded as they land) and
 ``host_buffers.py`` (host buffers that need no CUDA, which ``--enable-return-routed-experts``
-allocates).
+allocates) and ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path).
 """
 from __future__ import annotations
 
@@ -269,7 +269,8 @@ def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
                 tp, sorted(os.sched_getaffinity(0)))
         if cpu_threads is not None:
             child_env["OMP_NUM_THREADS"] = str(cpu_threads)
-        plugins = ("ragen_mega_warm_receive", "ragen_mega_unpinned_host_buffers") + (
+        plugins = ("ragen_mega_warm_receive", "ragen_mega_unpinned_host_buffers",
+                   "ragen_mega_ep_native_moe") + (
             ("ragen_mega_seeded_sampling",) if seeded_sampling else ())
         allowed = allow_plugins(child_env.get("SGLANG_PLUGINS"), plugins)
         if allowed:

@@ -1,0 +1,47 @@
+"""An SGLang server plugin for CPU servers: expert parallelism in the pure-torch MoE path.
+
+With ``--ep-size`` > 1 each SGLang rank holds a block of the experts, and the router's top-k
+ids reach the MoE kernel as local expert indices, with -1 for experts that live on another rank
+(their contributions come from that rank: the layer sums the ranks' partial outputs
+afterwards). GPU kernels skip the -1 entries; SGLang 0.5.23's CPU path,
+``fused_moe_native.moe_forward_native``, scatters them as indices and fails ("index -1 is out
+of bounds"), and mapping them to a local expert would double-count a token that also chose
+it. The plugin computes a batch that names other ranks' experts itself: each local expert's
+tokens through its gated SiLU MLP, weighted and summed per token, other ranks' entries left
+out. Everything else (no expert elsewhere, or another activation) is the original function.
+"""
+from __future__ import annotations
+
+
+def ep_native_moe_plugin() -> None:
+    """SGLang general plugin: ``moe_forward_native`` that leaves other ranks' experts out."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    from sglang.srt.layers.moe import fused_moe_native
+
+    original = fused_moe_native.moe_forward_native
+
+    def moe_forward_native(layer, x, topk_output, moe_runner_config):
+        ids, weights = topk_output.topk_ids, topk_output.topk_weights
+        experts = layer.w13_weight.shape[0]
+        if bool(((ids >= 0) & (ids < experts)).all()):
+            return original(layer, x, topk_output, moe_runner_config)
+        if (moe_runner_config.activation != "silu" or moe_runner_config.gemm1_alpha is not None
+                or getattr(layer, "w13_weight_bias", None) is not None):
+            raise NotImplementedError(f"ragen_mega ep_native_moe: expert parallelism on CPU for "
+                                      f"a gated SiLU MLP without biases only, got activation "
+                                      f"{moe_runner_config.activation!r}")
+        out = torch.zeros(x.shape, dtype=weights.dtype, device=x.device)
+        for expert in range(experts):
+            token, slot = (ids == expert).nonzero(as_tuple=True)
+            if not len(token):
+                continue
+            gate, up = torch.nn.functional.linear(x[token], layer.w13_weight[expert]).chunk(2, -1)
+            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
+                                           layer.w2_weight[expert])
+            out.index_add_(0, token, y.to(weights.dtype) * weights[token, slot, None])
+        return out.to(x.dtype)
+
+    fused_moe_native.moe_forward_native = moe_forward_native
