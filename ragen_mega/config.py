@@ -181,6 +181,9 @@ class RolloutConfig:
     val_temperature: float = 0.0
     num_engines: int = 1
     engine_tp: int = 1
+    #: a mixture of experts: SGLang's --ep-size, the engine's ranks splitting the experts (a
+    #: divisor of engine_tp and of the expert count); 1: each expert split over the TP ranks
+    engine_ep: int = 1
     env_steps_in_thread: bool = False   # True for slow envs (Crafter)
     #: Ray actors that host the envs (episode i on worker i % env_workers), each in its own
     #: placement-group bundle, so long-horizon runs step 100+ envs on the cluster's CPUs instead
@@ -222,6 +225,10 @@ class RolloutConfig:
     gateway_port: int = 0
 
     def validate(self):
+        if self.engine_ep < 1 or self.engine_tp % self.engine_ep:
+            raise ConfigError(f"engine_ep: SGLang's expert parallelism splits an engine's TP "
+                              f"ranks, so it must divide engine_tp={self.engine_tp}, got "
+                              f"{self.engine_ep}")
         if self.agent is not None:
             where, _, name = self.agent.rpartition(":")
             if not where or not name:

@@ -11,7 +11,8 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
 - ``rollout.agent`` imports and is an async function;
 - ``actor.bf16`` / ``critic.bf16`` have a GPU to run on;
 - the model (``model.path``'s config.json) splits over the actor's and the critic's parallel
-  layout: TP divides the heads and MLP widths, PP the layers, EP the experts.
+  layout (TP divides the heads and MLP widths, PP the layers, EP the experts) and over the
+  engines' expert parallelism; routing replay has experts to replay.
 
 ``ragen-mega train``, ``eval`` and ``sft`` run it right after loading the config.
 """
@@ -73,6 +74,10 @@ def check_model_layout(cfg: RunConfig) -> None:
             spec.check_parallel(section.tp, section.pp, section.vpp, section.ep)
         except ValueError as e:
             raise ConfigError(f"{role}: {e}") from e
+    try:
+        spec.check_parallel(ep=cfg.rollout.engine_ep)
+    except ValueError as e:
+        raise ConfigError(f"rollout.engine_ep: {e}") from e
     if cfg.actor.routing_replay and not spec.is_moe:
         raise ConfigError(f"actor.routing_replay: replays the experts a mixture of experts "
                           f"routed each token to; model_type={spec.arch} has none")

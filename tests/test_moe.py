@@ -175,15 +175,23 @@ def test_expert_parallel_layouts_the_run_cannot_take_are_config_errors(moe_dirs,
             (["actor.ep=2"], "actor.ep: expert parallelism splits the data-parallel ranks, "
                              "so it must divide trainer.data_parallel=1, got 2"),
             (["trainer.data_parallel=2", "critic.ep=2", "critic.max_tokens_per_micro_batch=64"],
-             "critic.max_tokens_per_micro_batch: with ep > 1 every expert-parallel rank")):
+             "critic.max_tokens_per_micro_batch: with ep > 1 every expert-parallel rank"),
+            (["rollout.engine_ep=2"], "rollout.engine_ep: SGLang's expert parallelism splits "
+                                      "an engine's TP ranks, so it must divide engine_tp=1")):
         with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
             load_run_config(None, overrides)
-    for path, needle in ((moe_dirs["qwen3_moe"], "actor: expert parallel size 3 does not "
-                                                  "divide num_experts=4"),
-                         (tiny_model("qwen2"), "actor: expert parallel size 3 needs a mixture "
-                                               "of experts; model_type=qwen2 has none")):
-        cfg = load_run_config(None, [f"model.path={path}", "trainer.data_parallel=3",
-                                     "actor.ep=3"])
+    for path, overrides, needle in (
+            (moe_dirs["qwen3_moe"], ["trainer.data_parallel=3", "actor.ep=3"],
+             "actor: expert parallel size 3 does not divide num_experts=4"),
+            (tiny_model("qwen2"), ["trainer.data_parallel=3", "actor.ep=3"],
+             "actor: expert parallel size 3 needs a mixture of experts; model_type=qwen2 has "
+             "none"),
+            (moe_dirs["qwen3_moe"], ["rollout.engine_tp=3", "rollout.engine_ep=3"],
+             "rollout.engine_ep: expert parallel size 3 does not divide num_experts=4"),
+            (tiny_model("qwen2"), ["actor.routing_replay=true"],
+             "actor.routing_replay: replays the experts a mixture of experts routed each token "
+             "to; model_type=qwen2 has none")):
+        cfg = load_run_config(None, [f"model.path={path}", *overrides])
         with pytest.raises(ConfigError, match=needle):
             preflight(cfg)
 

@@ -73,6 +73,13 @@ class ResyncDeferred(RuntimeError):
     the rollout that met it ends, and is played again once the engine has the weights."""
 
 
+def _server_args(ep: int, routed_experts) -> list[str]:
+    """SGLang arguments of a mixture of experts' engines: expert parallelism, and each token's
+    experts returned (routing replay)."""
+    return ((["--ep-size", str(ep)] if ep > 1 else [])
+            + (["--enable-return-routed-experts"] if routed_experts else []))
+
+
 class EngineGroup:
     """``num_engines`` SGLang servers, engine ``e`` on the GPUs of ``bundles[e]`` (when the
     bundles hold GPUs); :meth:`generate` spreads requests over them.
@@ -80,9 +87,10 @@ class EngineGroup:
     :meth:`release_memory` frees their GPU memory; ``mem_fraction``: SGLang's
     ``--mem-fraction-static`` (see ``backends/sglang/server.py``); ``max_restarts_per_step``:
     restarts of dead engines allowed between two :meth:`take_fault_counts`.
-    ``routed_experts`` (a mixture of experts: its ``(layers, top-k, experts)``): the servers
-    record, and every generation returns, the experts each token was routed to (routing
-    replay).
+    ``ep``: SGLang's ``--ep-size`` (a mixture of experts' experts split over the engine's TP
+    ranks). ``routed_experts`` (a mixture of experts: its ``(layers, top-k, experts)``): the
+    servers record, and every generation returns, the experts each token was routed to
+    (routing replay).
     ``resync({engine: url})``: loads the current weights into restarted engines (None: the
     engines serve ``model_path`` as it is, so a new server already has them)."""
 
@@ -92,7 +100,7 @@ class EngineGroup:
                  dtype: str | None, log_dir: str, num_cpus: float,
                  startup_timeout: float = 600.0, seeded_sampling: bool = False,
                  memory_saver: bool = False, mem_fraction: float | None = None,
-                 max_restarts_per_step: int = 0,
+                 max_restarts_per_step: int = 0, ep: int = 1,
                  routed_experts: tuple[int, int, int] | None = None):
         from ragen_mega.backends.sglang.client import AsyncEngineClient
         from ragen_mega.ray.devices import bundle_gpu_ids
@@ -104,8 +112,7 @@ class EngineGroup:
                                            dict(tp=tp, dtype=dtype, mem_fraction=mem_fraction,
                                                 seeded_sampling=seeded_sampling,
                                                 memory_saver=memory_saver,
-                                                extra_args=["--enable-return-routed-experts"]
-                                                if routed_experts else [])))
+                                                extra_args=_server_args(ep, routed_experts))))
         self.urls = self.group.call("url", timeout_s=startup_timeout)
         self.tp_sizes = [tp] * len(self.urls)
         self.clients = [AsyncEngineClient(u) for u in self.urls]

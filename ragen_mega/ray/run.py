@@ -146,6 +146,7 @@ def _place(run: Run, with_trainers: bool) -> None:
                               seeded_sampling=cfg.rollout.seeded, memory_saver=t.colocate,
                               mem_fraction=cfg.rollout.mem_fraction,
                               max_restarts_per_step=cfg.rollout.max_engine_restarts_per_step,
+                              ep=cfg.rollout.engine_ep,
                               routed_experts=_routing_shape(run.model_dir))
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
