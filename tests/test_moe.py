@@ -140,6 +140,26 @@ def per_expert(grads: dict, spec) -> dict:
     return out
 
 
+def assert_grads_close(got: dict, want: dict, label) -> None:
+    """Every gradient of ``want`` (transformers', per-expert names) within 1e-4 of its largest
+    entry (the sums of a backward in another order)."""
+    assert got.keys() == want.keys(), label
+    for name, grad in want.items():
+        scale = grad.abs().max().clamp_min(1e-6)
+        assert (got[name] - grad).abs().max() / scale < 1e-4, (label, name)
+
+
+def assert_step_is_the_reference(metrics: dict, weights: dict, ref: dict, spec, label) -> None:
+    """A Megatron actor step against ``actor_step.reference``'s: loss, gradient norm, weights."""
+    ref_weights = per_expert(ref["weights"], spec)
+    assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6), label
+    assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), label
+    assert weights.keys() == ref_weights.keys(), label
+    for name, tensor in weights.items():
+        torch.testing.assert_close(tensor, ref_weights[name], atol=1e-5, rtol=0,
+                                   msg=lambda msg: f"{label} {name}: {msg}")
+
+
 def test_megatron_moe_matches_transformers(moe_dirs, tmp_path):
     ids, mask = make_batch(49152)
     [results] = run_workers(moe_worker, 1, moe_dirs, ids, mask, str(tmp_path), timeout=900)
@@ -157,11 +177,7 @@ def test_megatron_moe_matches_transformers(moe_dirs, tmp_path):
         assert results[arch, "resumed"], arch
         assert "field 'moe_router_pre_softmax' is" in results[arch, "refused"], arch
         want = per_expert(hf_grads(hf_dir, ids, mask)[0], spec)
-        got = results[arch, "grads"]
-        assert got.keys() == want.keys()
-        for name, grad in want.items():
-            scale = grad.abs().max().clamp_min(1e-6)
-            assert (got[name] - grad).abs().max() / scale < 1e-4, name
+        assert_grads_close(results[arch, "grads"], want, arch)
 
 
 def test_expert_parallel_layouts_the_run_cannot_take_are_config_errors(moe_dirs, tiny_model):
@@ -196,6 +212,21 @@ def test_expert_parallel_layouts_the_run_cannot_take_are_config_errors(moe_dirs,
             preflight(cfg)
 
 
+def parallel_outputs(rank, chunks, hf_dir, ids, mask, rows) -> dict:
+    """What a parallel layout must reproduce, for a model loaded from ``hf_dir``: log-probs of
+    the whole batch, both exports against the checkpoint files, and the gradients of this DP
+    rank's ``rows`` reduced as DDP does."""
+    from ragen_mega.backends.megatron.forward import forward_logprobs
+    from ragen_mega.backends.megatron.model import export_hf_state
+
+    direct = dict(export_hf_state(chunks, dst=0))
+    return {"lp": forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0],
+            "export": _export_diff(dict(export_hf_state(chunks)), hf_dir),
+            "direct": _export_diff(direct, hf_dir) if rank == 0 else direct,
+            "grads": training_grads(chunks, ids[rows], mask[rows], rank,
+                                    reduce_over_dp=True)[0]}
+
+
 def tp_ep_worker(rank, world, dirs, ids, mask, value_head, batch, settings, own, other):
     """TP 2 x EP 2 on four processes (DP 2; sequence parallelism, which megatron-core needs for
     experts under TP): per arch, log-probs, both exports and the gradients of rows split over
@@ -204,7 +235,7 @@ def tp_ep_worker(rank, world, dirs, ids, mask, value_head, batch, settings, own,
     from megatron.core import parallel_state as mpu
 
     from ragen_mega.backends.megatron.forward import forward_logprobs, forward_values
-    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.model import unwrap
     from ragen_mega.backends.megatron.routing import take_mismatch_counts
     from ragen_mega.backends.megatron.train import MegatronTrainer
@@ -216,12 +247,8 @@ def tp_ep_worker(rank, world, dirs, ids, mask, value_head, batch, settings, own,
         chunks = build_model(hf_dir)
         load_hf_checkpoint(chunks, hf_dir)
         out[arch, "sp"] = unwrap(chunks[0]).config.sequence_parallel
-        out[arch, "lp"] = forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0]
-        out[arch, "export"] = _export_diff(dict(export_hf_state(chunks)), hf_dir)
-        direct = dict(export_hf_state(chunks, dst=0))
-        out[arch, "direct"] = _export_diff(direct, hf_dir) if rank == 0 else direct
-        out[arch, "grads"] = training_grads(chunks, ids[mine], mask[mine], rank,
-                                            reduce_over_dp=True)[0]
+        out.update({(arch, k): v for k, v in parallel_outputs(rank, chunks, hf_dir, ids, mask,
+                                                             mine).items()})
         critic = build_model(hf_dir, role="critic")
         load_hf_checkpoint(critic, hf_dir)
         unwrap(critic[0]).output_layer.weight.data.copy_(value_head)
@@ -279,20 +306,10 @@ def test_experts_under_tensor_and_expert_parallelism_match_transformers(
         assert results[0][arch, "direct"] == (set(), 0.0)
         assert all(results[r][arch, "direct"] == {} for r in (1, 2, 3))
         want = per_expert(hf_grads(hf_dir, ids, mask)[0], spec)
-        got = results[0][arch, "grads"]
-        assert got.keys() == want.keys()
-        for name, grad in want.items():
-            scale = grad.abs().max().clamp_min(1e-6)
-            assert (got[name] - grad).abs().max() / scale < 1e-4, (arch, name)
+        assert_grads_close(results[0][arch, "grads"], want, arch)
     hf_dir = moe_dirs["qwen2_moe"]
     ref = actor_step.reference(hf_dir, actor_batch, "token-mean")
-    ref_weights = per_expert(ref["weights"], model_spec(hf_dir))
-    metrics, weights = results[0]["step"]
-    assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
-    assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-    for name, tensor in weights.items():
-        torch.testing.assert_close(tensor, ref_weights[name], atol=1e-5, rtol=0,
-                                   msg=lambda msg: f"{name}: {msg}")
+    assert_step_is_the_reference(*results[0]["step"], ref, model_spec(hf_dir), "tp 2 x ep 2")
 
 
 # --------------------------------------------------------------------- expert parallelism
@@ -303,8 +320,7 @@ def ep_worker(rank, world, dirs, ids, mask, batch, settings, ckpt_root):
     at EP 1 from the torch_dist checkpoint EP 2 saved."""
     import gc
 
-    from ragen_mega.backends.megatron.forward import forward_logprobs
-    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.parallel import init_parallel, parallel_info
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
@@ -317,12 +333,8 @@ def ep_worker(rank, world, dirs, ids, mask, batch, settings, ckpt_root):
         load_hf_checkpoint(chunks, hf_dir)
         out[arch, "experts"] = sorted(n for n, _ in chunks[0].named_parameters()
                                       if "local_experts" in n and n.startswith("decoder.layers.0"))
-        out[arch, "lp"] = forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0]
-        out[arch, "export"] = _export_diff(dict(export_hf_state(chunks)), hf_dir)
-        direct = dict(export_hf_state(chunks, dst=0))
-        out[arch, "direct"] = _export_diff(direct, hf_dir) if rank == 0 else direct
-        out[arch, "grads"] = training_grads(chunks, ids[mine], mask[mine], rank,
-                                            reduce_over_dp=True)[0]
+        out.update({(arch, k): v for k, v in parallel_outputs(rank, chunks, hf_dir, ids, mask,
+                                                             mine).items()})
 
     def step(trainer):
         old = trainer.compute_logprobs(batch) + batch["noise"]
@@ -369,24 +381,13 @@ def test_expert_parallel_matches_transformers_and_resumes_at_another_layout(
             assert results[r][arch, "export"] == (set(), 0.0), arch
         assert results[0][arch, "direct"] == (set(), 0.0) and results[1][arch, "direct"] == {}
         want = per_expert(hf_grads(hf_dir, ids, mask)[0], spec)
-        got = results[0][arch, "grads"]
-        assert got.keys() == want.keys()
-        for name, grad in want.items():
-            scale = grad.abs().max().clamp_min(1e-6)
-            assert (got[name] - grad).abs().max() / scale < 1e-4, (arch, name)
+        assert_grads_close(results[0][arch, "grads"], want, arch)
 
     hf_dir = moe_dirs["qwen2_moe"]
     ref = actor_step.reference(hf_dir, actor_batch, "token-mean")
     assert ref["grad_norm"] > actor_step.clip                    # clipping was active
-    ref_weights = per_expert(ref["weights"], model_spec(hf_dir))
     for ep in (2, 1):
-        metrics, weights = results[0]["step", ep]
-        assert metrics["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-6)
-        assert metrics["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
-        assert weights.keys() == ref_weights.keys()
-        for name, tensor in weights.items():
-            torch.testing.assert_close(tensor, ref_weights[name], atol=1e-5, rtol=0,
-                                       msg=lambda msg: f"ep {ep} {name}: {msg}")
+        assert_step_is_the_reference(*results[0]["step", ep], ref, model_spec(hf_dir), f"ep {ep}")
     (m2, w2), (m1, w1) = results[0]["second", 2], results[0]["second", 1]
     assert m1["loss"] == pytest.approx(m2["loss"], rel=1e-6)
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-6)
@@ -610,10 +611,7 @@ def test_routing_replay_routes_through_the_given_experts(moe_dirs):
         assert (out[name][0] - ref_lp)[valid].abs().max() < 1e-5, name
     assert (out["other_replayed"][0] - forced_lp)[valid].abs().max() < 1e-5
     assert (forced_lp - ref_lp)[valid].abs().max() > 1e-2
-    assert out["grads"].keys() == forced_grads.keys()
-    for name, grad in forced_grads.items():
-        scale = grad.abs().max().clamp_min(1e-6)
-        assert (out["grads"][name] - grad).abs().max() / scale < 1e-4, name
+    assert_grads_close(out["grads"], forced_grads, "replayed")
     assert forced_grads["model.layers.1.mlp.gate.weight"].abs().max() > 0   # router trained
 
 
@@ -675,9 +673,6 @@ def test_load_balancing_loss_is_megatron_cores_switch_loss(moe_dirs, actor_step)
     assert setting == ("aux_loss", AUX)
     want = hf_grads_with_load_balancing(hf_dir, ids, AUX)
     without = per_expert(hf_grads(hf_dir, ids, mask)[0], model_spec(hf_dir))
-    assert got.keys() == want.keys()
-    for name, grad in want.items():
-        scale = grad.abs().max().clamp_min(1e-6)
-        assert (got[name] - grad).abs().max() / scale < 1e-4, name
+    assert_grads_close(got, want, "load balancing")
     router = "model.layers.1.mlp.gate.weight"
     assert (want[router] - without[router]).abs().max() > 1e-2 * want[router].abs().max()
