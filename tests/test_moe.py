@@ -231,12 +231,14 @@ def tp_ep_worker(rank, world, dirs, ids, mask, value_head, batch, settings, own,
     """TP 2 x EP 2 on four processes (DP 2; sequence parallelism, which megatron-core needs for
     experts under TP): per arch, log-probs, both exports and the gradients of rows split over
     the DP ranks; a critic's values through a given value head; qwen3_moe's routing given
-    transformers' own experts and replayed through others; an actor step."""
+    transformers' own experts and replayed through others; an actor step; then an actor step
+    at PP 2 x EP 2 with the distributed optimizer."""
     from megatron.core import parallel_state as mpu
 
     from ragen_mega.backends.megatron.forward import forward_logprobs, forward_values
     from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.model import unwrap
+    from ragen_mega.backends.megatron.parallel import init_parallel
     from ragen_mega.backends.megatron.routing import take_mismatch_counts
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
@@ -260,11 +262,15 @@ def tp_ep_worker(rank, world, dirs, ids, mask, value_head, batch, settings, own,
         counts = take_mismatch_counts(chunks)
         torch.distributed.all_reduce(counts)
         out[name] = lp, counts.tolist()
-    trainer = MegatronTrainer(ActorConfig(tp=2, ep=2, **settings), dirs["qwen2_moe"],
-                              total_steps=10)
-    old = trainer.compute_logprobs(batch) + batch["noise"]
-    out["step"] = (trainer.train({**batch, "old_logprobs": old}),
-                   {k: v.clone() for k, v in trainer.export_hf_state()})
+    for name, layout in (("tp2_ep2", dict(tp=2, ep=2)),
+                         ("pp2_ep2_distopt", dict(pp=2, ep=2, use_distributed_optimizer=True))):
+        init_parallel(rank, world, None, tp=layout.get("tp", 1), pp=layout.get("pp", 1), ep=2)
+        trainer = MegatronTrainer(ActorConfig(**layout, **settings), dirs["qwen2_moe"],
+                                  total_steps=10)
+        old = trainer.compute_logprobs(batch) + batch["noise"]
+        out["step", name] = (trainer.train({**batch, "old_logprobs": old}),
+                             {k: v.clone() for k, v in trainer.export_hf_state()})
+        del trainer
     return out
 
 
@@ -273,9 +279,11 @@ def test_experts_under_tensor_and_expert_parallelism_match_transformers(
     """TP 2 x EP 2 (experts split over EP and each expert's linears over TP, the sequence
     split over TP between layers): log-probs, the critic's values and the gradients equal
     transformers', both exports give back the checkpoint, and a StarPO actor step equals the
-    transformers + AdamW step. Routing replay, where each TP rank routes its slice of the
-    positions: transformers' own experts agree on every (token, layer), and replayed other
-    experts give transformers' log-probs forced through them."""
+    transformers + AdamW step, as it does at PP 2 x EP 2 with the distributed optimizer
+    (Adam's state sharded over each group's data-parallel ranks). Routing replay, where each
+    TP rank routes its slice of the positions: transformers' own experts agree on every
+    (token, layer), and replayed other experts give transformers' log-probs forced through
+    them."""
     from transformers import AutoModelForCausalLM
 
     ids, mask = make_batch(49152)
@@ -309,7 +317,8 @@ def test_experts_under_tensor_and_expert_parallelism_match_transformers(
         assert_grads_close(results[0][arch, "grads"], want, arch)
     hf_dir = moe_dirs["qwen2_moe"]
     ref = actor_step.reference(hf_dir, actor_batch, "token-mean")
-    assert_step_is_the_reference(*results[0]["step"], ref, model_spec(hf_dir), "tp 2 x ep 2")
+    for name in ("tp2_ep2", "pp2_ep2_distopt"):
+        assert_step_is_the_reference(*results[0]["step", name], ref, model_spec(hf_dir), name)
 
 
 # --------------------------------------------------------------------- expert parallelism

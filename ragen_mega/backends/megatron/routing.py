@@ -46,9 +46,10 @@ class EngineRouting:
             raise ValueError(f"routed_experts: {tuple(target.shape)} engine routings for a "
                              f"layer that routed {tuple(own.shape)} (tokens, top-k)")
         known = (target >= 0).all(dim=-1)
-        with torch.no_grad():
+        with torch.no_grad():   # counted where the tokens are: no device sync per layer
             differ = (own.sort(dim=-1).values != target.sort(dim=-1).values).any(dim=-1)
-            self.counts += torch.stack([(differ & known).sum(), known.sum()]).double().cpu()
+            self.counts = self.counts.to(own.device) + torch.stack(
+                [(differ & known).sum(), known.sum()]).double()
         if not self.replay:
             return probs, own
         chosen = torch.where(known.unsqueeze(-1), target, own)
@@ -63,8 +64,10 @@ def install(chunk) -> None:
 
 
 def _hooks(chunk) -> list[tuple[int, EngineRouting]]:
-    """(global layer index, hook) of a chunk's MoE layers."""
+    """(global layer index, hook) of a chunk's MoE layers (none in a dense model)."""
     model = unwrap(chunk)
+    if not model.ragen_spec.is_moe:
+        return []
     return [(model.ragen_layers.start + i, layer.mlp.router.router_replay)
             for i, layer in enumerate(model.decoder.layers)]
 
@@ -95,6 +98,6 @@ def take_mismatch_counts(chunks) -> torch.Tensor:
     total = torch.zeros(2, dtype=torch.float64)
     for chunk in chunks:
         for _, hook in _hooks(chunk):
-            total += hook.counts
+            total += hook.counts.cpu()
             hook.counts = torch.zeros(2, dtype=torch.float64)
     return total
