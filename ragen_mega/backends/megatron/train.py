@@ -54,9 +54,9 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
                                                   split_microbatches)
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
                                                 load_hf_checkpoint, unwrap)
+from ragen_mega.backends.megatron.parallel import local_device
 from ragen_mega.backends.megatron.routing import take_mismatch_counts
 from ragen_mega.models.hf_config import model_spec
-from ragen_mega.backends.megatron.parallel import local_device
 
 def _dp_group():
     from megatron.core import parallel_state as mpu
