@@ -146,9 +146,7 @@ def _uneven_on_gloo(original, padded, sizes_arg: str):
     sizes on a gloo group go through ``padded``."""
     @functools.wraps(original)
     def collective(input_, group, *args, **kwargs):
-        names = ("output_split_sizes" if sizes_arg == "output_split_sizes"
-                 else "input_split_sizes", "use_global_buffer")
-        bound = dict(zip(names, args)) | kwargs
+        bound = dict(zip((sizes_arg, "use_global_buffer"), args)) | kwargs
         sizes = bound.get(sizes_arg)
         if sizes is None or group.size() == 1 or len(set(sizes)) == 1 \
                 or torch.distributed.get_backend(group) != "gloo":
