@@ -185,13 +185,12 @@ def make_forward_step(*, temperature: float = 1.0, compute_entropy: bool = True,
         batch = {k: (v.to(device) if torch.is_tensor(v) else v)
                  for k, v in next(data_iterator).items()}
         inner = unwrap(model)
-        width = batch["input_ids"].shape[1]
-        input_ids = _pad_width(batch["input_ids"], _sequence_multiple(inner), 0)
+        width, multiple = batch["input_ids"].shape[1], _sequence_multiple(inner)
+        input_ids = _pad_width(batch["input_ids"], multiple, 0)
         if inner.ragen_spec.is_moe:
             routed = batch.get("routed_experts")
             set_engine_routing(model, None if routed is None else
-                               _pad_width(routed, _sequence_multiple(inner), -1),
-                               routing_replay)
+                               _pad_width(routed, multiple, -1), routing_replay)
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         position_ids = position_ids.unsqueeze(0).expand_as(input_ids)
         output = model(input_ids, position_ids, None)

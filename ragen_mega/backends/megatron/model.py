@@ -79,15 +79,16 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
     config = megatron_config(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, dtype=dtype,
                              **(config_overrides or {}))
     use_te = te_available() if use_te is None else use_te
+    local_sp = config.sequence_parallel and not use_te   # the local spec's norms must allow SP
     layers = layer_spec(spec, use_te=use_te, local_attention=local_attention,
-                        sequence_parallel=config.sequence_parallel and not use_te)
+                        sequence_parallel=local_sp)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         pre = mapping.chunk_has_embedding(pp_rank, pp, vpp, stage)
         post = mapping.chunk_has_head(pp_rank, pp, vpp, stage)
         block = block_spec(layers, len(mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)),
-                           config.sequence_parallel and not use_te)
+                           local_sp)
         model = GPTModel(
             config=config, transformer_layer_spec=block, vocab_size=spec.padded_vocab(tp),
             max_sequence_length=spec.max_position_embeddings, pre_process=pre, post_process=post,

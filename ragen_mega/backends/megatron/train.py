@@ -196,11 +196,11 @@ class MegatronTrainer:
     def _load_balancing(self) -> dict:
         """megatron-core's load-balancing loss of a mixture of experts, as configured
         (``moe_aux_loss_coeff``, ``moe_load_balancing``); nothing for a dense model."""
-        coeff = getattr(self.config, "moe_aux_loss_coeff", 0.0)
-        if not coeff or not model_spec(self.hf_dir).is_moe:
+        c = self.config
+        if not c.moe_aux_loss_coeff or not model_spec(self.hf_dir).is_moe:
             return {}
-        return {"moe_router_load_balancing_type": self.config.moe_load_balancing,
-                "moe_aux_loss_coeff": coeff}
+        return {"moe_router_load_balancing_type": c.moe_load_balancing,
+                "moe_aux_loss_coeff": c.moe_aux_loss_coeff}
 
     def _wrap_ddp(self, chunks: list) -> list:
         from megatron.core.distributed import (DistributedDataParallel,
