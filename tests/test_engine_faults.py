@@ -151,23 +151,21 @@ STARTER = """
 import functools, multiprocessing, os, subprocess, time
 from ragen_mega.backends.megatron.checkpoint import writers_die_with_this_process
 from ragen_mega.backends.parent_death import die_with_parent
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 if __name__ == "__main__":
     writers_die_with_this_process()
     writer = multiprocessing.get_context("fork").Process(target=time.sleep, args=(600,))
     writer.start()
     server = subprocess.Popen(["sleep", "600"], start_new_session=True,  # as launch_server does
                               preexec_fn=functools.partial(die_with_parent, os.getpid()))
-    manager = filesystem_async._results_queue._manager._process.pid
-    print(manager, writer.pid, server.pid, flush=True)
+    print(writer.pid, server.pid, flush=True)
     time.sleep(600)
 """
 
 
 def test_helpers_die_with_the_process_that_started_them(tmp_path):
-    """What a trainer rank or engine worker starts (the torch_dist writers' queue manager, a
-    forked writer, a server in its own session) is gone soon after the starter is SIGKILLed,
-    though none of them is in the starter's process group."""
+    """What a trainer rank or engine worker starts (a forked torch_dist writer, a server in its
+    own session) is gone soon after the starter is SIGKILLed, though the server is not in the
+    starter's process group."""
     import psutil
 
     (tmp_path / "starter.py").write_text(STARTER)
@@ -176,7 +174,7 @@ def test_helpers_die_with_the_process_that_started_them(tmp_path):
                                stdout=subprocess.PIPE, text=True)
     try:
         helpers = [psutil.Process(int(p)) for p in starter.stdout.readline().split()]
-        assert len(helpers) == 3 and all(_running(h) for h in helpers)
+        assert len(helpers) == 2 and all(_running(h) for h in helpers)
     finally:
         starter.kill()
         starter.wait()
@@ -192,9 +190,8 @@ def _descendants(pid: int) -> list:
 
 def test_killed_driver_leaves_no_process_behind(tiny_run_overrides, tmp_path):
     """``ragen-mega train`` starts its own Ray; SIGKILL it once step 1 is saved (step 2 under
-    way). Every process it had started (Ray's, its agents included, the trainer ranks and their
-    checkpoint writer, the engine worker, the SGLang server and its scheduler) ends within a
-    minute. Ray's dashboard and runtime-env agents would hang for minutes on their own; the run's
+    way). Every process it had started (Ray's, its agents included, the trainer ranks, the
+    engine worker, the SGLang server and its scheduler) ends within a minute. Ray's dashboard and runtime-env agents would hang for minutes on their own; the run's
     reaper (``ragen_mega/ray/reaper.py``) ends them."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
@@ -215,7 +212,7 @@ def test_killed_driver_leaves_no_process_behind(tiny_run_overrides, tmp_path):
         assert server in {p.pid for p in started}
         titles = " ".join(" ".join(p.cmdline()) for p in started if _running(p))
         for part in ("raylet", "gcs_server", "ray::TrainerWorker", "ray::EngineWorker",
-                     "sglang.launch_server", "spawn_main",  # the checkpoint writer's
+                     "sglang.launch_server",
                      "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ragen_mega.ray.reaper"):
             assert part in titles, f"no {part} among the driver's processes: {titles[:2000]}"
     finally:

@@ -60,7 +60,7 @@ class EngineWorker:
     def restart(self) -> str:
         """Stop what is left of the server's process group, start a new server with the same
         settings (same devices, same log file); return its URL."""
-        self.server.shutdown(grace=5.0)
+        self.server.shutdown()
         self.server = self.launch()
         return self.server.url
 

@@ -132,14 +132,18 @@ def _routing_shape(model_dir: str) -> tuple[int, int, int] | None:
 
 
 def _place(run: Run, with_trainers: bool) -> None:
-    """Start the run's processes one at a time, each kept in ``run`` as soon as it exists."""
+    """Start the run's processes, each kept in ``run`` as soon as it exists. Trainer ranks on
+    devices of their own start first and build their models while the engines start (Ray
+    creates actors in the background; the first call to them waits): the two longest start-ups
+    of a run overlap. Colocated trainer ranks wait for the engines to release the devices."""
     from ragen_mega.ray.engine_group import EngineGroup
     from ragen_mega.ray.env_workers import EnvWorkerGroup
-    from ragen_mega.ray.trainer_group import TrainerGroup
 
     cfg, res, pg, t = run.cfg, run.resources, run.placement_group, run.cfg.trainer
     log_dir = Path(t.run_dir) / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
+    if with_trainers and not t.colocate:
+        _start_trainers(run)
     engines = run.engines = EngineGroup(run.model_dir, pg, res.placement.engine_bundles,
                               tp=cfg.rollout.engine_tp, dtype=cfg.model.dtype,
                               log_dir=str(log_dir.resolve()), num_cpus=res.engine_cpus,
@@ -161,6 +165,19 @@ def _place(run: Run, with_trainers: bool) -> None:
         return
     if t.colocate:  # the trainer ranks about to be built need the shared devices
         run.engines.release_memory()
+        _start_trainers(run)
+    run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
+                              mode="tensor" if t.colocate else "distributed",
+                              bucket_bytes=t.sync_bucket_mb << 20)
+    run.engines.resync = run.resync_engines
+
+
+def _start_trainers(run: Run) -> None:
+    """Create the actor's (and the critic's) trainer ranks: they build their models in the
+    background, and the first call to them waits for that."""
+    from ragen_mega.ray.trainer_group import TrainerGroup
+
+    cfg, res, pg, t = run.cfg, run.resources, run.placement_group, run.cfg.trainer
     place = dict(num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
                  threads=res.trainer_threads, seed=t.seed)
     run.actor = TrainerGroup("actor", run.model_dir, cfg.actor, pg, res.actor_bundles, **place,
@@ -173,7 +190,3 @@ def _place(run: Run, with_trainers: bool) -> None:
         run.critic = TrainerGroup("critic", run.model_dir, cfg.critic, pg, res.critic_bundles,
                                   **place, objective=OBJECTIVES["critic"](cfg.critic),
                                   total_steps=max(t.total_steps, cfg.critic.lr_warmup_steps + 1))
-    run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
-                              mode="tensor" if t.colocate else "distributed",
-                              bucket_bytes=t.sync_bucket_mb << 20)
-    run.engines.resync = run.resync_engines

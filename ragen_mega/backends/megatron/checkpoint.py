@@ -143,29 +143,30 @@ def commit_dir(tmp: Path, final: Path) -> None:
     os.rename(tmp, final)
 
 
-_WRITERS: dict = {}  # this process's torch_dist writer queue, once made
+_WRITERS: dict = {}  # this process's torch_dist writer set-up, once made
 
 
 def writers_die_with_this_process() -> None:
-    """Megatron's torch_dist save forks writer processes and collects their results through a
-    queue served by a spawned ``multiprocessing`` manager, made on the first save and kept for
-    the process's life. Both would outlive a killed trainer rank (the manager as an orphan, for
-    good), so both are tied to this process (``backends/parent_death.py``): the manager is made
-    here, ahead of Megatron, and every process this one forks from now on arms the signal."""
-    import multiprocessing
-    from multiprocessing.managers import SyncManager
+    """Megatron's torch_dist save forks writer processes, which would outlive a killed trainer
+    rank: every process this one forks from now on arms ``backends/parent_death.py``.
+
+    The forked writers report to this process, which hands their results to the save through a
+    queue. Megatron makes that queue in a spawned ``multiprocessing`` manager, for saves that
+    run in a background process; ours are synchronous (the save's caller reads the queue right
+    after filling it), so an in-process queue serves, and no manager process is started: it
+    cost 2-4 s of start-up per rank on the first save, and it would be one more process to
+    outlive its rank."""
+    import queue
     from multiprocessing.util import register_after_fork
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     from ragen_mega.backends.parent_death import die_with_parent
 
-    if _WRITERS or filesystem_async._results_queue is not None:
+    if _WRITERS:
         return
+    filesystem_async._results_queue = _WRITERS["queue"] = queue.Queue()
     parent = os.getpid()
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(parent,))
-    filesystem_async._results_queue = _WRITERS["queue"] = manager.Queue()
     register_after_fork(writers_die_with_this_process, lambda _: die_with_parent(parent))
 
 

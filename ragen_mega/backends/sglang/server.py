@@ -2,10 +2,9 @@
 
 One process group per server (``start_new_session=True``): SGLang forks a scheduler and a
 detokenizer, and killing only the launcher would leave them holding memory and ports, so
-:meth:`EngineServer.shutdown` signals the whole group (SIGTERM, then SIGKILL after a grace
-period). The server's stdout/stderr go to a log file, with a line naming the server's pid (a
-restarted engine appends a new one); when start-up fails or times out, the error carries the
-log's tail, because that is where SGLang says why.
+:meth:`EngineServer.shutdown` kills the whole group. The server's stdout/stderr go to a log
+file, with a line naming the server's pid (a restarted engine appends a new one); when start-up
+fails or times out, the error carries the log's tail, because that is where SGLang says why.
 
 A server dies with the process that started it, however that process ends (SIGKILL, Ray's
 memory monitor, Ray ending a dead driver's actors): the launcher arms ``PR_SET_PDEATHSIG``
@@ -30,6 +29,7 @@ allocates) and ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import logging
 import os
@@ -168,31 +168,27 @@ class EngineServer:
         except OSError:
             return False
 
-    def shutdown(self, grace: float = 15.0) -> None:
-        """Stop the whole process group: SIGTERM, then SIGKILL what is left after ``grace`` s."""
+    def shutdown(self) -> None:
+        """Stop the whole process group with SIGKILL and reap the launcher.
+
+        A server holds nothing a run needs once it is stopped (its weights come from the trainer,
+        its KV cache is scratch), and SGLang's own ways out are slow: SIGTERM to the launcher
+        drains for ~5 s even when idle, SIGTERM to the group makes the launcher take its
+        scheduler's exit for a crash and wait 5 s for crash diagnostics. SGLang's own
+        ``Engine.shutdown`` SIGKILLs its children (``kill_process_tree``) the same way."""
         if self._closed:
             return
         self._closed = True
         pgid = self.process.pid  # start_new_session=True: the launcher leads its own group
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(pgid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while time.monotonic() < deadline:
-                try:
-                    self.process.wait(timeout=0.2)
-                except subprocess.TimeoutExpired:
-                    continue
-                if not group_alive(pgid):
-                    break
-            if not group_alive(pgid):
-                break
         try:
-            self.process.wait(timeout=5)
-        except subprocess.TimeoutExpired:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10.0)
+        deadline = time.monotonic() + 10.0  # its other processes: gone once the kernel reaps
+        while group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def __enter__(self) -> "EngineServer":
         return self
@@ -340,13 +336,13 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         try:
             return server.wait_healthy(startup_timeout)
         except EnginePortTaken:
-            server.shutdown(grace=5.0)
+            server.shutdown()
             if not attempts_left:
                 raise
             logger.warning("SGLang server: %s was taken before the server listened (log %s); "
                            "launching again on another port", server.url, server.log_file)
         except BaseException:
-            server.shutdown(grace=5.0)
+            server.shutdown()
             raise
 
 
