@@ -38,11 +38,14 @@ from ragen_mega.backends.megatron.parallel import local_device
 
 def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
                                     vocab_size: int, temperature: float = 1.0,
-                                    compute_entropy: bool = True, tp_group=None):
+                                    compute_entropy: bool = True, tp_group=None,
+                                    inplace: bool = False):
     """Log-prob of ``targets`` and entropy of softmax(logits / T) from this rank's vocab slice.
 
     ``logits`` [..., V_local] hold global vocab ids [rank * V_local, (rank + 1) * V_local);
     ``targets`` [...] global ids. Returns fp32 tensors of ``targets``' shape (entropy or None).
+    ``inplace`` (inference only): ``logits`` may be overwritten. The full-vocab tensors are
+    the largest of a forward (tokens x vocab), so each pass and copy saved counts.
     """
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
@@ -53,7 +56,9 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
     rank = dist.get_rank(group) if dist.get_world_size(group) > 1 else 0
     v_local = logits.shape[-1]
     start = rank * v_local
-    logits = logits.float() / temperature
+    logits = logits.float()
+    if temperature != 1.0:  # x / 1 == x exactly: no pass at the usual temperature
+        logits = logits.div_(temperature) if inplace else logits / temperature
     pad = max(0, start + v_local - vocab_size)  # padded columns at the end of this slice
     keep = None
     if pad:
@@ -63,20 +68,22 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
         top = masked.max(dim=-1).values
         if dist.get_world_size(group) > 1:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - top.unsqueeze(-1)
-    exp = shifted.exp()
-    if keep is not None:
-        exp = exp * keep
-    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1), group)
+    shifted = logits.sub_(top.unsqueeze(-1)) if inplace else logits - top.unsqueeze(-1)
     local = (targets >= start) & (targets < start + v_local)
     index = (targets - start).clamp(0, v_local - 1).unsqueeze(-1)
-    target_logit = shifted.gather(-1, index).squeeze(-1) * local
+    target_logit = shifted.gather(-1, index).squeeze(-1) * local  # before exp_ overwrites
+    # without the entropy, nothing reads ``shifted`` after its exp
+    exp = shifted.exp_() if inplace and not compute_entropy else shifted.exp()
+    if keep is not None:
+        exp = exp.mul_(keep) if inplace else exp * keep
+    sum_exp = reduce_from_tensor_model_parallel_region(exp.sum(dim=-1), group)
     target_logit = reduce_from_tensor_model_parallel_region(target_logit, group)
     log_z = sum_exp.log()
     logprobs = target_logit - log_z
     entropy = None
     if compute_entropy:  # H = log Z - sum_v p_v * shifted_v
-        weighted = reduce_from_tensor_model_parallel_region((exp * shifted).sum(dim=-1), group)
+        weighted = reduce_from_tensor_model_parallel_region(
+            (exp.mul_(shifted) if inplace else exp * shifted).sum(dim=-1), group)
         entropy = log_z - weighted / sum_exp
     return logprobs, entropy
 
@@ -163,7 +170,8 @@ def _postprocess(model, output_tensor: torch.Tensor, batch: dict, temperature: f
     input_ids = batch["input_ids"]
     logprobs, entropy = vocab_parallel_logprobs_entropy(
         output_tensor[:, :-1], input_ids[:, 1:], vocab_size=inner.ragen_spec.vocab_size,
-        temperature=temperature, compute_entropy=compute_entropy)
+        temperature=temperature, compute_entropy=compute_entropy,
+        inplace=not torch.is_grad_enabled())  # nothing else reads the logits
     next_mask = mask[:, 1:]
     return {"logprobs": logprobs * next_mask,
             "entropy": entropy * next_mask if entropy is not None else None}

@@ -135,7 +135,7 @@ class EngineServer:
             f"command: {' '.join(self.command)}\nlog {self.log_file}, last lines:\n"
             f"{self.log_tail()}")
 
-    def wait_healthy(self, timeout: float = 300.0, poll: float = 1.0) -> "EngineServer":
+    def wait_healthy(self, timeout: float = 300.0, poll: float = 0.25) -> "EngineServer":
         """Block until ``/health_generate`` answers 200 (the server generated one token).
 
         Raises :class:`EngineStartupError` with the log tail if the process exits first or
