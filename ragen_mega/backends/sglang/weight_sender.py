@@ -85,34 +85,50 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]):
 
 def serialize_for_engine(bucket: list[tuple[str, torch.Tensor]], *,
                          flattened: bool = False) -> bytes:
-    """Pickle a bucket the way SGLang's ``update_weights_from_tensor`` unpickles it.
+    """Pickle a bucket the way SGLang's ``update_weights_from_tensor`` unpickles it, for one
+    receiving process (:func:`engine_payload`, then :func:`pickle_for_receiver`)."""
+    return pickle_for_receiver(engine_payload(bucket, flattened=flattened))
 
-    Tensors are shared, not copied into the payload: CUDA tensors by IPC handle, CPU tensors by
-    a shared-memory file. On CPU that needs the ``file_system`` sharing strategy (the default
+
+def engine_payload(bucket: list[tuple[str, torch.Tensor]], *, flattened: bool = False):
+    """What SGLang's ``update_weights_from_tensor`` unpickles: the ``(name, tensor)`` list, or
+    with ``flattened=True`` SGLang's flattened bucket (one tensor + metadata; the metadata are
+    ``SimpleNamespace`` records, which SGLang's restricted unpickler accepts). Keep it alive
+    until the receivers have loaded it."""
+    if not flattened:
+        return list(bucket)
+    names, dtypes, shapes, flat = flatten_bucket(bucket)
+    metadata, offset = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        metadata.append(SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype,
+                                        start_idx=offset, end_idx=offset + nbytes,
+                                        numel=nbytes))
+        offset += nbytes
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
+def pickle_for_receiver(payload) -> bytes:
+    """``payload``'s bytes for ONE receiving process (an engine's TP rank).
+
+    Tensors are shared, not copied into the bytes: CUDA tensors by IPC handle, CPU tensors by a
+    shared-memory file. On CPU that needs the ``file_system`` sharing strategy (the default
     ``file_descriptor`` strategy passes fds that the server cannot receive over HTTP, and the
-    server process dies). The payload is only valid while the tensors are alive.
-    With ``flattened=True`` the layout is SGLang's flattened bucket (one tensor + metadata; the
-    metadata are ``SimpleNamespace`` records, which SGLang's restricted unpickler accepts).
+    server process dies). There each pickling takes one reference on the file and each
+    unpickling in another process gives one back, so the same bytes read by several processes
+    give back more than they took: the file is unlinked under the later readers (three engines:
+    ``unable to open shared memory object ... No such file or directory``). Hence one pickle per
+    receiver.
     """
     # `import torch` has already registered torch's tensor reductions with ForkingPickler.
     from multiprocessing.reduction import ForkingPickler
 
-    if any(t.device.type == "cpu" for _, t in bucket):
+    tensors = ([payload["flattened_tensor"]] if isinstance(payload, dict)
+               else [t for _, t in payload])
+    if any(t.device.type == "cpu" for t in tensors):
         torch.multiprocessing.set_sharing_strategy("file_system")
-    if flattened:
-        names, dtypes, shapes, flat = flatten_bucket(bucket)
-        metadata, offset = [], 0
-        for name, dtype, shape in zip(names, dtypes, shapes):
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            metadata.append(SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype,
-                                            start_idx=offset, end_idx=offset + nbytes,
-                                            numel=nbytes))
-            offset += nbytes
-        obj = {"flattened_tensor": flat, "metadata": metadata}
-    else:
-        obj = list(bucket)
     buf = io.BytesIO()
-    ForkingPickler(buf).dump(obj)
+    ForkingPickler(buf).dump(payload)
     return buf.getvalue()
 
 
@@ -420,13 +436,14 @@ class BucketedWeightSender:
 
     def _start_share(self, bucket, flush_cache: bool):
         flattened = self.load_format == "flattened_bucket"
-        payload = serialize_for_engine(bucket, flattened=flattened)
-        futures = [e.submit("update_weights_from_tensor", [payload] * tp,
+        payload = engine_payload(bucket, flattened=flattened)
+        futures = [e.submit("update_weights_from_tensor",
+                            [pickle_for_receiver(payload) for _ in range(tp)],
                             load_format=self.load_format, flush_cache=flush_cache,
                             timeout=self.timeout)
                    for e, tp in zip(self.engines, self._tp_sizes())]
 
-        def finish(_keep_alive=bucket) -> None:  # the tensors' shared memory lives until here
+        def finish(_keep_alive=payload) -> None:  # the tensors' shared memory lives until here
             for f in futures:
                 f.result()
 
