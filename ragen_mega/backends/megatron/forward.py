@@ -69,9 +69,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     1e-2 on a real model's logits). The backward is the analytic gradient, computed into one
     buffer: for ``p = e / Z`` and the target's one-hot ``y``,
     ``d logp / du = y - p`` and ``d H / du = -p (u - m - log Z + H)``. Autograd through the
-    same formulas keeps and allocates several more full-vocab tensors: on CPU an actor step on
-    16 x 950 tokens of SmolLM2's vocabulary took 23.3 s with it, 19.8 s with this, and the
-    log-probs alone 11.8 s and 5.9 s. Each value needs one all-reduce over the TP group of a [..] tensor
+    same formulas keeps and allocates several more full-vocab tensors (the train-step benchmark,
+    ``benchmarks/README.md``, has both). Each value needs one all-reduce over the TP group of a [..] tensor
     (after the max's); the backward needs none: every TP rank holds the same log-probs, entropy
     and upstream gradients, as in Megatron's vocab-parallel cross entropy."""
 
