@@ -300,9 +300,11 @@ def undocumented_scalars(keys, tags: tuple[str, ...] = ()) -> list[str]:
 
 def resumed_step_diffs(want: dict, got: dict, tol: float = 1e-4) -> dict:
     """Where a resumed step's metrics differ from the uninterrupted run's: exact equality but
-    for wall-clock times and the engine's own log-probs (the CPU engine is not batch-invariant
-    to ~2e-5), which get ``tol``."""
-    engine_logprobs = {"train/rollout_vs_trainer_logprob_diff", "sync/max_logprob_diff"}
+    for wall-clock times and what is computed from the engine's own log-probs (the CPU engine
+    is not batch-invariant to ~2e-5; the truncated IS weight is exp(trainer - engine log-prob)),
+    which get ``tol``."""
+    engine_logprobs = {"train/rollout_vs_trainer_logprob_diff", "sync/max_logprob_diff",
+                       "actor/tis_weight"}
     return {k: (want[k], got[k]) for k in want
             if not k.startswith("time/") and k != "sync/seconds"
             and not (math.isclose(got[k], want[k], rel_tol=0, abs_tol=tol)

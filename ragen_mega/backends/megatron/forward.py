@@ -69,8 +69,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     1e-2 on a real model's logits). The backward is the analytic gradient, computed into one
     buffer: for ``p = e / Z`` and the target's one-hot ``y``,
     ``d logp / du = y - p`` and ``d H / du = -p (u - m - log Z + H)``. Autograd through the
-    same formulas keeps and allocates several more full-vocab tensors (the train-step benchmark,
-    ``benchmarks/README.md``, has both). Each value needs one all-reduce over the TP group of a [..] tensor
+    same formulas keeps and allocates several more full-vocab tensors. Each value needs one all-reduce over the TP group of a [..] tensor
     (after the max's); the backward needs none: every TP rank holds the same log-probs, entropy
     and upstream gradients, as in Megatron's vocab-parallel cross entropy."""
 
