@@ -3,7 +3,9 @@
 #   1. tests/test_gpu.py: the Megatron trainer on CUDA/NCCL in fp32 and bf16 against the
 #      transformers + AdamW reference, the local spec's SDPA attention against the unfused one
 #      (and on its flash kernel), the colocated sync payload through CUDA IPC, and a tiny
-#      Qwen2-MoE's actor step at EP 1 (EP 2 over NCCL needs a second GPU: skipped, saying so);
+#      Qwen2-MoE's actor step at EP 1, with one linear per expert and with grouped-GEMM experts
+#      (TransformerEngine's TEGroupedMLP: skipped, saying so, where TE is not installed; EP 2
+#      over NCCL needs a second GPU: skipped, saying so);
 #   2. bench_train_step.py on the Qwen2.5-1.5B / 0.5B shapes (random weights), bf16: tokens/s,
 #      MFU and peak memory of Megatron with SDPA attention, Megatron with the unfused attention,
 #      and transformers, in one run per shape. Expected to take ~5 min on an H200; the limits

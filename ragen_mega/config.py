@@ -421,6 +421,11 @@ class ModelTrainingConfig:
     #: which load-balancing loss: "aux_loss" (over each micro-batch's tokens, Switch
     #: Transformer's), "seq_aux_loss" (per sequence), "global_aux_loss" (over the global batch)
     moe_load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = "aux_loss"
+    #: mixtures of experts: each layer's local experts as one grouped GEMM (TransformerEngine's
+    #: TEGroupedMLP: needs TE on a GPU) instead of one linear per expert (SequentialMLP, which
+    #: runs anywhere). Same weights and mapping either way; the optimizer state of a checkpoint
+    #: belongs to the layout it was saved with
+    moe_grouped_gemm: bool = False
 
     def validate(self):
         for field in ("tp", "pp", "ep", "micro_batch_size", "ppo_epochs"):

@@ -9,7 +9,8 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
   once, in this process: a wrong kwarg is named here, not in an env worker minutes later; with
   ``env.remote``, each env server answers and serves the config's env and kwargs instead;
 - ``rollout.agent`` imports and is an async function;
-- ``actor.bf16`` / ``critic.bf16`` have a GPU to run on;
+- ``actor.bf16`` / ``critic.bf16`` have a GPU to run on, ``*.moe_grouped_gemm``
+  TransformerEngine on a GPU;
 - the model (``model.path``'s config.json) splits over the actor's and the critic's parallel
   layout (TP divides the heads and MLP widths, PP the layers, EP the experts) and over the
   engines' expert parallelism; routing replay has experts to replay.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ragen_mega.backends.megatron.transformer_config import te_available
 from ragen_mega.config import RunConfig
 from ragen_mega.config_tree import ConfigError
 
@@ -52,6 +54,11 @@ def preflight(cfg: RunConfig) -> RunConfig:
         if getattr(cfg, role).bf16 and not torch.cuda.is_available():
             raise ConfigError(f"{role}.bf16: bf16 training needs a GPU; this machine has none "
                               f"(set {role}.bf16=false)")
+        if getattr(cfg, role).moe_grouped_gemm and not te_available():
+            raise ConfigError(f"{role}.moe_grouped_gemm: grouped-GEMM experts are "
+                              f"TransformerEngine's TEGroupedMLP, which needs TransformerEngine "
+                              f"on a GPU; this machine has none (set "
+                              f"{role}.moe_grouped_gemm=false: one linear per expert)")
     check_model_layout(cfg)
     return cfg
 

@@ -1,7 +1,8 @@
 """The CUDA paths the CPU suite cannot reach: the Megatron trainer on a GPU (NCCL process group,
 fp32 and bf16 with Megatron's mixed-precision optimizer; the local spec's SDPA core attention
 against the unfused one, and on its flash kernel; a mixture of experts' step at EP 1, and at
-EP 2 over NCCL where two GPUs are lent) and the colocated weight-sync payload shared through
+EP 2 over NCCL where two GPUs are lent, with one linear per expert and, where TransformerEngine
+is installed, grouped-GEMM experts) and the colocated weight-sync payload shared through
 CUDA IPC.
 
 Every test here is skipped on machines without a CUDA GPU (CI has none); on a GPU box run
@@ -161,15 +162,17 @@ def test_colocated_payload_shares_cuda_tensors(result):
         assert result[key]["payload_bytes"] < result["bucket_bytes"] / 100, key
 
 
-def _moe_gpu_worker(rank, world_size, hf_dir, batch, actor_settings, ep):
-    """A qwen2_moe actor step on CUDA/NCCL (SequentialMLP experts, alltoall dispatcher) in
-    fp32 and bf16, at expert parallel size ``ep``."""
+def _moe_gpu_worker(rank, world_size, hf_dir, batch, actor_settings, ep, grouped_gemm):
+    """A qwen2_moe actor step on CUDA/NCCL (alltoall dispatcher; SequentialMLP experts, or
+    TransformerEngine's TEGroupedMLP with ``grouped_gemm``) in fp32 and bf16, at expert
+    parallel size ``ep``."""
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
 
     out = {}
     for name, bf16 in (("fp32", False), ("bf16", True)):
-        trainer = MegatronTrainer(ActorConfig(**actor_settings, bf16=bf16, ep=ep), hf_dir,
+        trainer = MegatronTrainer(ActorConfig(**actor_settings, bf16=bf16, ep=ep,
+                                              moe_grouped_gemm=grouped_gemm), hf_dir,
                                   total_steps=10)
         logprobs = trainer.compute_logprobs(batch).cpu()
         metrics = trainer.train({**batch, "old_logprobs": logprobs + batch["noise"]})
@@ -179,20 +182,27 @@ def _moe_gpu_worker(rank, world_size, hf_dir, batch, actor_settings, ep):
     return out if rank == 0 else None
 
 
-@pytest.mark.parametrize("ep", [1, 2])
-def test_moe_step_on_gpu_matches_transformers_and_adamw(tiny_model, actor_batch, actor_step, ep):
+@pytest.mark.parametrize("ep, grouped_gemm", [(1, False), (2, False), (1, True), (2, True)])
+def test_moe_step_on_gpu_matches_transformers_and_adamw(tiny_model, actor_batch, actor_step, ep,
+                                                         grouped_gemm):
     """Mixtures of experts on CUDA: the actor step of a tiny qwen2_moe (shared expert, q/k/v
-    biases) at EP 1 on one GPU and EP 2 over NCCL on two, fp32 against transformers + AdamW,
-    bf16 within bf16 rounding of it."""
+    biases) at EP 1 on one GPU and EP 2 over NCCL on two, one linear per expert or grouped-GEMM
+    experts (TransformerEngine's TEGroupedMLP, whose per-expert weights the mapping renames),
+    fp32 against transformers + AdamW, bf16 within bf16 rounding of it."""
+    from ragen_mega.backends.megatron.transformer_config import te_available
+
     if torch.cuda.device_count() < ep:
         pytest.skip(f"needs {ep} CUDA GPUs for expert parallel size {ep}, this machine has "
                     f"{torch.cuda.device_count()}")
+    if grouped_gemm and not te_available():
+        pytest.skip("grouped-GEMM experts need TransformerEngine (a CUDA-only library), which "
+                    "this GPU machine has not installed")
     from test_moe import per_expert
     from ragen_mega.models.hf_config import model_spec
 
     hf_dir = tiny_model("qwen2_moe")
     got = run_workers(_moe_gpu_worker, ep, hf_dir, actor_batch, actor_step.settings, ep,
-                      ep=ep, timeout=600)[0]
+                      grouped_gemm, ep=ep, timeout=600)[0]
     ref = actor_step.reference(hf_dir, actor_batch, "token-mean")
     weights = per_expert(ref["weights"], model_spec(hf_dir))
     valid = _valid(ref)

@@ -142,6 +142,27 @@ def test_pipeline_placement_matches_megatron_interleaving():
     assert mapping.chunk_has_head(1, 2, 2, 1) and not mapping.chunk_has_head(1, 2, 2, 0)
 
 
+def test_transformer_engine_names_are_read_as_the_local_specs():
+    """The TE layer spec's fused pre-norms and its grouped-GEMM experts (``TEGroupedMLP``: one
+    ``weight{j}`` per local expert in the layer's grouped linear) under the local spec's names,
+    which then take the chunk's layer and expert offsets like any other."""
+    name = mapping.local_spec_name
+    assert name("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight") == \
+        "decoder.layers.0.input_layernorm.weight"
+    assert name("decoder.layers.2.mlp.linear_fc1.layer_norm_weight") == \
+        "decoder.layers.2.pre_mlp_layernorm.weight"
+    assert name("decoder.layers.1.mlp.experts.linear_fc1.weight0") == \
+        "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"
+    grouped = name("decoder.layers.1.mlp.experts.linear_fc2.weight11")
+    assert grouped == "decoder.layers.1.mlp.experts.local_experts.11.linear_fc2.weight"
+    assert mapping.to_global(grouped, 2, 16) == \
+        "decoder.layers.3.mlp.experts.local_experts.27.linear_fc2.weight"
+    for unchanged in ("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight",
+                      "decoder.layers.1.mlp.shared_experts.linear_fc1.weight",
+                      "decoder.layers.1.mlp.router.weight", "output_layer.weight"):
+        assert name(unchanged) == unchanged
+
+
 def test_mismatched_checkpoint_is_refused_naming_the_field(states):
     state = states[("qwen2", False)]
     shapes = {k: tuple(v.shape) for k, v in state.items()}

@@ -665,7 +665,7 @@ def load_balancing_worker(rank, world, hf_dir, ids, mask, settings):
 
     trainer = MegatronTrainer(ActorConfig(moe_aux_loss_coeff=AUX, **settings), hf_dir)
     config = get_model_config(trainer.model[0])
-    chunks = build_model(hf_dir, config_overrides=trainer._load_balancing())
+    chunks = build_model(hf_dir, config_overrides=trainer._moe_settings())
     load_hf_checkpoint(chunks, hf_dir)
     return ((config.moe_router_load_balancing_type, config.moe_aux_loss_coeff),
             training_grads(chunks, ids, mask, rank)[0])

@@ -268,6 +268,8 @@ def test_env_mix_errors_name_the_key(mix, extra, needle):
      "env.mix[0].kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
     (["actor.bf16=true"], "actor.bf16: bf16 training needs a GPU; this machine has none"),
     (["critic.bf16=true"], "critic.bf16: bf16 training needs a GPU; this machine has none"),
+    (["actor.moe_grouped_gemm=true"], "actor.moe_grouped_gemm: grouped-GEMM experts are "
+     "TransformerEngine's TEGroupedMLP, which needs TransformerEngine on a GPU"),
 ])
 def test_preflight_checks_what_loading_does_not(overrides, needle, monkeypatch):
     """Loading validates the tree alone; the start-up check builds every env once and looks

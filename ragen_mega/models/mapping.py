@@ -12,7 +12,9 @@ in TP-rank order). :func:`check_checkpoint` compares a checkpoint's tensor shape
 Names. Megatron names are those of ``GPTModel`` built with the *local* layer spec
 (``decoder.layers.3.self_attention.linear_qkv.weight``). A "global" name carries the global layer
 index; a model chunk's own ``named_parameters`` carry local indices (``to_local``/``to_global``
-convert). The TE layer spec fuses the pre-norms into the linears; ``TE_ALIASES`` renames them.
+convert). The TE layer spec fuses the pre-norms into the linears, and its grouped-GEMM experts
+(``TEGroupedMLP``) keep one ``weight{j}`` per local expert in a layer-wide linear:
+:func:`local_spec_name` renames both to the local spec's names.
 
 Layouts (the reasons the table exists):
 - ``linear_qkv`` is grouped per KV head: for each group g, its q heads, then k_g, then v_g
@@ -56,10 +58,24 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"\.local_experts\.(\d+)\.")
 
 # TE spec name -> local spec name (the TE linears carry the preceding norm's weight)
-TE_ALIASES = {
+_TE_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
+# TEGroupedMLP's per-expert weights: local expert j of a layer's grouped fc1 / fc2
+_TE_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc([12])\.weight(\d+)$")
+
+
+def local_spec_name(name: str) -> str:
+    """A parameter name of a model built with the TE layer spec (fused pre-norms, grouped-GEMM
+    experts) as the local spec calls it, which is the name the rules speak; a local-spec name
+    comes back unchanged. TE's grouped expert weights have the shape of the ``SequentialMLP``
+    expert linear they replace (``[out / TP, in]``, gate and up halves per TP rank alike)."""
+    for te_name, local_name in _TE_ALIASES.items():
+        if name.endswith(te_name):
+            return name[: -len(te_name)] + local_name
+    return _TE_GROUPED_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{m.group(2)}"
+                                            f".linear_fc{m.group(1)}.weight", name)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -81,7 +81,7 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
     use_te = te_available() if use_te is None else use_te
     local_sp = config.sequence_parallel and not use_te   # the local spec's norms must allow SP
     layers = layer_spec(spec, use_te=use_te, local_attention=local_attention,
-                        sequence_parallel=local_sp)
+                        sequence_parallel=local_sp, grouped_gemm=config.moe_grouped_gemm)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
@@ -147,14 +147,8 @@ def chunk_spec(chunks) -> tuple[ModelSpec, str]:
 
 
 def _local_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """Named parameters under the local-spec names (TE's fused norm names renamed)."""
-    out = {}
-    for name, p in model.named_parameters():
-        for te_name, local_name in mapping.TE_ALIASES.items():
-            if name.endswith(te_name):
-                name = name[: -len(te_name)] + local_name
-        out[name] = p
-    return out
+    """Named parameters under the local-spec names (``mapping.local_spec_name``)."""
+    return {mapping.local_spec_name(name): p for name, p in model.named_parameters()}
 
 
 class _LazySafetensors(Mapping):

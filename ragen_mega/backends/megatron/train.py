@@ -189,18 +189,22 @@ class MegatronTrainer:
     def _load(self, role: str) -> list:
         chunks = build_model(self.hf_dir, role=role, dtype=self.dtype,
                              local_attention=self.config.local_attention,
-                             config_overrides=self._load_balancing())
+                             config_overrides=self._moe_settings())
         load_hf_checkpoint(chunks, self.hf_dir)
         return chunks
 
-    def _load_balancing(self) -> dict:
-        """megatron-core's load-balancing loss of a mixture of experts, as configured
-        (``moe_aux_loss_coeff``, ``moe_load_balancing``); nothing for a dense model."""
+    def _moe_settings(self) -> dict:
+        """A mixture of experts' configured TransformerConfig settings: megatron-core's
+        load-balancing loss (``moe_aux_loss_coeff``, ``moe_load_balancing``) and grouped-GEMM
+        experts (``moe_grouped_gemm``); nothing for a dense model."""
         c = self.config
-        if not c.moe_aux_loss_coeff or not model_spec(self.hf_dir).is_moe:
+        if not model_spec(self.hf_dir).is_moe:
             return {}
-        return {"moe_router_load_balancing_type": c.moe_load_balancing,
-                "moe_aux_loss_coeff": c.moe_aux_loss_coeff}
+        out = {"moe_grouped_gemm": True} if c.moe_grouped_gemm else {}
+        if c.moe_aux_loss_coeff:
+            out.update(moe_router_load_balancing_type=c.moe_load_balancing,
+                       moe_aux_loss_coeff=c.moe_aux_loss_coeff)
+        return out
 
     def _wrap_ddp(self, chunks: list) -> list:
         from megatron.core.distributed import (DistributedDataParallel,

@@ -68,10 +68,11 @@ def moe_config(spec: ModelSpec) -> dict:
     softmax *after* the top-k (``moe_router_pre_softmax=False``); without it they stay
     fractions of the full softmax (``pre_softmax=True``). On the tiny random models of
     tests/test_moe.py the wrong one moves log-probs by 5e-3 to 1.3e-2, the right one matches
-    transformers to 1e-5. The router runs in fp32. ``SequentialMLP`` experts (no grouped
-    GEMM: one linear per expert, whose names the mapping speaks) and the alltoall dispatcher
-    that every layout already uses. No auxiliary load-balancing loss: the router is trained by the policy loss
-    alone (a load-balancing loss is still to come as a config key)."""
+    transformers to 1e-5. The router runs in fp32. ``SequentialMLP`` experts (one linear per
+    expert) unless overridden with ``moe_grouped_gemm=True`` (TransformerEngine's
+    ``TEGroupedMLP``, see :func:`layer_spec`), and the alltoall dispatcher that every layout
+    already uses. No load-balancing loss unless overridden: the router is trained by the policy
+    loss alone (``ModelTrainingConfig.moe_aux_loss_coeff``)."""
     shared = spec.shared_expert_ffn_hidden_size
     return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k,
                 moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_grouped_gemm=False,
@@ -91,8 +92,14 @@ def te_available() -> bool:
 
 
 def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: LocalAttention = "sdpa",
-               sequence_parallel: bool = False):
+               sequence_parallel: bool = False, grouped_gemm: bool = False):
     """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise.
+
+    ``grouped_gemm`` (a mixture of experts'; the TransformerConfig's ``moe_grouped_gemm``): each
+    layer's local experts run as one grouped GEMM, TransformerEngine's ``TEGroupedMLP``. It needs
+    the TE spec: Megatron's only grouped-GEMM experts without TE are the deprecated
+    ``GroupedMLP``, which needs the ``grouped_gemm`` CUDA package, trains in bf16 only and keeps
+    all experts in one transposed tensor the mapping does not speak.
 
     ``local_attention`` picks the local spec's core attention: ``"sdpa"`` (one fused
     ``scaled_dot_product_attention`` call: flash kernels on a GPU) or ``"unfused"`` (Megatron's
@@ -108,7 +115,12 @@ def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: 
                          f"got {local_attention!r}")
     if use_te is None:
         use_te = te_available()
-    experts = dict(num_experts=spec.num_experts or None, moe_grouped_gemm=False)
+    if grouped_gemm and not use_te:
+        raise ValueError("moe_grouped_gemm: grouped-GEMM experts are TransformerEngine's "
+                         "TEGroupedMLP, which needs TransformerEngine on a GPU; this process has "
+                         "none (leave moe_grouped_gemm false: one linear per expert)")
+    experts = dict(num_experts=spec.num_experts or None,
+                   moe_grouped_gemm=bool(grouped_gemm and spec.is_moe))
     if use_te:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm,
                                                           **experts)
