@@ -9,8 +9,10 @@ training (Megatron's schedule contract; below).
 Vocab-parallel: the LM head's logits stay split over TP ranks (``parallel_output=True``); the
 softmax normaliser, the target logit and the entropy term take one all-reduce over the TP group
 of [b, s] tensors (after a MAX all-reduce for stability), never a full-vocab gather, and the
-same function is differentiable for training (:class:`_VocabParallelLogprobs`). Padded vocab columns (ids >= vocab_size)
-are excluded from the softmax, so log-probs equal transformers' even when TP forces padding.
+same function is differentiable for training (:class:`_VocabParallelLogprobs`: one full-vocab
+tensor besides the logits in training, none in inference). Padded vocab columns (ids >=
+vocab_size) are excluded from the softmax, so log-probs equal transformers' even when TP forces
+padding.
 
 Training with a loss (for the trainer): each micro-batch is a dict with at least ``input_ids``
 [b, s] (right padded, trimmed) and ``attention_mask``; any other [b, ...] tensors you put in it
@@ -35,69 +37,96 @@ from ragen_mega.backends.megatron.routing import set_engine_routing
 from ragen_mega.backends.megatron.parallel import local_device
 
 
+#: values (tokens x vocab) of one block of the log-prob work, whose fp32 temporaries exist a
+#: block at a time: on the CPU 16 MiB, under glibc's largest mmap threshold (32 MiB), so each
+#: block reuses the last one's memory instead of faulting in fresh pages (2^24 values: 2.4x
+#: slower inference, benchmarks/bench_logprobs.py); on a GPU the caching allocator reuses any
+#: size, and larger blocks launch fewer kernels
+BLOCK_VALUES = {"cpu": 1 << 22, "cuda": 1 << 26}
+
+
 def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, *,
                                     vocab_size: int, temperature: float = 1.0,
                                     compute_entropy: bool = True, tp_group=None,
-                                    inplace: bool = False):
+                                    block_rows: int | None = None):
     """Log-prob of ``targets`` and entropy of softmax(logits / T) from this rank's vocab slice.
 
-    ``logits`` [..., V_local] hold global vocab ids [rank * V_local, (rank + 1) * V_local);
-    ``targets`` [...] global ids. Returns fp32 tensors of ``targets``' shape (entropy or None),
-    differentiable with respect to ``logits``. ``inplace`` (inference only): ``logits`` may be
-    overwritten. See :class:`_VocabParallelLogprobs` for how the full-vocab work is kept small.
+    ``logits`` [..., V_local] (any float dtype; the math is fp32) hold global vocab ids
+    [rank * V_local, (rank + 1) * V_local); ``targets`` [...] global ids. Returns fp32 tensors of
+    ``targets``' shape (entropy or None), differentiable with respect to ``logits``, which are
+    never modified. ``block_rows``: rows (tokens) per block of the full-vocab work (default: about
+    ``BLOCK_VALUES`` of the device's type a block); :class:`_VocabParallelLogprobs` says what
+    memory the function needs.
     """
     from megatron.core import parallel_state as mpu
 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if inplace and torch.is_grad_enabled() and logits.requires_grad:
-        raise ValueError("vocab_parallel_logprobs_entropy: inplace is for inference only")
+    if block_rows is not None and block_rows < 1:
+        raise ValueError(f"block_rows must be None or >= 1, got {block_rows}")
     group = tp_group or mpu.get_tensor_model_parallel_group()
+    block = block_rows or max(1, BLOCK_VALUES.get(logits.device.type, 1 << 22)
+                              // logits.shape[-1])
+    # inside the function grad mode is off and needs_input_grad ignores it: decide here
+    keep = torch.is_grad_enabled() and logits.requires_grad
     logprobs, entropy = _VocabParallelLogprobs.apply(logits, targets, vocab_size, temperature,
-                                                     compute_entropy, group, inplace)
+                                                     compute_entropy, group, block, keep)
     return logprobs, (entropy if compute_entropy else None)
+
+
+def _row_blocks(rows: int, block: int):
+    return (slice(start, min(start + block, rows)) for start in range(0, rows, block))
 
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     """Log-probs and entropy of a vocab-parallel softmax, with a hand-written backward.
 
-    The full-vocab tensors (tokens x vocab) are the largest of a forward, so this keeps one for
-    the backward: ``e = exp(d)``, ``d = u - m`` (``u`` the logits over T, ``m`` the global max);
-    ``d`` is made in place on the logits in inference, and with the entropy it becomes
-    ``e * d`` in place (``H = log Z - sum_v e_v d_v / Z``, ``Z = sum_v e_v``: the shifted sum,
-    whose terms have one sign; unshifted, ``sum_v e_v u_v`` cancels against ``m`` and loses
-    1e-2 on a real model's logits). The backward is the analytic gradient, computed into one
-    buffer: for ``p = e / Z`` and the target's one-hot ``y``,
-    ``d logp / du = y - p`` and ``d H / du = -p (u - m - log Z + H)``. Autograd through the
-    same formulas keeps and allocates several more full-vocab tensors. Each value needs one all-reduce over the TP group of a [..] tensor
-    (after the max's); the backward needs none: every TP rank holds the same log-probs, entropy
-    and upstream gradients, as in Megatron's vocab-parallel cross entropy."""
+    Full-vocab tensors (tokens x vocab) are the largest of a step (9.3 GiB in fp32 for 16k
+    tokens of Qwen's 151 936-row vocabulary), so this allocates at most one besides the logits:
+    ``e = exp(d)``, ``d = u - m`` (``u`` the logits over T in fp32, ``m`` the global max), kept
+    for the backward, which computes the gradient into it. Everything else works on blocks of
+    rows (``block`` tokens): ``u`` and ``d`` exist a block at a time, so bf16 logits are never
+    copied whole to fp32 and inference (nothing kept) needs no full-vocab tensor at all. Per
+    token, with ``Z = sum_v e_v``: ``log p(target) = d_target - log Z`` and the entropy
+    ``H = log Z - sum_v e_v d_v / Z`` (the shifted sum, whose terms have one sign; unshifted,
+    ``sum_v e_v u_v`` cancels against ``m`` and loses 1e-2 on a real model's logits). The
+    backward is the analytic gradient: for ``p = e / Z`` and the target's one-hot ``y``,
+    ``d logp / du = y - p`` and ``d H / du = -p (u - m - log Z + H)``; it reuses ``e``, as
+    Megatron's vocab-parallel cross entropy reuses its softmax, so the graph cannot be run
+    backward twice. Each value needs one all-reduce over the TP group of a [..] tensor (after
+    the max's); the backward needs none: every TP rank holds the same log-probs, entropy and
+    upstream gradients."""
 
     @staticmethod
-    def forward(ctx, logits, targets, vocab_size, temperature, compute_entropy, group, inplace):
+    def forward(ctx, logits, targets, vocab_size, temperature, compute_entropy, group, block,
+                keep):
         tp = dist.get_world_size(group)
-        v_local = logits.shape[-1]
+        shape, v_local = targets.shape, logits.shape[-1]
         start = (dist.get_rank(group) if tp > 1 else 0) * v_local
         valid = max(0, min(v_local, vocab_size - start))  # padded columns sit at the end
         ctx.set_materialize_grads(False)  # an output the loss leaves out gets no gradient pass
-        u = logits.float()
-        if temperature != 1.0:  # x / 1 == x exactly: no pass at the usual temperature
-            u = u.div_(temperature) if inplace or u is not logits else u / temperature
-        u = u.contiguous()
-        top = u[..., :valid].amax(dim=-1)
+        flat, flat_targets = logits.reshape(-1, v_local), targets.reshape(-1)
+        # the max commutes with the exact fp32 cast and with the division by T > 0
+        top = flat[:, :valid].amax(dim=-1).float() / temperature
         if tp > 1:
             dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        local = (targets >= start) & (targets < start + valid)
-        index = (targets - start).clamp(0, v_local - 1).unsqueeze(-1)
-        target_logit = (u.gather(-1, index).squeeze(-1) - top) * local
-        # d = u - m: in place on the logits in inference (nothing reads u afterwards)
-        d = u.sub_(top.unsqueeze(-1)) if inplace else u - top.unsqueeze(-1)
-        e = d.exp() if compute_entropy else d.exp_()
-        e[..., valid:] = 0.0
-        sums = [e.sum(dim=-1), target_logit]
-        if compute_entropy:  # sum_v e_v d_v: terms of one sign, torch's pairwise sum
-            sums.append(d.mul_(e).sum(dim=-1))
-        del d
+        local = (flat_targets >= start) & (flat_targets < start + valid)
+        index = (flat_targets - start).clamp(0, v_local - 1).unsqueeze(-1)
+        target_logit = (flat.gather(-1, index).squeeze(-1).float() / temperature - top) * local
+        e_all = torch.empty(flat.shape, dtype=torch.float32, device=flat.device) if keep else None
+        sum_exp = torch.empty_like(top)
+        weighted = torch.empty_like(top) if compute_entropy else None
+        for rows in _row_blocks(flat.shape[0], block):
+            d = _shifted(flat[rows], top[rows], temperature)
+            if keep:
+                e = torch.exp(d, out=e_all[rows])
+            else:  # d is only needed again for the entropy
+                e = d.exp() if compute_entropy else d.exp_()
+            e[:, valid:] = 0.0
+            sum_exp[rows] = e.sum(dim=-1)
+            if compute_entropy:  # sum_v e_v d_v: terms of one sign, torch's pairwise sum
+                weighted[rows] = d.mul_(e).sum(dim=-1)
+        sums = [sum_exp, target_logit] + ([weighted] if compute_entropy else [])
         if tp > 1:  # one all-reduce for all of them
             stacked = torch.stack(sums)
             dist.all_reduce(stacked, group=group)
@@ -107,31 +136,42 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         logprobs = target_logit - log_z
         entropy = (log_z - sums[2] / sum_exp if compute_entropy
                    else torch.zeros_like(logprobs))
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(u, e, index, local, top, sum_exp, log_z, entropy)
-        ctx.temperature, ctx.compute_entropy, ctx.dtype = temperature, compute_entropy, logits.dtype
-        return logprobs, entropy
+        if keep:
+            ctx.save_for_backward(logits, e_all, index, local, top, sum_exp, log_z, entropy)
+        ctx.temperature, ctx.compute_entropy, ctx.block = temperature, compute_entropy, block
+        return logprobs.view(shape), entropy.view(shape)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        u, e, index, local, top, sum_exp, log_z, entropy = ctx.saved_tensors
-        grad = torch.empty_like(e)
+        logits, grad, index, local, top, sum_exp, log_z, entropy = ctx.saved_tensors
+        flat = logits.reshape(grad.shape)
+        g_lp = None if grad_logprobs is None else grad_logprobs.reshape(-1).float()
+        scale = (-1.0 / sum_exp).unsqueeze(-1)  # grad is e, made -p (...) in place
         if ctx.compute_entropy and grad_entropy is not None:
-            # -p * (g_lp + g_H * (u - m - log Z + H))
-            torch.sub(u, (top + log_z - entropy).unsqueeze(-1), out=grad)  # u - m - log Z + H
-            grad.mul_(grad_entropy.unsqueeze(-1))
-            if grad_logprobs is not None:
-                grad.add_(grad_logprobs.unsqueeze(-1))
-            grad.mul_(e).mul_((-1.0 / sum_exp).unsqueeze(-1))
-        elif grad_logprobs is not None:
-            torch.mul(e, (-grad_logprobs / sum_exp).unsqueeze(-1), out=grad)
+            g_h = grad_entropy.reshape(-1).float()
+            shift = top + log_z - entropy  # u - shift = u - m - log Z + H
+            for rows in _row_blocks(flat.shape[0], ctx.block):
+                t = _shifted(flat[rows], shift[rows], ctx.temperature)
+                t.mul_(g_h[rows].unsqueeze(-1))
+                if g_lp is not None:
+                    t.add_(g_lp[rows].unsqueeze(-1))
+                grad[rows].mul_(t).mul_(scale[rows])
+        elif g_lp is not None:
+            grad.mul_(scale * g_lp.unsqueeze(-1))
         else:
             grad.zero_()
-        if grad_logprobs is not None:  # + g_lp at the target, where this rank holds it
-            grad.scatter_add_(-1, index, (grad_logprobs * local).unsqueeze(-1))
+        if g_lp is not None:  # + g_lp at the target, where this rank holds it
+            grad.scatter_add_(-1, index, (g_lp * local).unsqueeze(-1))
         if ctx.temperature != 1.0:
             grad.div_(ctx.temperature)
-        return grad.to(ctx.dtype), None, None, None, None, None, None
+        return grad.view(logits.shape).to(logits.dtype), *[None] * 7
+
+
+def _shifted(logits_rows: torch.Tensor, shift: torch.Tensor, temperature: float) -> torch.Tensor:
+    """A new fp32 tensor ``logits / T - shift`` of a block of rows (``shift`` [rows])."""
+    if temperature != 1.0:  # x / 1 == x exactly: no pass at the usual temperature
+        return (logits_rows.float() / temperature).sub_(shift.unsqueeze(-1))
+    return logits_rows.float() - shift.unsqueeze(-1)
 
 
 def _lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -219,8 +259,7 @@ def _postprocess(model, output_tensor: torch.Tensor, batch: dict, temperature: f
     targets = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)
     logprobs, entropy = vocab_parallel_logprobs_entropy(
         output_tensor, targets, vocab_size=inner.ragen_spec.vocab_size,
-        temperature=temperature, compute_entropy=compute_entropy,
-        inplace=not torch.is_grad_enabled())  # nothing else reads the logits
+        temperature=temperature, compute_entropy=compute_entropy)
     next_mask = mask[:, 1:]
     return {"logprobs": logprobs[:, :-1] * next_mask,
             "entropy": entropy[:, :-1] * next_mask if entropy is not None else None}
