@@ -6,10 +6,12 @@
 #      Qwen2-MoE's actor step at EP 1, with one linear per expert and with grouped-GEMM experts
 #      (TransformerEngine's TEGroupedMLP: skipped, saying so, where TE is not installed; EP 2
 #      over NCCL needs a second GPU: skipped, saying so);
-#   2. bench_train_step.py on the Qwen2.5-1.5B / 0.5B shapes (random weights), bf16: tokens/s,
+#   2. bench_logprobs.py at 16k tokens of Qwen's 151 936-row vocabulary (9.3 GiB a full fp32
+#      tensor): time and peak CUDA memory of the log-prob/entropy function against plain autograd;
+#   3. bench_train_step.py on the Qwen2.5-1.5B / 0.5B shapes (random weights), bf16: tokens/s,
 #      MFU and peak memory of Megatron with SDPA attention, Megatron with the unfused attention,
 #      and transformers, in one run per shape. Expected to take ~5 min on an H200; the limits
-#      below add up to 8.
+#      below add up to 10.
 # Usage, from the repository root: benchmarks/gpu_check.sh OUT_DIR
 # Needs torch with CUDA, transformers, pytest(-timeout) and megatron-core importable, and the
 # SmolLM2 tokenizer under $RAGEN_MEGA_CACHE/models/SmolLM2-135M-Instruct (the tiny test models
@@ -27,6 +29,9 @@ export PYTHONUNBUFFERED=1
 
 timeout 180 python3 -m pytest -p no:cacheprovider -q -rA -s tests/test_gpu.py 2>&1 \
   | grep -v "Warning\|warnings.warn" | tee "$out/test_gpu.log"
+
+timeout 120 python3 benchmarks/bench_logprobs.py --tokens 16384 --vocab 151936 --repeats 3 2>&1 \
+  | grep -E "^tokens=|^one|^\||ratio" | tee "$out/bench_logprobs.md"
 
 n=0
 bench() {  # LIMIT_S ARGS...: one benchmark; the table and ratio lines are what matter
