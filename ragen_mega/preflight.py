@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ragen_mega.backends.megatron.transformer_config import te_available
+from ragen_mega.backends.megatron.transformer_config import (GROUPED_GEMM_NEEDS_TE,
+                                                              te_available)
 from ragen_mega.config import RunConfig
 from ragen_mega.config_tree import ConfigError
 
@@ -55,9 +56,7 @@ def preflight(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"{role}.bf16: bf16 training needs a GPU; this machine has none "
                               f"(set {role}.bf16=false)")
         if getattr(cfg, role).moe_grouped_gemm and not te_available():
-            raise ConfigError(f"{role}.moe_grouped_gemm: grouped-GEMM experts are "
-                              f"TransformerEngine's TEGroupedMLP, which needs TransformerEngine "
-                              f"on a GPU; this machine has none (set "
+            raise ConfigError(f"{role}.moe_grouped_gemm: {GROUPED_GEMM_NEEDS_TE} (set "
                               f"{role}.moe_grouped_gemm=false: one linear per expert)")
     check_model_layout(cfg)
     return cfg

@@ -65,8 +65,8 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
     if block_rows is not None and block_rows < 1:
         raise ValueError(f"block_rows must be None or >= 1, got {block_rows}")
     group = tp_group or mpu.get_tensor_model_parallel_group()
-    block = block_rows or max(1, BLOCK_VALUES.get(logits.device.type, 1 << 22)
-                              // logits.shape[-1])
+    values = BLOCK_VALUES.get(logits.device.type, BLOCK_VALUES["cpu"])
+    block = block_rows or max(1, values // logits.shape[-1])
     # inside the function grad mode is off and needs_input_grad ignores it: decide here
     keep = torch.is_grad_enabled() and logits.requires_grad
     logprobs, entropy = _VocabParallelLogprobs.apply(logits, targets, vocab_size, temperature,

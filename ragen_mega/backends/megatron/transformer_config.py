@@ -83,6 +83,11 @@ def moe_config(spec: ModelSpec) -> dict:
                 moe_shared_expert_gate=bool(shared), moe_shared_expert_overlap=False)
 
 
+#: why ``moe_grouped_gemm`` cannot be on here (the start-up check puts the config key in front)
+GROUPED_GEMM_NEEDS_TE = ("grouped-GEMM experts are TransformerEngine's TEGroupedMLP, which needs "
+                         "TransformerEngine on a GPU; this machine has none")
+
+
 def te_available() -> bool:
     try:
         import transformer_engine  # noqa: F401
@@ -116,9 +121,8 @@ def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: 
     if use_te is None:
         use_te = te_available()
     if grouped_gemm and not use_te:
-        raise ValueError("moe_grouped_gemm: grouped-GEMM experts are TransformerEngine's "
-                         "TEGroupedMLP, which needs TransformerEngine on a GPU; this process has "
-                         "none (leave moe_grouped_gemm false: one linear per expert)")
+        raise ValueError(f"moe_grouped_gemm: {GROUPED_GEMM_NEEDS_TE} (leave it false: one "
+                         f"linear per expert)")
     experts = dict(num_experts=spec.num_experts or None,
                    moe_grouped_gemm=bool(grouped_gemm and spec.is_moe))
     if use_te:
