@@ -6,7 +6,10 @@ the tiny-model loop (real Ray, Megatron, SGLang):
 * ... and in the middle of a step-2 rollout: the engine comes back with the step-1 weights and
   the episodes that used it are replayed, giving exactly the samples the same rollout gave
   without the fault; past ``rollout.max_engine_restarts_per_step`` a dead engine is a clear
-  error.
+  error;
+* ... and in step 2's weight sync, and its restarted server before it joins the new
+  weight-update group: each time the sync fails, the engine is restarted and the sync made
+  again into the new server.
 * the ``ragen-mega train`` driver is SIGKILLed mid-run: every process it started (Ray, the
   trainer ranks, the engine worker, the SGLang server and its children) is gone soon after.
 """
@@ -23,6 +26,7 @@ import pytest
 
 from conftest import server_killed_under_first_request, server_pids
 from ragen_mega.config import load_run_config
+from ragen_mega.ray.engine_group import EngineGroup
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
 from ragen_mega import checkpoints
@@ -64,6 +68,14 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _kill(pid: int) -> None:
+    """SIGKILL ``pid`` and wait (up to 30 s) until it is gone."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _samples(episodes) -> list[tuple]:
     return [(s.episode_id, s.turn, s.prompt_ids, s.response_ids, s.reward, s.last)
             for e in episodes for s in e.samples]
@@ -83,9 +95,13 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
     with the server killed while the first request is in flight (restart 1: the replay must
     give the reference's samples, so the new server has the step-1 weights, not the checkpoint
     it loads), once with the server killed before it starts while the step's one allowed
-    restart is spent (a clear error), then, with one more restart allowed, again (restart 2,
-    same samples). The step then trains on the replayed episodes and syncs into the new server
-    through the re-formed weight-update group."""
+    restart is spent (a clear error), then, with more restarts allowed, again (restart 2, same
+    samples). The step then trains on the replayed episodes and syncs; that server is SIGKILLed
+    after the sync's check for dead engines, so the sync itself fails on it: the failure must
+    reach every trainer rank, and the run restart the engine (restart 3) and sync into the new
+    server through a new weight-update group. That server dies before it joins the group: the
+    sync fails again, the engine restarts again (4) and the sync reaches it (the post-sync
+    check)."""
     import numpy as np
 
     real_rollout = RolloutManager.episodes
@@ -101,12 +117,13 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
             seen["replayed"], seconds = real_rollout(rollouts, step)
         assert not _alive(first_pid)
 
-        os.kill(server_pids(tmp_path)[-1], signal.SIGKILL)  # the one restart of this step is used
+        os.kill(server_pids(tmp_path)[-1], signal.SIGKILL)
+        rollouts.engines.max_restarts_per_step = 1  # and this step has had one
         with pytest.raises(RuntimeError, match=r"engine 0's SGLang server died \(log .*engine_0"
                                                r"\.log\) .*\(rollout\.max_engine_restarts_per_"
                                                r"step=1\)"):
             real_rollout(rollouts, step)
-        rollouts.engines.max_restarts_per_step = 2
+        rollouts.engines.max_restarts_per_step = 4
         seen["after_error"], seconds = real_rollout(rollouts, step, faults=faults)
         return seen["after_error"], seconds
 
@@ -116,22 +133,47 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
         out = real_update(cfg, run, step, played, metrics)
         if step == 1:
             seen["killed_in_train"] = pid = server_pids(tmp_path)[-1]
-            os.kill(pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            while _alive(pid) and time.monotonic() < deadline:
-                time.sleep(0.1)
+            _kill(pid)
         return out
 
+    real_restart_dead = EngineGroup.restart_dead
+    checks = []
+
+    def killed_after_the_check(engines):
+        """Step 2's sync (the run's third): the server dies after the check for dead engines,
+        so the sync's own requests meet it dead."""
+        restarted = real_restart_dead(engines)
+        checks.append(restarted)
+        if len(checks) == 3:
+            seen["killed_in_sync"] = pid = server_pids(tmp_path)[-1]
+            _kill(pid)
+        return restarted
+
+    real_restart_after = EngineGroup.restart_after_failed_sync
+
+    def killed_before_it_joins(engines, error):
+        """The first server restarted after the failed sync dies before it joins the new
+        weight-update group: the sync fails again and is made again into yet another."""
+        restarted = real_restart_after(engines, error)
+        if "killed_before_join" not in seen:
+            seen["killed_before_join"] = pid = server_pids(tmp_path)[-1]
+            _kill(pid)
+        return restarted
+
+    monkeypatch.setattr(EngineGroup, "restart_after_failed_sync", killed_before_it_joins)
     monkeypatch.setattr(RolloutManager, "episodes", faulted_rollout)
     monkeypatch.setattr(train_module, "update_models", killed_after_update)
+    monkeypatch.setattr(EngineGroup, "restart_dead", killed_after_the_check)
     overrides = tiny_run_overrides(tmp_path, total_steps=2) + [
-        "trainer.save_every=0", "rollout.max_engine_restarts_per_step=1"]
+        "trainer.save_every=0", "rollout.max_engine_restarts_per_step=4"]
     history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
 
     assert [h["step"] for h in history] == [1, 2]
     assert history[0]["fault/engine_restarts"] == 1 and history[0]["fault/episodes_retried"] == 0
     assert history[0]["sync/max_logprob_diff"] < 1e-3  # the new server has step 1's weights
-    assert history[1]["fault/engine_restarts"] == 2
+    # two in the rollout, two in the sync: its failed sync restarted the engine, whose server
+    # died before it joined; the sync failed again, restarted it again and went through
+    assert history[1]["fault/engine_restarts"] == 4
     # the first kill: at least the request in flight, at most all 4 episodes; the second: all 4
     assert 4 + 1 <= history[1]["fault/episodes_retried"] <= 4 + 4
     reference = seen["reference"]
@@ -140,11 +182,12 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
         assert _samples(replayed) == _samples(reference)  # none lost, none twice, same tokens
         np.testing.assert_allclose(_logprobs(replayed), _logprobs(reference), atol=1e-5)
     assert history[1]["train/batch_samples"] == 4
-    # the sync after the step reaches the third server and it serves the trainer's weights
+    # the step's sync, made a third time, reaches the sixth server: it serves the new weights
     assert history[1]["sync/max_logprob_diff"] < 1e-3
     pids = server_pids(tmp_path)
-    assert len(pids) == 4 and len(set(pids)) == 4
-    assert (pids[0], pids[1]) == (seen["killed_in_train"], seen["killed"])
+    assert len(pids) == 6 and len(set(pids)) == 6
+    assert (pids[0], pids[1], pids[3], pids[4]) == (
+        seen["killed_in_train"], seen["killed"], seen["killed_in_sync"], seen["killed_before_join"])
 
 
 STARTER = """

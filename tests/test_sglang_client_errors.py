@@ -264,6 +264,30 @@ def test_sender_stops_when_an_engine_refuses_the_broadcast(fake):
         assert "/update_weight_version" not in fake.calls  # a failed sync is not labelled
 
 
+def test_a_failed_update_is_raised_without_waiting_for_the_other_engines():
+    """A weight update's answers are awaited together: one engine's failure (a dead server's) is
+    raised at once, while an engine before it in order still has not answered (the survivor of
+    a broadcast whose other receiver died can wait in its receive until its time-out)."""
+    from concurrent.futures import Future
+
+    from ragen_mega.backends.sglang.weight_sender import _answered
+
+    waiting, failed, outcome = Future(), Future(), Future()
+    failed.set_exception(EngineError("POST http://engine-1/update_weights_from_distributed "
+                                     "failed: cannot connect"))
+
+    def await_both():
+        try:
+            _answered([waiting, failed])
+            outcome.set_result(None)
+        except EngineError as e:
+            outcome.set_result(e)
+
+    threading.Thread(target=await_both, daemon=True).start()
+    assert "engine-1" in str(outcome.result(timeout=60))  # not left waiting on engine 0
+    waiting.cancel()
+
+
 @pytest.mark.parametrize("stream, problem", [
     ([("v", (4,))], r"depart from their layout: expected 'w' \(4,\) torch.float32, got 'v'"),
     ([("w", (5,))], r"expected 'w' \(4,\) torch.float32, got 'w' \(5,\)"),

@@ -17,6 +17,8 @@ the first stage, in the last stage, and in another data-parallel replica.
 """
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -96,14 +98,31 @@ def _train_step(trainer, observed: dict, sign: float) -> dict:
                                 "old_logprobs": old, "advantages": adv * loss_mask})
 
 
-def _sync_worker(rank, world_size, hf_dir, urls, rounds, layout=None):
+class _KilledOnFirstDraw:
+    """An export whose first drawn tensor (on the sending rank: the one that knows the layout)
+    SIGKILLs the process group ``pgid``: an engine dies after its first bucket was announced."""
+
+    def __init__(self, export, pgid: int):
+        self.export, self.pgid, self.layout = export, pgid, export.layout
+
+    def __iter__(self):
+        for i, item in enumerate(self.export):
+            if i == 0 and self.layout is not None:
+                os.killpg(self.pgid, signal.SIGKILL)
+            yield item
+
+
+def _sync_worker(rank, world_size, hf_dir, urls, rounds, layout=None, kill_pgid=None):
     """A TP=``world_size`` trainer (or ``layout``: its ActorConfig parallel fields) that, per
     round ``(mode, load_format, streamed, sign)``, trains a step, observes the stale engines,
     syncs them as the training loop does (``DirectExport`` to rank 0, a sender of that
-    ``mode``; ``streamed``: the sender follows the export's layout) and observes them again."""
+    ``mode``, ``send_export``; ``streamed``: the sender follows the export's layout) and
+    observes them again. ``kill_pgid``: then one more step whose sync kills that engine's
+    server (``_KilledOnFirstDraw``), then a sync that first replaces both engines by clients
+    of the dead server; each rank reports what its ``send_export`` raised in each."""
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.backends.sglang.client import EngineClient
-    from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
+    from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender, send_export
     from ragen_mega.config import ActorConfig
 
     trainer = MegatronTrainer(ActorConfig(lr=1e-2, micro_batch_size=3,
@@ -116,20 +135,41 @@ def _sync_worker(rank, world_size, hf_dir, urls, rounds, layout=None):
         report[f"train_{version}"] = _train_step(trainer, last, sign)
         report[f"stale_{version}"] = _observe(trainer, clients)  # the engines have old weights
         export = trainer.weight_export(dst=0, prefetch_bytes=BUCKET_BYTES)
-        if rank != 0:  # its shards go straight to rank 0
-            for _ in export:
-                pass
-        else:
-            if mode not in senders:
-                senders[mode] = BucketedWeightSender(clients, mode=mode, backend="gloo",
-                                                     bucket_bytes=BUCKET_BYTES)
-                if mode == "distributed":
-                    senders[mode].connect()
-            sender = senders[mode]
+        if rank == 0 and mode not in senders:
+            senders[mode] = BucketedWeightSender(clients, mode=mode, backend="gloo",
+                                                 bucket_bytes=BUCKET_BYTES)
+            if mode == "distributed":
+                senders[mode].connect()
+        sender = senders.get(mode)
+        if sender is not None:
             sender.load_format = load_format
-            report[f"stats_{version}"] = sender.send(
-                export, version=version, layout=export.layout if streamed else None)
+        report[f"stats_{version}"] = send_export(export, sender, version, streamed=streamed)
         report[f"v{version}"] = last = _observe(trainer, clients)
+    if kill_pgid is not None:
+        _train_step(trainer, last, 1.0)
+        export = _KilledOnFirstDraw(trainer.weight_export(dst=0, prefetch_bytes=BUCKET_BYTES),
+                                    kill_pgid)
+        try:
+            send_export(export, senders.get("distributed"), len(rounds) + 1)
+            report["killed_sync"] = None
+        except Exception as e:  # noqa: BLE001 - the report says what it was
+            report["killed_sync"] = f"{type(e).__name__}: {e}"
+        # both engines "restarted" into the dead server: joining the new group fails
+        broken = senders.pop("distributed", None)
+
+        def rejoin():
+            dead = urls[-1]
+            broken.replace_engines({0: EngineClient(dead, timeout=120, retries=0),
+                                    1: EngineClient(dead, timeout=120, retries=0)})
+
+        export = trainer.weight_export(dst=0, prefetch_bytes=BUCKET_BYTES)
+        try:
+            send_export(export, broken, len(rounds) + 1, before=rejoin)
+            report["rejoin"] = None
+        except Exception as e:  # noqa: BLE001 - the report says what it was
+            report["rejoin"] = f"{type(e).__name__}: {e}"
+        for client in broken.engines if broken is not None else ():
+            client.close()
     for sender in senders.values():
         sender.close()
     for client in clients:
@@ -227,16 +267,33 @@ def test_tp1_megatron_sync_engine_follows_trainer(tiny_model):
 @pytest.mark.slow
 def test_tp2_megatron_sync_into_a_tp2_and_a_tp1_engine(tiny_model):
     """TP=2 trainer -> two engines in one broadcast group: a TP=2 engine (group ranks 1-2, each
-    SGLang rank loads its own shard of the broadcast) and a TP=1 engine (rank 3)."""
+    SGLang rank loads its own shard of the broadcast) and a TP=1 engine (rank 3).
+
+    Then the TP=1 engine's server is SIGKILLed once the third sync has begun: the sending rank
+    fails with the dead engine's error, and the other trainer rank, whose shards the sending
+    rank still drains from the export, returns from its part (it would otherwise wait in the
+    export until the launch's time-out). Then the sender is given two engines whose server is
+    that dead one: joining the new group fails at once (it would otherwise wait out the
+    rendezvous' time-out), and the other trainer rank returns from that sync as well."""
     hf_dir = tiny_model("qwen2", tied=False)
     rounds = [("distributed", None, True, 1.0), ("distributed", None, False, -1.0)]
     with launch_server(hf_dir, tp=2, dtype="float32", startup_timeout=600,
                        cpu_threads=1) as tp2_engine, \
             launch_server(hf_dir, dtype="float32", startup_timeout=600,
                           cpu_threads=1) as tp1_engine:
-        report, _ = run_workers(_sync_worker, 2, str(hf_dir), [tp2_engine.url, tp1_engine.url],
-                                rounds, tp=2, timeout=600)
+        report, other_rank = run_workers(_sync_worker, 2, str(hf_dir),
+                                         [tp2_engine.url, tp1_engine.url], rounds,
+                                         None, tp1_engine.pid, tp=2, timeout=600)
     _check_engines_follow(report, rounds)
+    # the dead engine's error, or the survivor's (its receive fails when the dead rank's
+    # connection resets): whichever came first
+    assert report["killed_sync"].startswith("EngineError") and any(
+        engine.url in report["killed_sync"] for engine in (tp1_engine, tp2_engine))
+    assert other_rank["killed_sync"] is None  # its shards were taken: it returned
+    # a restarted engine that dies before it joins the new group: an error, not a wait, and
+    # the other rank returns from that sync too
+    assert report["rejoin"].startswith("EngineError") and "did not join" in report["rejoin"]
+    assert other_rank["rejoin"] is None
     # every engine rank received through the CPU plugin (warm_receive.py), which says so
     arena_lines = {name: [line for line in server.log_file.read_text().splitlines()
                           if "warm_receive: weight-sync receive arena" in line]

@@ -193,9 +193,43 @@ class EngineGroup:
         """Restart every engine found dead between rollouts (its server process exited, or its
         HTTP server does not answer), counted as a rollout's restarts are; returns ``{engine:
         url}`` of the restarted ones, for the weight sync that follows to bring them to the
-        trainer's weights (``Run.sync_weights``, on the thread that holds the trainer). An engine
-        that died in the train phase would otherwise fail the sync's first request on the
-        sending rank alone, while the other trainer ranks wait in the export."""
+        trainer's weights (``Run.sync_weights``, on the thread that holds the trainer). Found
+        here, only the dead engine is restarted; one that dies after this check fails the sync,
+        and then every engine is (:meth:`restart_after_failed_sync`)."""
+        import ray
+
+        restarted = {}
+        for engine in self._dead():
+            self._allow_restart(engine, None)
+            self._replace_client(engine, ray.get(self.group.actors[engine].restart.remote()))
+            restarted[engine] = self.urls[engine]
+        return restarted
+
+    def restart_after_failed_sync(self, error: Exception) -> dict[int, str]:
+        """A weight sync failed with ``error`` (every trainer rank has returned: the sending
+        rank drains the export, ``send_export``). If an engine died during it, restart every
+        engine and return ``{engine: url}`` of all of them, for ``Run.sync_weights`` to sync
+        into through a new group. All of them: the dead ones cannot take part, and the others
+        were left inside the broken update (waiting in a broadcast receive that never completes,
+        which also keeps them from answering a request to leave the group). The dead ones count
+        against the step's restart allowance; the others are counted in
+        ``fault/engine_restarts`` but not limited. With no engine dead, ``error`` is re-raised:
+        a refused update or a trainer's failure is not an engine's fault."""
+        import ray
+
+        dead = self._dead()
+        if not dead:
+            raise error
+        for engine in dead:
+            self._allow_restart(engine, error)
+        self._faults["fault/engine_restarts"] += len(self.clients) - len(dead)
+        urls = ray.get([worker.restart.remote() for worker in self.group.actors])
+        for engine, url in enumerate(urls):
+            self._replace_client(engine, url)
+        return dict(enumerate(urls))
+
+    def _dead(self) -> list[int]:
+        """The engines whose server process exited or whose HTTP server does not answer."""
         import ray
 
         async def answering():
@@ -204,13 +238,8 @@ class EngineGroup:
 
         exited = ray.get([w.server_exited.remote() for w in self.group.actors])
         answers = self.run(answering())
-        restarted = {}
-        for engine, (gone, answers_http) in enumerate(zip(exited, answers)):
-            if gone or not answers_http:
-                self._allow_restart(engine, None)
-                self._replace_client(engine, ray.get(self.group.actors[engine].restart.remote()))
-                restarted[engine] = self.urls[engine]
-        return restarted
+        return [engine for engine, (gone, answers_http) in enumerate(zip(exited, answers))
+                if gone or not answers_http]
 
     @contextlib.contextmanager
     def resyncs_deferred(self):

@@ -71,14 +71,24 @@ class Run:
         """Push the actor's weights into every engine as ``version``. An engine that died since
         the rollout (the train phase) is restarted first, and one restarted during an overlapped
         rollout (not given weights from its thread) waits here: both join the weight-update
-        group, so this one sync gives them the weights. Colocated engines are released at this
+        group, so this one sync gives them the weights. An engine that dies during the sync fails
+        it on every trainer rank; then every engine is restarted and the sync is made again into
+        the new ones (``EngineGroup.restart_after_failed_sync``), as often as the step's restart
+        allowance lets it. Colocated engines are released at this
         point (after start-up, and after each rollout): they take their weight memory back first
         and their KV cache only once the weights are in (slime's order)."""
         restarted = {**self.engines.take_unsynced(), **self.engines.restart_dead()}
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["weights"])
-        metrics = (self.actor.replace_engines(restarted, version) if restarted
-                   else self.actor.sync_weights(version))
+        while True:  # ends with a sync, or an error: no engine dead, or too many restarts
+            try:
+                metrics = (self.actor.replace_engines(restarted, version) if restarted
+                           else self.actor.sync_weights(version))
+                break
+            except Exception as error:  # noqa: BLE001 - re-raised unless an engine died
+                restarted = self.engines.restart_after_failed_sync(error)
+                if self.cfg.trainer.colocate:
+                    self.engines.resume_memory(["weights"])
         self.weight_version = version
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["kv_cache"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -114,33 +114,37 @@ class TrainerWorker:
         if mode == "distributed":
             self.sender.connect()
 
-    def sync_weights(self, version: int) -> dict[str, float]:
+    def sync_weights(self, version: int, *, before: Callable[[], None] | None = None
+                     ) -> dict[str, float]:
         """Push the current weights into the engines (collective over every rank).
 
         Only rank 0 (the sender) receives full tensors: the other ranks send their shards
         straight to it, up to a bucket ahead, and rank 0 puts each tensor on the wire to the
-        engines as soon as it is whole (the sender streams along ``DirectExport.layout``)."""
+        engines as soon as it is whole (the sender streams along ``DirectExport.layout``).
+        ``before``: what rank 0 does first; it and a failed send are raised on rank 0 once the
+        export has run to its end on every rank (``send_export``)."""
         if self.sync_bucket_bytes is None:
             raise RuntimeError("sync_weights: call connect_engines first")
+        from ragen_mega.backends.sglang.weight_sender import send_export
+
         export = self.trainer.weight_export(dst=0, prefetch_bytes=self.sync_bucket_bytes)
-        if self.sender is None:  # not the sending rank: send its shards only
-            for _ in export:
-                pass
+        stats = send_export(export, self.sender, version, before=before)
+        if stats is None:  # not the sending rank
             return {}
-        stats = self.sender.send(export, version, layout=export.layout)
         return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes),
                 "sync/buckets": float(stats.num_buckets)}
 
     def replace_engines(self, urls: dict[int, str], version: int) -> dict[str, float]:
-        """Engines ``urls`` (index -> new url) were restarted: rank 0's channel takes each in
-        place of the dead one, then every rank syncs the current weights as ``version`` again,
-        so the new engines have them (the others receive the same values again)."""
-        if self.rank == 0:
+        """Engines ``urls`` (index -> new url) were restarted: rank 0's channel takes them in
+        place of the old ones, then every rank syncs the current weights as ``version`` again,
+        so the new engines have them (the others receive the same values again). A new engine
+        that fails to join fails the sync, on rank 0, once the other ranks are through it."""
+        def take_them_in() -> None:
             from ragen_mega.backends.sglang.client import EngineClient
 
-            for index, url in sorted(urls.items()):
-                self.sender.replace_engine(index, EngineClient(url))
-        return self.sync_weights(version)
+            self.sender.replace_engines({i: EngineClient(u) for i, u in sorted(urls.items())})
+
+        return self.sync_weights(version, before=take_them_in if self.rank == 0 else None)
 
     def close(self) -> None:
         """Tear down the weight-update channel (its process group and HTTP sessions)."""

@@ -31,10 +31,11 @@ from __future__ import annotations
 import io
 import time
 from collections import deque
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -235,9 +236,20 @@ class BucketedWeightSender:
         futures = [e.submit("init_weights_update_group", self.master_addr, store.port, offset,
                             world_size, self.group_name, self.backend, timeout=self.timeout)
                    for e, offset in zip(self.engines, offsets)]
+        # joined on a thread of its own, so that an engine that fails to join (its server died)
+        # ends the wait at once instead of after the rendezvous' time-out
+        pool = ThreadPoolExecutor(1, thread_name_prefix="weight-update-join")
+        joining = pool.submit(join_update_group, store, 0, world_size, self.group_name,
+                              self.backend, self.timeout)
+        pool.shutdown(wait=False)
+        wait([joining, *futures], return_when=FIRST_EXCEPTION)
+        refused = [f for f in futures if f.done() and f.exception() is not None]
+        if refused and not joining.done():
+            raise EngineError(f"an engine did not join the weight-update group (this side is "
+                              f"left waiting in the rendezvous until its {self.timeout:g} s "
+                              f"time-out): {refused[0].exception()}")
         try:
-            self.group = join_update_group(store, 0, world_size, self.group_name, self.backend,
-                                           self.timeout)
+            self.group = joining.result()
         except BaseException:
             for f in futures:  # our side's error is the news; the engines' calls would only
                 f.cancel()     # end at their time-out and hide it
@@ -265,15 +277,21 @@ class BucketedWeightSender:
         if errors:
             raise EngineError("destroy_weights_update_group failed: " + "; ".join(errors))
 
-    def replace_engine(self, index: int, engine: EngineClient) -> None:
-        """Send to ``engine`` (a restarted server, same TP size) instead of engine ``index``,
-        whose server is gone. Distributed mode: the other engines leave the broadcast group
-        (the dead one cannot; its ranks only vanish) and everyone joins a new one."""
-        survivors = self.engines[:index] + self.engines[index + 1:]
+    def replace_engines(self, engines: dict[int, EngineClient]) -> None:
+        """Send to ``engines`` (index -> client of a restarted server, same TP size) instead of
+        the engines of those indices, whose servers are gone. Distributed mode: the engines
+        kept leave the broadcast group (the gone ones cannot; their ranks only vanish) and
+        everyone joins a new one. After a broadcast that an engine's death broke, every engine
+        is replaced: the others wait in its receive, which never completes, and would not
+        answer a request to leave; then only this process leaves the old group."""
+        if not engines:
+            return
+        kept = [e for i, e in enumerate(self.engines) if i not in engines]
         if self.mode == "distributed":
-            self._leave_group(survivors)
-        self.engines[index].close()
-        self.engines[index] = engine
+            self._leave_group(kept)
+        for index, engine in engines.items():
+            self.engines[index].close()
+            self.engines[index] = engine
         if self.mode == "distributed":
             self.connect()
 
@@ -357,8 +375,7 @@ class BucketedWeightSender:
         wire_bytes = n_bytes = 0
         announced: list = []  # the HTTP calls of the bucket being received
         for i, bucket in enumerate(buckets):
-            for f in announced:  # an engine takes bucket k+1's request only after bucket k
-                f.result()
+            _answered(announced)  # an engine takes bucket k+1's request only after bucket k
             announced = [e.submit("update_weights_from_distributed", [n for n, _ in bucket],
                                   [t.dtype for _, t in bucket], [list(t.shape) for _, t in bucket],
                                   self.group_name, flush_cache=i == len(buckets) - 1,
@@ -379,8 +396,7 @@ class BucketedWeightSender:
             raise ValueError(f"BucketedWeightSender.send: the tensors go on past their layout "
                              f"({len(layout)} entries): {extra[0]!r} was not announced")
         self._await_broadcast([w for w, _ in on_wire], announced)
-        for f in announced:
-            f.result()
+        _answered(announced)
         for e in self.engines:
             e.end_weight_update()
         return len(layout), len(buckets), n_bytes
@@ -410,8 +426,7 @@ class BucketedWeightSender:
 
         def finish(_keep_alive=tensors) -> None:  # the tensors live until their broadcast ends
             self._await_broadcast(works, futures)
-            for f in futures:
-                f.result()
+            _answered(futures)
 
         return finish
 
@@ -444,10 +459,50 @@ class BucketedWeightSender:
                    for e, tp in zip(self.engines, self._tp_sizes())]
 
         def finish(_keep_alive=payload) -> None:  # the tensors' shared memory lives until here
-            for f in futures:
-                f.result()
+            _answered(futures)
 
         return finish
+
+
+def send_export(export, sender: BucketedWeightSender | None, version: str | int, *,
+                streamed: bool = True, before: Callable[[], None] | None = None
+                ) -> SyncStats | None:
+    """One rank's part in a weight sync whose tensors come from a collective export, which every
+    rank iterates to its end (``DirectExport``: the other ranks send their shards to the sending
+    one). ``sender``: the sending rank's, None on the others (they only send their shards on).
+    ``streamed``: the sender follows the export's ``layout``. ``before``: what the sending rank
+    does first (take restarted engines into its channel), failing as the send would.
+
+    A send that fails (an engine died mid-sync, refused the update, or did not join the group)
+    still draws the rest of the export, dropping it, before the error is raised: the other ranks
+    are sending their shards to this one and would otherwise wait in the export forever. So
+    every rank returns, the error reaches the caller from the sending rank, and the run can
+    restart the engines and sync again."""
+    tensors = iter(export)
+    if sender is None:
+        for _ in tensors:
+            pass
+        return None
+    try:
+        if before is not None:
+            before()
+        return sender.send(tensors, version, layout=export.layout if streamed else None)
+    except Exception:
+        for _ in tensors:
+            pass
+        raise
+
+
+def _answered(futures) -> None:
+    """Wait for every engine's answer to an update, raising the first failure as soon as it
+    comes: an engine that died must not leave this waiting on the others' answers, which wait
+    for a broadcast its death keeps from completing."""
+    wait(futures, return_when=FIRST_EXCEPTION)
+    for f in futures:
+        if f.done() and f.exception() is not None:
+            raise f.exception()
+    for f in futures:
+        f.result()
 
 
 def _expect(item, name: str, meta: torch.Tensor) -> torch.Tensor:
