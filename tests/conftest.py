@@ -298,17 +298,30 @@ def undocumented_scalars(keys, tags: tuple[str, ...] = ()) -> list[str]:
     return sorted(missing)
 
 
-def resumed_step_diffs(want: dict, got: dict, tol: float = 1e-4) -> dict:
+#: the actor's metrics that truncated IS (``actor.tis_cap``) weighs by the engine's log-probs
+TIS_WEIGHTED = ("actor/loss", "actor/pg_loss", "actor/grad_norm")
+
+
+def resumed_step_diffs(want: dict, got: dict, tol: float = 1e-4, *,
+                       weighted: tuple[str, ...] = ()) -> dict:
     """Where a resumed step's metrics differ from the uninterrupted run's: exact equality but
     for wall-clock times and what is computed from the engine's own log-probs (the CPU engine
     is not batch-invariant to ~2e-5; the truncated IS weight is exp(trainer - engine log-prob)),
-    which get ``tol``."""
+    which get ``tol``; ``weighted`` (e.g. :data:`TIS_WEIGHTED`): metrics that are means weighted
+    by such terms, which get ``tol`` relative to their size (a weight off by 2e-5 moves them by
+    at most as much, relatively)."""
     engine_logprobs = {"train/rollout_vs_trainer_logprob_diff", "sync/max_logprob_diff",
                        "actor/tis_weight"}
+
+    def same(k):
+        if k in engine_logprobs:
+            return math.isclose(got[k], want[k], rel_tol=0, abs_tol=tol)
+        if k in weighted:
+            return math.isclose(got[k], want[k], rel_tol=tol)
+        return got[k] == want[k]
+
     return {k: (want[k], got[k]) for k in want
-            if not k.startswith("time/") and k != "sync/seconds"
-            and not (math.isclose(got[k], want[k], rel_tol=0, abs_tol=tol)
-                     if k in engine_logprobs else got[k] == want[k])}
+            if not k.startswith("time/") and k != "sync/seconds" and not same(k)}
 
 
 def readme_scalars() -> set[str]:

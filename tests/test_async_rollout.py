@@ -9,8 +9,8 @@ import shutil
 import threading
 import time
 
-from conftest import (resumed_step_diffs, server_killed_under_first_request, server_pids,
-                      undocumented_scalars)
+from conftest import (TIS_WEIGHTED, resumed_step_diffs, server_killed_under_first_request,
+                      server_pids, undocumented_scalars)
 from ragen_mega.config import load_run_config
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
@@ -113,7 +113,8 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
     overlap = {"time/rollout_wait_s", "fault/engine_restarts", "fault/episodes_retried"}
     assert set(got) - overlap == set(want) - overlap
     assert got["fault/engine_restarts"] == 1.0
-    diffs = resumed_step_diffs({k: v for k, v in want.items() if k not in overlap}, got)
+    diffs = resumed_step_diffs({k: v for k, v in want.items() if k not in overlap}, got,
+                               weighted=TIS_WEIGHTED)
     assert not diffs, json.dumps(diffs, indent=1)
     step4 = resumed[1]
     # played with the weights of step 3 (staleness 0), on an engine that serves them: its
@@ -168,5 +169,5 @@ def test_overlapped_streams_are_one_version_stale_and_resume_exactly(
     # step 2 trained on the saved window; only window 3 was played
     assert [label for label, _, _ in events if label[0] == "play"] == [("play", 3)]
     for want, got in zip(straight[1:], resumed):
-        diffs = resumed_step_diffs(want, got)
+        diffs = resumed_step_diffs(want, got, weighted=TIS_WEIGHTED)
         assert set(got) == set(want) and not diffs, json.dumps(diffs, indent=1)
