@@ -34,6 +34,7 @@ from ragen_mega.algo.objectives import SFTObjective
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.preflight import preflight
 from ragen_mega.config_tree import ConfigError
+from ragen_mega.run_dir_lock import RunDirInUse, holding_run_dir
 
 #: the trainer's metric -> the name sft logs it under
 _METRICS = {"actor/loss": "sft/loss", "actor/entropy": "sft/entropy",
@@ -174,29 +175,30 @@ def run(p: Prepared) -> list[dict[str, float]]:
     held = heldout_batch(p.heldout, p.pad_id,
                          cfg.actor.micro_batch_size * cfg.trainer.data_parallel)
     run_dir = Path(cfg.trainer.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    init_ray(cfg.trainer.ray_address)
-    logger, history = RunLogger(run_dir / "tensorboard", s.steps), []
+    with holding_run_dir(run_dir, "sft"):  # a second job in this directory exits here
+        init_ray(cfg.trainer.ray_address)
+        logger, history = RunLogger(run_dir / "tensorboard", s.steps), []
 
-    def log(step: int, metrics: dict[str, float]) -> None:
-        logger.log(step, metrics)
-        history.append({"step": step, **metrics})
-        append_metrics(run_dir, step, metrics)
+        def log(step: int, metrics: dict[str, float]) -> None:
+            logger.log(step, metrics)
+            history.append({"step": step, **metrics})
+            append_metrics(run_dir, step, metrics)
 
-    try:
-        with placed_actor(cfg, p.model_dir, s.steps) as actor:
-            log(0, {"sft/heldout_loss": heldout_loss(actor, held)})
-            data = batches(p.train, s.batch_size, s.seed)
-            for step in range(1, s.steps + 1):
-                trained = actor.train(collate_examples(next(data), p.pad_id))
-                metrics = {name: trained[key] for key, name in _METRICS.items()}
-                if step == s.steps or (s.eval_every and step % s.eval_every == 0):
-                    metrics["sft/heldout_loss"] = heldout_loss(actor, held)
-                log(step, metrics)
-            checkpoint = actor.save_checkpoint(str(run_dir / "checkpoints" / "sft"), s.steps)
-    finally:
-        logger.close()
-    megatron_to_hf(checkpoint, output_dir(cfg))
+        try:
+            with placed_actor(cfg, p.model_dir, s.steps) as actor:
+                log(0, {"sft/heldout_loss": heldout_loss(actor, held)})
+                data = batches(p.train, s.batch_size, s.seed)
+                for step in range(1, s.steps + 1):
+                    trained = actor.train(collate_examples(next(data), p.pad_id))
+                    metrics = {name: trained[key] for key, name in _METRICS.items()}
+                    if step == s.steps or (s.eval_every and step % s.eval_every == 0):
+                        metrics["sft/heldout_loss"] = heldout_loss(actor, held)
+                    log(step, metrics)
+                checkpoint = actor.save_checkpoint(str(run_dir / "checkpoints" / "sft"),
+                                                   s.steps)
+        finally:
+            logger.close()
+        megatron_to_hf(checkpoint, output_dir(cfg))
     return history
 
 
@@ -220,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
         kind = "config error: " if isinstance(e, ConfigError) else ""
         print(f"ragen-mega sft: {kind}{e}", file=sys.stderr)
         return 2
-    history = run(prepared)
+    try:
+        history = run(prepared)
+    except RunDirInUse as e:
+        print(f"ragen-mega sft: {e}", file=sys.stderr)
+        return 2
     print(f"ragen-mega sft: held-out loss {history[0]['sft/heldout_loss']:.4f} -> "
           f"{history[-1]['sft/heldout_loss']:.4f}; model written to {output_dir(prepared.cfg)}")
     return 0

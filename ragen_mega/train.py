@@ -51,6 +51,7 @@ from ragen_mega.rollout.collapse_probe import first_turn_probe, valid_thinking_r
 from ragen_mega.rollout.manager import PlayedStep
 from ragen_mega.rollout.metrics import weight_staleness
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
+from ragen_mega.run_dir_lock import RunDirInUse, holding_run_dir
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -67,15 +68,16 @@ def train(cfg: RunConfig) -> list[dict[str, float]]:
     from ragen_mega.ray.run import build_run
 
     run_dir = Path(cfg.trainer.run_dir)
-    init_ray(cfg.trainer.ray_address)  # first: ray.init puts its own handler on SIGTERM
-    with preemption.stop_on_signals() as stop, build_run(cfg) as run:
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
-        write_references(cfg, run_dir)
-        logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
-        try:
-            return run_loop(cfg, run, logger, stop)
-        finally:
-            logger.close()
+    with holding_run_dir(run_dir):  # before anything is written: one run per run directory
+        init_ray(cfg.trainer.ray_address)  # first: ray.init puts its own handler on SIGTERM
+        with preemption.stop_on_signals() as stop, build_run(cfg) as run:
+            (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            write_references(cfg, run_dir)
+            logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
+            try:
+                return run_loop(cfg, run, logger, stop)
+            finally:
+                logger.close()
 
 
 def write_references(cfg: RunConfig, run_dir: Path) -> None:
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         train(cfg)
+    except RunDirInUse as e:
+        print(f"ragen-mega train: {e}", file=sys.stderr)
+        return 2
     except preemption.Preempted as stopped:
         print(f"ragen-mega train: {stopped}", file=sys.stderr, flush=True)
         return preemption.PREEMPTED_EXIT_CODE

@@ -21,6 +21,7 @@ from ragen_mega.envs.references import REFERENCES
 from ragen_mega.evaluate import evaluate
 from ragen_mega.evaluate import main as eval_main
 from ragen_mega.models.prepare import cache_dir
+from ragen_mega.run_dir_lock import holding_run_dir
 from ragen_mega.train import train
 
 from learn_envs import (DoorThenPayGame, FirstLetterGame, first_letter_references,
@@ -98,7 +99,8 @@ def test_eval_of_learned_checkpoint(one_turn_run, learn_setup, tmp_path, capsys)
     in the run directory's references.json (what ``ragen-mega plot`` draws)."""
     overrides, history, run_dir = one_turn_run
     out = tmp_path / "eval.json"
-    assert eval_main([DEMO, *overrides, "--checkpoint", str(run_dir), "--out", str(out)]) == 0
+    with holding_run_dir(run_dir):  # a live run's directory can be evaluated: eval only reads
+        assert eval_main([DEMO, *overrides, "--checkpoint", str(run_dir), "--out", str(out)]) == 0
     header, *_ = capsys.readouterr().out.splitlines()
     assert header.split()[1:6] == ["episodes", "success", "random_valid", "best_fixed", "optimal"]
     trained = json.loads(out.read_text())
