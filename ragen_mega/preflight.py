@@ -8,7 +8,7 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
 - every env of the run (training, held-out, each ``env.mix`` entry) builds with its kwargs,
   once, in this process: a wrong kwarg is named here, not in an env worker minutes later; with
   ``env.remote``, each env server answers and serves the config's env and kwargs instead;
-- ``rollout.agent`` imports and is an async function;
+- ``rollout.agent`` imports and is an async function, and its gateway off loopback has a token;
 - ``actor.bf16`` / ``critic.bf16`` have a GPU to run on, ``*.moe_grouped_gemm``
   TransformerEngine on a GPU;
 - the model (``model.path``'s config.json) splits over the actor's and the critic's parallel
@@ -25,6 +25,7 @@ from ragen_mega.backends.megatron.transformer_config import (GROUPED_GEMM_NEEDS_
                                                               te_available)
 from ragen_mega.config import RunConfig
 from ragen_mega.config_tree import ConfigError
+from ragen_mega.http_token import GATEWAY_TOKEN, check_listen, token_from_env
 
 
 def preflight(cfg: RunConfig) -> RunConfig:
@@ -51,6 +52,11 @@ def preflight(cfg: RunConfig) -> RunConfig:
             load_agent(cfg.rollout.agent)
         except ValueError as e:
             raise ConfigError(f"rollout.agent: {e}") from e
+        try:
+            check_listen(cfg.rollout.gateway_host, token_from_env(GATEWAY_TOKEN), GATEWAY_TOKEN,
+                         "rollout.gateway_host")
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
     for role in ("actor", "critic"):
         if getattr(cfg, role).bf16 and not torch.cuda.is_available():
             raise ConfigError(f"{role}.bf16: bf16 training needs a GPU; this machine has none "

@@ -333,15 +333,18 @@ def readme_scalars() -> set[str]:
 
 
 # ------------------------------------------------------------------------------ env servers
-def start_env_server(env: str, *args: str, port: int = 0):
+def start_env_server(env: str, *args: str, port: int = 0, environ: dict | None = None):
     """``ragen-mega env-server ENV ARGS`` in a process group of its own (stop it with
-    :func:`stop_env_server`); returns ``(process, url)``, the URL read from its stdout."""
+    :func:`stop_env_server`), with ``environ`` added to its environment; returns
+    ``(process, url)``, the URL read from its stdout."""
+    import os
     import subprocess
     import sys
 
     proc = subprocess.Popen([sys.executable, "-m", "ragen_mega.cli", "env-server", env,
                              "--port", str(port), *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, **(environ or {})})
     line = proc.stdout.readline()
     assert line.startswith(f"serving {env} at "), line + proc.stdout.read()
     return proc, line.split(" at ")[1].strip()

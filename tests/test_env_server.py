@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +18,8 @@ from ragen_mega.agent import AgentConfig
 from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, mix_specs
 from ragen_mega.rollout.faults import (DroppedEpisode, FaultCounters, count_rollout_faults,
                                        episode_or_drop)
-from ragen_mega.rollout.remote_env import RemoteEnvs, check_servers
+from ragen_mega.http_token import ENV_SERVER_TOKEN
+from ragen_mega.rollout.remote_env import HttpEnv, RemoteEnvs, check_servers
 
 ANSWERS = [" go </think><answer> Up || Left </answer>", " hmm </think><answer> Down </answer>",
            " so </think><answer> Right || Down </answer>", "no tags at all"]
@@ -115,6 +118,44 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(servers):
     assert requests.delete(f"{url}/sessions/{sid}").status_code == 404   # closed: gone
     assert post(url, f"/sessions/{sid}/step", {"action": "Up"}).status_code == 404
     requests.delete(f"{url}/sessions/{kept['session_id']}")
+
+
+def test_a_token_guards_the_server(monkeypatch):
+    """Off loopback the server will not start without a token (exit 2 naming the flag and the
+    variable). With one, every request without it is 401, the start-up check says the token
+    is missing or another, and the client with it plays."""
+    monkeypatch.delenv(ENV_SERVER_TOKEN, raising=False)
+    refused = subprocess.run([sys.executable, "-m", "ragen_mega.cli", "env-server",
+                              "frozen_lake", "--host", "0.0.0.0"],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+    assert "--host: 0.0.0.0 is not a loopback address" in refused.stderr
+    assert f"set {ENV_SERVER_TOKEN}" in refused.stderr
+    token = "env-" + os.urandom(8).hex()
+    proc, url = start_server("frozen_lake", environ={ENV_SERVER_TOKEN: token})
+    try:
+        assert requests.get(f"{url}/health").status_code == 401
+        assert post(url, "/sessions", {"seed": 1}).status_code == 401
+        with pytest.raises(ValueError, match=f"wants a token, and {ENV_SERVER_TOKEN} is not set"):
+            check_servers([url], "frozen_lake", {}, 30)
+        monkeypatch.setenv(ENV_SERVER_TOKEN, "not-" + token)
+        with pytest.raises(ValueError, match="wants a token, .* holds another"):
+            check_servers([url], "frozen_lake", {}, 30)
+        monkeypatch.setenv(ENV_SERVER_TOKEN, token)
+        check_servers([url], "frozen_lake", {}, 30)
+
+        async def play():
+            env = await HttpEnv.open(url, "frozen_lake", 3, 30)
+            try:
+                await env.reset(3)
+                return await env.step("Left")
+            finally:
+                await env.close()
+
+        obs, reward, done, info = asyncio.run(play())
+        assert "action_is_valid" in info and isinstance(obs, str)
+    finally:
+        stop(proc)
 
 
 def test_a_dead_hung_or_garbled_server_costs_its_episodes(tokenizer, scripted, run_episodes_keyed):

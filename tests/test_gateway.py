@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 
 import httpx
 import pytest
@@ -143,6 +144,42 @@ def test_an_openai_client_conversation_through_the_gateway(tokenizer):
     assert log[1][0][:len(log[0][0]) + 3] == log[0][0] + SPLIT_LEFT + [IM_END]
     assert [c.extends for c in calls.calls] == [False, True, False] and calls.rerendered == 1
     assert [c.prompt_ids for c in calls.calls] == [p for p, _ in log]
+
+
+def test_a_gateway_with_a_token_answers_only_calls_that_carry_it(tokenizer, monkeypatch):
+    """Off loopback the gateway will not start without a token (the start-up check names the
+    key and the variable); with one, the openai client's call without it (or with another) is
+    refused with 401 before it reaches the engine, and the same call with it is answered."""
+    import openai
+
+    from ragen_mega.http_token import GATEWAY_TOKEN
+    from ragen_mega.preflight import preflight
+
+    with pytest.raises(ValueError, match=f"rollout.gateway_host: 0.0.0.0 .*set {GATEWAY_TOKEN}"):
+        Gateway(tokenizer, host="0.0.0.0")
+    cfg = load_run_config("examples/sokoban_agent_cpu.yaml", ["rollout.gateway_host=0.0.0.0"])
+    monkeypatch.delenv(GATEWAY_TOKEN, raising=False)
+    with pytest.raises(ConfigError, match=f"rollout.gateway_host: .*set {GATEWAY_TOKEN}"):
+        preflight(cfg)
+    token, log = "gw-" + os.urandom(8).hex(), []
+
+    async def play():
+        gateway = Gateway(tokenizer, token=token)
+        gateway.open_episode(7, scripted_generate([SPLIT_LEFT + [IM_END]], log), DEFAULTS, 4)
+        messages = [{"role": "user", "content": "Move?"}]
+        async with gateway.serving():
+            for key in ("none", "not-" + token):
+                client = openai.AsyncOpenAI(base_url=gateway.url(7), api_key=key, max_retries=0)
+                with pytest.raises(openai.AuthenticationError):
+                    await client.chat.completions.create(model="any", messages=messages)
+                await client.close()
+            client = openai.AsyncOpenAI(base_url=gateway.url(7), api_key=token, max_retries=0)
+            answer = await client.chat.completions.create(model="any", messages=messages)
+            await client.close()
+        return answer
+
+    assert asyncio.run(play()).choices[0].message.content == " Left"
+    assert len(log) == 1   # the refused calls never reached the engine
 
 
 @pytest.mark.parametrize("body, status, param", [

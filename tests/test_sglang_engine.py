@@ -73,9 +73,13 @@ def taken_port():
         yield held.getsockname()[1]
 
 
+ENGINE_KEY = "k3y-" + os.urandom(12).hex()
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_dir, taken_port):
-    """The module's server; its launch first draws ``taken_port`` (so it must start again)."""
+    """The module's server, with a key (as a run starts its engines) that its client sends;
+    its launch first draws ``taken_port`` (so it must start again)."""
     from ragen_mega.backends.sglang import server as server_module
 
     draws, real_free_port = [taken_port], server_module.free_port
@@ -83,8 +87,9 @@ def engine(tiny_dir, taken_port):
         mp.setattr(server_module, "free_port",
                    lambda host: draws.pop() if draws else real_free_port(host))
         # cpu_threads=1: robust to other jobs on a small shared CPU (see benchmarks/README.md)
-        server = launch_server(tiny_dir, dtype="float32", startup_timeout=600, cpu_threads=1)
-    with server, EngineClient(server.url, timeout=120, retries=1) as client:
+        server = launch_server(tiny_dir, dtype="float32", startup_timeout=600, cpu_threads=1,
+                               api_key=ENGINE_KEY)
+    with server, EngineClient(server.url, timeout=120, retries=1, api_key=ENGINE_KEY) as client:
         yield server, client
 
 
@@ -247,6 +252,31 @@ def test_updates_outside_a_session_are_refused(engine, tiny_dir):
         client.update_weights_from_tensor([serialize_for_engine([(name, tensor)])])
     with client.weight_update():  # inside a session the same call is accepted
         client.update_weights_from_tensor([serialize_for_engine([(name, tensor)])])
+
+
+def test_only_requests_with_the_key_are_served(engine, tiny_dir):
+    """Without the run's key (or with another) the engine refuses generation and weight updates
+    (HTTP 401), answers health probes, and does what it refused once the key comes; the key is
+    in neither the server's command line (readable by every user of the node) nor its log
+    (where SGLang writes its whole server_args)."""
+    server, client = engine
+    name, tensor = next(iter(hf_model(tiny_dir).state_dict().items()))
+    for key in (None, "not-" + ENGINE_KEY):
+        with EngineClient(server.url, timeout=120, retries=0, api_key=key) as outsider:
+            assert outsider.health()
+            for call in (lambda: outsider.generate(PROMPTS[0], GREEDY),
+                         lambda: outsider.begin_weight_update(),
+                         lambda: outsider.update_weights_from_tensor(
+                             [serialize_for_engine([(name, tensor)])])):
+                with pytest.raises(EngineError, match="refused: HTTP 401, the engine's key"):
+                    call()
+    assert client.generate(PROMPTS[0], GREEDY).output_ids
+    with client.weight_update():
+        client.update_weights_from_tensor([serialize_for_engine([(name, tensor)])])
+    assert ENGINE_KEY not in open(f"/proc/{server.pid}/cmdline").read()
+    assert ENGINE_KEY not in " ".join(server.command)
+    log = server.log_file.read_text()
+    assert "api_key" in log and ENGINE_KEY not in log   # logged, and blanked
 
 
 def test_flush_pause_continue_and_memory(engine, reference):

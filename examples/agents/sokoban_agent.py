@@ -20,7 +20,7 @@ NO_MOVE_PENALTY = -0.1   # RAGEN's format penalty
 
 async def run(task) -> list[float]:
     """Play one episode; one reward per chat completion asked for."""
-    client = AsyncOpenAI(base_url=task.base_url, api_key="unused", max_retries=0)
+    client = AsyncOpenAI(base_url=task.base_url, api_key=task.api_key, max_retries=0)
     env = task.env
     observation = await env.reset(task.seed)
     messages = [{"role": "system", "content": env.instruction}]

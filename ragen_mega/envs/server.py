@@ -22,6 +22,10 @@ refuses 422 with its message, a step after the episode ended 409; an action text
 action is the env's own invalid-action step (200), as locally. An env that raises otherwise is
 a 500 with its message: the client counts it as an env failure, as a local env's exception.
 ``rollout/remote_env.py`` is the client the rollout plays through (``env.remote``).
+
+On an address other than loopback the server needs a token (``RAGEN_MEGA_ENV_SERVER_TOKEN`` in
+its environment, and the same in the trainer's, whose client sends it); with one, every request
+without ``Authorization: Bearer TOKEN`` is 401 (``http_token.py``).
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from ragen_mega.envs.checks import EpisodeDone
 from ragen_mega.envs.play import env_kwargs, env_parser
 from ragen_mega.envs.registry import list_envs, make
+from ragen_mega.http_token import ENV_SERVER_TOKEN, check_listen, require_token, token_from_env
 
 
 def jsonable(value: Any) -> Any:
@@ -95,12 +100,14 @@ class Sessions:
         return env is not None
 
 
-def make_app(env_name: str, kwargs: dict[str, Any]):
+def make_app(env_name: str, kwargs: dict[str, Any], token: str | None = None):
     """The FastAPI app serving ``env_name`` built with ``kwargs`` (built once here, so a bad
-    kwarg fails at start-up, not at the first session)."""
+    kwarg fails at start-up, not at the first session); with ``token``, only to requests that
+    carry it."""
     make(env_name, **kwargs).close()
     sessions = Sessions(env_name, kwargs)
     app = FastAPI(title=f"ragen-mega env-server: {env_name}")
+    require_token(app, token)
 
     def session(session_id: str):
         env, lock = sessions.get(session_id)
@@ -157,12 +164,15 @@ def make_app(env_name: str, kwargs: dict[str, Any]):
     return app
 
 
-def serve(env_name: str, kwargs: dict[str, Any], host: str = "127.0.0.1", port: int = 0) -> None:
+def serve(env_name: str, kwargs: dict[str, Any], host: str = "127.0.0.1", port: int = 0,
+          token: str | None = None) -> None:
     """Serve until stopped (SIGINT/SIGTERM). Binds first and prints ``serving ENV at URL`` on
-    stdout, so ``port=0`` (the OS picks a free port) can be used and read back."""
+    stdout, so ``port=0`` (the OS picks a free port) can be used and read back. Off loopback
+    ``token`` is required (ValueError)."""
     import uvicorn
 
-    app = make_app(env_name, kwargs)
+    check_listen(host, token, ENV_SERVER_TOKEN, "--host")
+    app = make_app(env_name, kwargs, token)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
@@ -176,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     """``argv``: the words after ``env-server`` (``ENV [--host H] [--port N] [--kwarg k=v]``)."""
     parser = env_parser("ragen-mega env-server",
                         "Serve a registered env over HTTP (sessions, reset, step).")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help=f"address to listen on (other than loopback: needs a token in "
+                             f"{ENV_SERVER_TOKEN})")
     parser.add_argument("--port", type=int, default=0, help="port (0: any free one, printed)")
     try:
         args, extra = parser.parse_known_args(argv)
@@ -187,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.env not in list_envs():
             raise ValueError(f"unknown env {args.env!r}; registered envs: "
                              f"{', '.join(list_envs())}")
-        serve(args.env, kwargs, args.host, args.port)
+        serve(args.env, kwargs, args.host, args.port, token_from_env(ENV_SERVER_TOKEN))
     except (ValueError, TypeError, ImportError, OSError) as err:
         print(f"ragen-mega env-server: error: {err}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import functools
 import itertools
+import secrets
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -105,6 +106,8 @@ class EngineGroup:
         from ragen_mega.backends.sglang.client import AsyncEngineClient
         from ragen_mega.ray.devices import bundle_gpu_ids
 
+        #: the run's engine key: each server answers only requests that carry it (never logged)
+        self.api_key = secrets.token_urlsafe(32)
         gpu_ids = [bundle_gpu_ids(pg, b, what=f"engine {e}") for e, b in enumerate(bundles)]
         # An engine spanning several devices sits on its first bundle; the others stay reserved.
         self.group = ActorGroup(EngineWorker, pg, [b[0] for b in bundles], num_cpus=num_cpus,
@@ -112,10 +115,11 @@ class EngineGroup:
                                            dict(tp=tp, dtype=dtype, mem_fraction=mem_fraction,
                                                 seeded_sampling=seeded_sampling,
                                                 memory_saver=memory_saver,
+                                                api_key=self.api_key,
                                                 extra_args=_server_args(ep, routed_experts))))
         self.urls = self.group.call("url", timeout_s=startup_timeout)
         self.tp_sizes = [tp] * len(self.urls)
-        self.clients = [AsyncEngineClient(u) for u in self.urls]
+        self.clients = [AsyncEngineClient(u, api_key=self.api_key) for u in self.urls]
         self._next = itertools.cycle(range(len(self.clients)))
         self.log_dir, self.max_restarts_per_step = log_dir, max_restarts_per_step
         self.routed_shape = routed_experts
@@ -277,7 +281,7 @@ class EngineGroup:
         from ragen_mega.backends.sglang.client import AsyncEngineClient
 
         self._retired.append(self.clients[engine])
-        self.clients[engine] = AsyncEngineClient(url)
+        self.clients[engine] = AsyncEngineClient(url, api_key=self.api_key)
         self.urls[engine] = url
         self._lives[engine] += 1
 

@@ -178,7 +178,7 @@ def _place(run: Run, with_trainers: bool) -> None:
         _start_trainers(run)
     run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
                               mode="tensor" if t.colocate else "distributed",
-                              bucket_bytes=t.sync_bucket_mb << 20)
+                              bucket_bytes=t.sync_bucket_mb << 20, api_key=run.engines.api_key)
     run.engines.resync = run.resync_engines
 
 

@@ -65,6 +65,7 @@ class TrainerWorker:
         self.trainer = MegatronTrainer(config, hf_dir, role=role, **derived)
         self.sender = None
         self.sync_bucket_bytes = None  # set by connect_engines, on every rank
+        self.engine_key = None  # rank 0: the engines' key, for restarted engines too
 
     def _local(self, batch: dict) -> dict:
         """This DP rank's rows of ``batch``, padded first to a multiple of the DP ranks (a
@@ -99,17 +100,19 @@ class TrainerWorker:
         return self.trainer.load_checkpoint(path)
 
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], mode: str,
-                        bucket_bytes: int) -> None:
-        """Rank 0 opens the weight-update channel to every engine (the others only remember the
-        bucket size: it bounds the bytes each rank keeps in flight during a sync)."""
+                        bucket_bytes: int, api_key: str | None) -> None:
+        """Rank 0 opens the weight-update channel to every engine, with the engines' key (the
+        others only remember the bucket size: it bounds the bytes each rank keeps in flight
+        during a sync)."""
         self.sync_bucket_bytes = bucket_bytes
         if self.rank != 0:
             return
         from ragen_mega.backends.sglang.client import EngineClient
         from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
 
+        self.engine_key = api_key
         self.sender = BucketedWeightSender(
-            [EngineClient(u) for u in urls], mode=mode, bucket_bytes=bucket_bytes,
+            [EngineClient(u, api_key=api_key) for u in urls], mode=mode, bucket_bytes=bucket_bytes,
             master_addr=_node_ip(), engine_tp_sizes=engine_tp_sizes)
         if mode == "distributed":
             self.sender.connect()
@@ -142,7 +145,8 @@ class TrainerWorker:
         def take_them_in() -> None:
             from ragen_mega.backends.sglang.client import EngineClient
 
-            self.sender.replace_engines({i: EngineClient(u) for i, u in sorted(urls.items())})
+            self.sender.replace_engines({i: EngineClient(u, api_key=self.engine_key)
+                                         for i, u in sorted(urls.items())})
 
         return self.sync_weights(version, before=take_them_in if self.rank == 0 else None)
 
@@ -214,8 +218,8 @@ class TrainerGroup:
         return self._first("load_checkpoint", path)
 
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], *, mode: str,
-                        bucket_bytes: int) -> None:
-        self.group.call("connect_engines", urls, engine_tp_sizes, mode, bucket_bytes)
+                        bucket_bytes: int, api_key: str | None) -> None:
+        self.group.call("connect_engines", urls, engine_tp_sizes, mode, bucket_bytes, api_key)
 
     def sync_weights(self, version: int) -> dict[str, float]:
         return self._first("sync_weights", version)

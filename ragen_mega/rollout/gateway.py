@@ -37,6 +37,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ragen_mega.rollout.episode import EngineRestarted, Generation, GenerateFn, PromptTooLong
+from ragen_mega.http_token import GATEWAY_TOKEN, check_listen, require_token
 from ragen_mega.rollout.token_history import TokenHistory
 
 #: fields every call may carry besides its messages or prompt
@@ -86,8 +87,12 @@ class Gateway:
     runs inside a rollout's event loop (:meth:`serving`)."""
 
     def __init__(self, tokenizer, host: str = "127.0.0.1", port: int = 0,
-                 model_name: str = "policy"):
+                 model_name: str = "policy", token: str | None = None):
+        check_listen(host, token, GATEWAY_TOKEN, "rollout.gateway_host")
         self.tokenizer, self.host, self.port, self.model_name = tokenizer, host, port, model_name
+        #: what an agent's OpenAI client sends as its api_key (``RAGEN_MEGA_GATEWAY_TOKEN``;
+        #: None: the gateway is on loopback and asks for none)
+        self.token = token
         self.episodes: dict[int, EpisodeCalls] = {}
         self.app = self._app()
         self._serving = False
@@ -143,6 +148,7 @@ class Gateway:
     # ------------------------------------------------------------------ the HTTP side
     def _app(self) -> FastAPI:
         app = FastAPI(title="ragen-mega gateway")
+        require_token(app, self.token)
 
         @app.post("/episodes/{episode_id}/v1/chat/completions")
         async def chat(episode_id: int, request: Request):

@@ -29,6 +29,7 @@ from ragen_mega.rollout.episode import (EngineRestarted, Episode, GenerateFn, Op
                                         val_parts)
 from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
                                        episode_or_drop)
+from ragen_mega.http_token import GATEWAY_TOKEN, token_from_env
 from ragen_mega.rollout.gateway import Gateway
 from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.sample import Sample
@@ -92,8 +93,8 @@ class RolloutManager:
         r = cfg.rollout
         #: rollout.agent: the user's agent, and the gateway its episodes call the engines through
         self.agent = None if r.agent is None else load_agent(r.agent)
-        self.gateway = None if r.agent is None else Gateway(tokenizer, r.gateway_host,
-                                                            r.gateway_port)
+        self.gateway = None if r.agent is None else Gateway(
+            tokenizer, r.gateway_host, r.gateway_port, token=token_from_env(GATEWAY_TOKEN))
 
     def fault_counters(self, step: int) -> FaultCounters:
         """A fresh step's fault counters, describing each fault in ``RUN_DIR/faults.jsonl``."""

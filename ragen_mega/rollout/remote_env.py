@@ -12,6 +12,9 @@ answer within ``env.remote_timeout_s`` makes the call raise, the episode is drop
 (``fault/episodes_dropped``), and the run goes on while the step's failure rate stays under
 ``rollout.max_env_failure_rate``. Every episode opens its own HTTP session, so a server that
 comes back is simply used again by the next episode that lands on it.
+
+Servers started with a token (``RAGEN_MEGA_ENV_SERVER_TOKEN``) get it from the same variable in
+the trainer's environment, sent as ``Authorization: Bearer``.
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ import json
 from typing import Any, Sequence
 
 import aiohttp
+
+from ragen_mega.http_token import ENV_SERVER_TOKEN, bearer_headers, token_from_env
 
 
 class RemoteEnvError(RuntimeError):
@@ -40,7 +45,8 @@ class HttpEnv:
 
     @classmethod
     async def open(cls, url: str, env_name: str, seed: int, timeout_s: float) -> HttpEnv:
-        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     headers=bearer_headers(token_from_env(ENV_SERVER_TOKEN)))
         try:
             opened = await _call(http, "POST", f"{url}/sessions", {"seed": seed})
             served = _field(opened, "env", str, url)
@@ -139,10 +145,16 @@ def check_servers(urls: Sequence[str], env_name: str, kwargs: dict[str, Any],
     import requests
 
     for i, url in enumerate(urls):
+        token = token_from_env(ENV_SERVER_TOKEN)
         try:
-            health = requests.get(f"{url.rstrip('/')}/health", timeout=timeout_s).json()
+            answer = requests.get(f"{url.rstrip('/')}/health", timeout=timeout_s,
+                                  headers=bearer_headers(token))
+            health = answer.json()
         except (requests.RequestException, ValueError) as e:
             raise ValueError(f"[{i}]: {url} does not answer /health: {e}") from e
+        if answer.status_code == 401:
+            raise ValueError(f"[{i}]: {url} wants a token, and {ENV_SERVER_TOKEN} "
+                             f"{'holds another' if token else 'is not set'}")
         if health.get("env") != env_name or health.get("kwargs") != kwargs:
             raise ValueError(f"[{i}]: {url} serves {health.get('env')!r} with kwargs "
                              f"{health.get('kwargs')!r}; the config plays {env_name!r} with "

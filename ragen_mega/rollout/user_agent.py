@@ -40,6 +40,7 @@ class AgentTask:
     sampling: dict[str, Any]      # temperature, top_p, max_tokens: the rollout's settings
     episode_id: int
     group_id: int
+    api_key: str = "none"         # the gateway's token, for the agent's OpenAI client
 
 
 AgentFn = Callable[[AgentTask], Awaitable["float | Sequence[float]"]]
@@ -119,7 +120,8 @@ async def play_agent_episode(spec: EpisodeSpec, *, agent: AgentFn, gateway: Gate
     calls = gateway.open_episode(spec.episode_id, generate, sampling, limit)
     task = AgentTask(gateway.url(spec.episode_id), recorded, spec.seed, limit,
                      {"temperature": sampling["temperature"], "top_p": sampling["top_p"],
-                      "max_tokens": sampling["max_new_tokens"]}, spec.episode_id, spec.group_id)
+                      "max_tokens": sampling["max_new_tokens"]}, spec.episode_id, spec.group_id,
+                     gateway.token or "none")
     try:
         try:
             result = await agent(task)

@@ -93,11 +93,13 @@ class AsyncEngineClient:
 
     ``timeout`` bounds each HTTP attempt (seconds); ``retries`` is how many times a repeatable
     call is retried after a connection error, a timeout or a 5xx answer (with ``backoff`` s,
-    doubling). A client belongs to the event loop it is first used on.
+    doubling). ``api_key``: the engine's key (``launch_server(api_key=...)``), sent with every
+    request. A client belongs to the event loop it is first used on.
     """
 
     def __init__(self, url: str, *, timeout: float = 300.0, retries: int = 2,
-                 backoff: float = 0.5, connect_timeout: float = 10.0):
+                 backoff: float = 0.5, connect_timeout: float = 10.0,
+                 api_key: str | None = None):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"EngineClient: url must start with http:// or https://, got {url!r}")
         if retries < 0:
@@ -107,12 +109,13 @@ class AsyncEngineClient:
         self.retries = retries
         self.backoff = backoff
         self.connect_timeout = connect_timeout
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
 
     async def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0))
+                connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
         return self._session
 
     async def close(self) -> None:
@@ -155,6 +158,10 @@ class AsyncEngineClient:
             if status >= 500:
                 last = f"HTTP {status}: {text[:500]}"
                 continue
+            if status in (401, 403):
+                sent = "did not match" if self._headers else "was not sent"
+                raise EngineError(f"{where} was refused: HTTP {status}, the engine's key "
+                                  f"{sent}: {text[:300]}")
             if status >= 400:
                 error = (ContextLengthExceeded if status == 400 and "context length" in text
                          else EngineError)
@@ -403,9 +410,10 @@ class EngineClient:
     """
 
     def __init__(self, url: str, *, timeout: float = 300.0, retries: int = 2,
-                 backoff: float = 0.5, connect_timeout: float = 10.0):
+                 backoff: float = 0.5, connect_timeout: float = 10.0,
+                 api_key: str | None = None):
         self.aio = AsyncEngineClient(url, timeout=timeout, retries=retries, backoff=backoff,
-                                     connect_timeout=connect_timeout)
+                                     connect_timeout=connect_timeout, api_key=api_key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name=f"EngineClient {url}")

@@ -26,6 +26,7 @@ PLUGINS = {
     "ragen_mega_unpinned_host_buffers":
         "ragen_mega.backends.sglang.host_buffers:unpinned_host_buffers_plugin",
     "ragen_mega_ep_native_moe": "ragen_mega.backends.sglang.ep_native_moe:ep_native_moe_plugin",
+    "ragen_mega_engine_key": "ragen_mega.backends.sglang.engine_key:engine_key_plugin",
 }
 
 

@@ -47,6 +47,7 @@ from typing import Mapping, Sequence
 
 from ragen_mega.backends.parent_death import die_with_parent
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
+from ragen_mega.backends.sglang.engine_key import KEY_ENV
 from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
 logger = logging.getLogger(__name__)
@@ -250,11 +251,16 @@ def _core_list(cores: list[int]) -> str:
 
 def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
               cpu_threads: int | None = None, seeded_sampling: bool = False,
-              gpu_ids: Sequence[str | int] | None = None) -> dict[str, str]:
+              gpu_ids: Sequence[str | int] | None = None,
+              api_key: str | None = None) -> dict[str, str]:
     """The server's environment: a copy of ``base`` plus ``CUDA_VISIBLE_DEVICES`` for
-    ``gpu_ids``, and on CPU the engine switch, thread count, stand-in/plugin paths and, for
-    ``tp > 1``, each rank's cores (see :func:`launch_server`)."""
+    ``gpu_ids``, the engine key for the ``engine_key.py`` plugin, and on CPU the engine switch,
+    thread count, stand-in/plugin paths and, for ``tp > 1``, each rank's cores (see
+    :func:`launch_server`)."""
     child_env = dict(base)
+    child_env.pop(KEY_ENV, None)  # a key is this server's own, never inherited
+    plugins: tuple[str, ...] = ()
+    paths = []
     if gpu_ids is not None:
         child_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in gpu_ids)
     if device == "cpu":
@@ -268,13 +274,18 @@ def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
         plugins = ("ragen_mega_warm_receive", "ragen_mega_unpinned_host_buffers",
                    "ragen_mega_ep_native_moe") + (
             ("ragen_mega_seeded_sampling",) if seeded_sampling else ())
+        paths.append(server_pythonpath())
+    if api_key:
+        child_env[KEY_ENV] = api_key
+        plugins += ("ragen_mega_engine_key",)
+    if plugins:
         allowed = allow_plugins(child_env.get("SGLANG_PLUGINS"), plugins)
         if allowed:
             child_env["SGLANG_PLUGINS"] = allowed
-        path = [p for p in (server_pythonpath(), plugin_pythonpath(plugins),
-                            child_env.get("PYTHONPATH")) if p]
-        if path:
-            child_env["PYTHONPATH"] = os.pathsep.join(path)
+        paths.append(plugin_pythonpath(plugins))
+    path = [p for p in (*paths, child_env.get("PYTHONPATH")) if p]
+    if path:
+        child_env["PYTHONPATH"] = os.pathsep.join(path)
     return child_env
 
 
@@ -286,7 +297,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
                   env: dict[str, str] | None = None,
                   cpu_threads: int | None = None,
                   seeded_sampling: bool = False, memory_saver: bool = False,
-                  gpu_ids: Sequence[str | int] | None = None) -> EngineServer:
+                  gpu_ids: Sequence[str | int] | None = None,
+                  api_key: str | None = None) -> EngineServer:
     """Start an SGLang server for the HF checkpoint at ``model_path``; return its handle.
 
     ``port=None`` picks a free port; ``device="auto"`` is ``cuda`` when CUDA is available, else
@@ -305,6 +317,10 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     CPU it adds nothing: SGLang runs the release/resume protocol without it, and the CPU install
     leaves ``torch_memory_saver`` out. ``gpu_ids`` (exactly ``tp`` of them) become the server's
     ``CUDA_VISIBLE_DEVICES``: the devices Ray reserved for this engine (``ray/devices.py``).
+    ``api_key``: every request but ``/health*`` must carry it (``Authorization: Bearer``; the
+    :class:`~ragen_mega.backends.sglang.client.AsyncEngineClient` of the same key does); it
+    reaches the server through its environment, never its command line or log
+    (``engine_key.py``).
     With ``wait=True`` (default) this returns once the server is healthy, or raises
     :class:`EngineStartupError` (after stopping the process group) with the log tail. A port
     that :func:`free_port` picked can be taken by another process before the server binds it
@@ -321,7 +337,7 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         raise ValueError(f"launch_server: gpu_ids {list(gpu_ids)} must name exactly tp={tp} GPUs")
     child_env = build_env(os.environ if env is None else env, device=device, tp=tp,
                           cpu_threads=cpu_threads, seeded_sampling=seeded_sampling,
-                          gpu_ids=gpu_ids)
+                          gpu_ids=gpu_ids, api_key=api_key)
     attempts_left = LAUNCH_ATTEMPTS if port is None and wait else 1
     while True:
         chosen = port or free_port(host)

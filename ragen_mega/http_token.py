@@ -1,0 +1,65 @@
+"""Bearer tokens for the project's own HTTP servers: the env server and the agent gateway.
+
+On loopback only the machine's own users reach a server. On any other address anyone who
+reaches the node could open env sessions, or generate on the run's engines through the
+gateway, so these servers refuse to listen there without a token, and with a token every
+request must carry ``Authorization: Bearer TOKEN`` (401 otherwise). The token comes from an
+environment variable, never a flag: a command line is readable by every user of the node.
+"""
+from __future__ import annotations
+
+import ipaddress
+import os
+import secrets
+
+ENV_SERVER_TOKEN = "RAGEN_MEGA_ENV_SERVER_TOKEN"
+GATEWAY_TOKEN = "RAGEN_MEGA_GATEWAY_TOKEN"
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``localhost`` and the loopback ranges (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def token_from_env(variable: str) -> str | None:
+    """The token in ``variable`` (None when unset or empty)."""
+    return os.environ.get(variable) or None
+
+
+def check_listen(host: str, token: str | None, variable: str, where: str) -> None:
+    """ValueError naming ``where`` (the flag or config key of the address) and ``variable``
+    when ``host`` is not loopback and there is no token."""
+    if token is None and not is_loopback(host):
+        raise ValueError(f"{where}: {host} is not a loopback address, and a server there "
+                         f"answers anyone who reaches this node; set {variable} to a secret "
+                         f"token (its clients send it as 'Authorization: Bearer TOKEN'), or "
+                         f"listen on 127.0.0.1")
+
+
+def bearer_headers(token: str | None) -> dict[str, str]:
+    """The request headers that carry ``token`` (none without one)."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def require_token(app, token: str | None) -> None:
+    """With ``token``, ``app`` (FastAPI) answers 401 to every request that does not carry it."""
+    if token is None:
+        return
+    from fastapi.responses import JSONResponse
+
+    expected = f"Bearer {token}"
+
+    @app.middleware("http")
+    async def check_token(request, call_next):
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), expected.encode()):
+            return JSONResponse({"error": {"message": "missing or wrong bearer token",
+                                           "type": "invalid_request_error",
+                                           "code": "invalid_api_key"}},
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
