@@ -39,6 +39,11 @@ class EngineError(RuntimeError):
     """A request to an SGLang engine failed; the message names the URL and endpoint."""
 
 
+class EngineKeyRefused(EngineError):
+    """The engine answered 401/403: the request carried no key, or not the engine's. A live
+    engine that refuses is no dead one: restarting it would hide the wrong key, not fix it."""
+
+
 class ContextLengthExceeded(EngineError):
     """The engine refused a prompt (plus its ``max_new_tokens``) longer than its context: SGLang
     answers HTTP 400 naming "the model's context length" / "maximum context length"."""
@@ -160,7 +165,7 @@ class AsyncEngineClient:
                 continue
             if status in (401, 403):
                 sent = "did not match" if self._headers else "was not sent"
-                raise EngineError(f"{where} was refused: HTTP {status}, the engine's key "
+                raise EngineKeyRefused(f"{where} was refused: HTTP {status}, the engine's key "
                                   f"{sent}: {text[:300]}")
             if status >= 400:
                 error = (ContextLengthExceeded if status == 400 and "context length" in text
@@ -188,11 +193,14 @@ class AsyncEngineClient:
     async def health(self, timeout: float = 30.0, generate: bool = True) -> bool:
         """True if the engine generates (``/health_generate`` answers 200); ``generate=False``:
         if its HTTP server answers at all (``/model_info``, which needs no scheduler step and so
-        no weights: a colocated engine's released memory does not make it look dead)."""
+        no weights: a colocated engine's released memory does not make it look dead). An
+        engine that refuses this client's key raises :class:`EngineKeyRefused`."""
         try:
             await self.request("GET", "/health_generate" if generate else "/model_info",
                                timeout=timeout, retry=False, expect_json=False)
             return True
+        except EngineKeyRefused:
+            raise
         except EngineError:
             return False
 
