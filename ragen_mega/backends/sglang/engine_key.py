@@ -28,8 +28,9 @@ def engine_key_plugin() -> None:
         return
     main = sys.modules.get("__main__")
     spec = getattr(main, "__spec__", None)
-    if getattr(spec, "name", None) == "sglang.launch_server" and "--api-key" not in sys.argv:
-        sys.argv += ["--api-key", key]
+    given = any(a == "--api-key" or a.startswith("--api-key=") for a in sys.argv)
+    if getattr(spec, "name", None) == "sglang.launch_server" and not given:
+        sys.argv.append(f"--api-key={key}")  # one word: a key may begin with "-"
     make_record = logging.getLogRecordFactory()
 
     def redacting_record(*args, **kwargs) -> logging.LogRecord:
