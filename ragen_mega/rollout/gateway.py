@@ -129,8 +129,10 @@ class Gateway:
             raise RuntimeError(f"the gateway cannot listen on {self.host}:{self.port} "
                                f"(rollout.gateway_host, rollout.gateway_port): {e}") from e
         self.port, self._serving = sock.getsockname()[1], True
+        # keep-alive far past the agents' clients' own (httpx: 5 s), so a connection an agent
+        # reuses is never one the gateway closed meanwhile (uvicorn's default is also 5 s)
         server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
-                                               access_log=False))
+                                               access_log=False, timeout_keep_alive=600))
         task = asyncio.create_task(server.serve(sockets=[sock]))
         try:
             while not server.started:

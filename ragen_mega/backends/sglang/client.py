@@ -35,6 +35,12 @@ import aiohttp
 import numpy as np
 
 
+# an idle connection is closed by the client after this, well before the server's own
+# (SGLANG_TIMEOUT_KEEP_ALIVE, which ``server.build_env`` sets longer): no request is ever sent
+# on a connection the server has just closed
+CLIENT_KEEP_ALIVE_S = 15
+
+
 class EngineError(RuntimeError):
     """A request to an SGLang engine failed; the message names the URL and endpoint."""
 
@@ -120,7 +126,8 @@ class AsyncEngineClient:
     async def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0), headers=self._headers)
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
+                headers=self._headers)
         return self._session
 
     async def close(self) -> None:

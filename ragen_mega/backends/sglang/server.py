@@ -62,6 +62,7 @@ LOG_TAIL_CHARS = 4000
 # shutdown instead of exiting, so start-up watches the log for it
 PORT_TAKEN = "address already in use"
 LAUNCH_ATTEMPTS = 3
+SERVER_KEEP_ALIVE_S = 60   # > the client's CLIENT_KEEP_ALIVE_S (client.py)
 
 
 class EngineStartupError(RuntimeError):
@@ -259,6 +260,10 @@ def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
     :func:`launch_server`)."""
     child_env = dict(base)
     child_env.pop(KEY_ENV, None)  # a key is this server's own, never inherited
+    # idle connections outlive the client's own keep-alive: the client always closes first, so
+    # a reused connection is never one the server closed meanwhile (a weight-update call, never
+    # retried, failed on such a race under load)
+    child_env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
     plugins: tuple[str, ...] = ()
     paths = []
     if gpu_ids is not None:
