@@ -34,6 +34,8 @@ from typing import Any, Sequence
 import aiohttp
 import numpy as np
 
+from ragen_mega.http_token import bearer_headers
+
 
 # an idle connection is closed by the client after this, well before the server's own
 # (SGLANG_TIMEOUT_KEEP_ALIVE, which ``server.build_env`` sets longer): no request is ever sent
@@ -120,7 +122,7 @@ class AsyncEngineClient:
         self.retries = retries
         self.backoff = backoff
         self.connect_timeout = connect_timeout
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._headers = bearer_headers(api_key)
         self._session: aiohttp.ClientSession | None = None
 
     async def _get_session(self) -> aiohttp.ClientSession:
