@@ -180,10 +180,12 @@ def test_engine_gpus_are_its_own_bundles_gpus(private_ray, monkeypatch):
     engine_ids = bundle_gpu_ids(pg, plan.engine_bundles[0])
     assert len(trainer_ids) == 2 and len(engine_ids) == 2
     assert sorted(trainer_ids + engine_ids) == ["0", "1", "2", "3"]
-    # what the engine's server is started with: the node's environment, its own GPUs only
+    # what the engine's server is started with: the node's environment, its own GPUs only, and
+    # an idle-connection time-out longer than the clients' 15 s
     node_env = {"PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}
     assert build_env(node_env, device="cuda", gpu_ids=engine_ids) == {
-        "PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": ",".join(engine_ids)}
+        "PATH": "/usr/bin", "CUDA_VISIBLE_DEVICES": ",".join(engine_ids),
+        "SGLANG_TIMEOUT_KEEP_ALIVE": "60"}
     assert node_env["CUDA_VISIBLE_DEVICES"] == "0,1,2,3"
     with pytest.raises(RuntimeError, match=r"engine: the GPU probe of bundles \[0\] did not run "
                                            r"within 3s"):
