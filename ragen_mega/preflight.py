@@ -69,12 +69,13 @@ def preflight(cfg: RunConfig) -> RunConfig:
 
 
 def check_model_layout(cfg: RunConfig) -> None:
-    """The model's config.json against each trained role's TP / PP / EP layout. ``smollm2``
-    is written from its GGUF on first use, which a check must not start: the trainer checks
-    its layout when it builds the model."""
+    """The model's config.json against each trained role's TP / PP / EP layout. A preset
+    (``smollm2``, ``textgame-small``) is written on first use, which a check must not start: the
+    trainer checks its layout when it builds the model."""
     from ragen_mega.models.hf_config import model_spec
+    from ragen_mega.models.prepare import PRESETS
 
-    if cfg.model.path == "smollm2":
+    if cfg.model.path in PRESETS:
         return
     try:
         spec = model_spec(cfg.model.path)

@@ -44,7 +44,7 @@ from ragen_mega.preflight import preflight
 from ragen_mega.config_tree import ConfigError, to_dict
 from ragen_mega import checkpoints, preemption
 from ragen_mega.evaluate import REFERENCES_FILE, held_out_references
-from ragen_mega.logging import append_metrics
+from ragen_mega.logging import append_metrics, timed
 from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import build_batch, cut_value_batch, filter_groups
 from ragen_mega.rollout.collapse_probe import first_turn_probe, valid_thinking_rate
@@ -116,16 +116,22 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         metrics, pending = train_step(cfg, run, step, played)
         if t.eval_every and step % t.eval_every == 0:
             metrics.update(run.rollouts.evaluate())
+        # a step whose updates kept failing is logged, never saved: the newest checkpoint
+        # stays the last good one
+        failed = skipped_updates_error(metrics, t.max_skipped_updates_in_row)
+        last = step == t.total_steps
+        if failed is None and (last or stop.requested or
+                               (t.save_every and step % t.save_every == 0)):
+            streams = run.rollouts.streams
+            with timed(metrics, "time/save_s"):
+                checkpoints.save(cfg, step, run.actor, run.critic,
+                                 streams=None if streams is None else streams.state_dict(),
+                                 pending=pending)
         logger.log(step, metrics)
         history.append({"step": step, **metrics})
         append_metrics(run_dir, step, metrics)
-        check_skipped_updates(metrics, t.max_skipped_updates_in_row)  # before saving this step
-        last = step == t.total_steps
-        if last or stop.requested or (t.save_every and step % t.save_every == 0):
-            streams = run.rollouts.streams
-            checkpoints.save(cfg, step, run.actor, run.critic,
-                             streams=None if streams is None else streams.state_dict(),
-                             pending=pending)
+        if failed is not None:
+            raise failed
         if stop.requested and not last:
             raise preemption.Preempted(stop.signal_name, step)
     return history
@@ -147,7 +153,8 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
     t1 = time.perf_counter()
     every = cfg.trainer.collapse_every
     if every and (step == 1 or step % every == 0):  # RAGEN's schedule: step 1, then every k
-        metrics.update(probe_collapse(cfg, run, played.samples, step))
+        with timed(metrics, "time/probe_s"):
+            metrics.update(probe_collapse(cfg, run, played.samples, step))
     train, samples = update_models(cfg, run, step, played, metrics)
     t2 = time.perf_counter()
     pending = None if next_rollout is None else join_rollout(next_rollout, metrics)
@@ -190,7 +197,8 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
     if cfg.algo.use_rollout_logprobs:
         train["old_logprobs"] = train["rollout_logprobs"]
     else:
-        train["old_logprobs"] = run.actor.compute_logprobs(train)
+        with timed(metrics, "time/old_logprobs_s"):
+            train["old_logprobs"] = run.actor.compute_logprobs(train)
         mask = train["loss_mask"].bool()
         metrics["train/rollout_vs_trainer_logprob_diff"] = float(
             (train["old_logprobs"] - train["rollout_logprobs"])[mask].abs().mean())
@@ -198,7 +206,8 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
         kl_into_rewards(cfg, run, train, batch, layout.to_per_turn, metrics)
     values = None
     if run.critic is not None:
-        train["old_values"] = run.critic.compute_values(train)
+        with timed(metrics, "time/values_s"):
+            train["old_values"] = run.critic.compute_values(train)
         values = layout.to_per_turn(train["old_values"])
     batch = compute_advantages(batch, cfg.algo, token_values=values, bootstrap_values=None
                                if played.window is None else cut_values(cfg, run, samples,
@@ -211,10 +220,12 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
         if key in batch:
             train[key] = layout.to_train(batch[key])
     if run.critic is not None:
-        metrics.update(run.critic.train(train))
+        with timed(metrics, "time/critic_update_s"):
+            metrics.update(run.critic.train(train))
     actor_frozen = step <= cfg.critic.warmup_steps  # critic warm-up: no actor/* this step
     if not actor_frozen:
-        metrics.update(run.actor.train(train))
+        with timed(metrics, "time/actor_update_s"):
+            metrics.update(run.actor.train(train))
     metrics["train/actor_frozen"] = float(actor_frozen)
     for role in ("actor", "critic"):
         if metrics.get(f"{role}/updates_skipped"):
@@ -277,17 +288,18 @@ def join_rollout(next_rollout: Future, metrics: dict[str, float]) -> PlayedStep 
     return pending
 
 
-def check_skipped_updates(metrics: dict[str, float], limit: int) -> None:
-    """End the run (RuntimeError) once the actor or the critic has skipped ``limit`` updates in
-    a row (``trainer.max_skipped_updates_in_row``): the caller raises it before saving the step,
-    so the newest checkpoint is the last good one."""
+def skipped_updates_error(metrics: dict[str, float], limit: int) -> RuntimeError | None:
+    """The error that ends the run once the actor or the critic has skipped ``limit`` updates
+    in a row (``trainer.max_skipped_updates_in_row``), or None: the loop raises it after logging
+    the step and without saving it, so the newest checkpoint is the last good one."""
     for role in ("actor", "critic"):
         in_row = metrics.get(f"{role}/updates_skipped_in_row", 0)
         if in_row >= limit:
-            raise RuntimeError(
+            return RuntimeError(
                 f"{role}: {int(in_row)} updates in a row had a NaN or inf loss or gradient "
                 f"(trainer.max_skipped_updates_in_row={limit}); the run stops, its newest "
                 f"checkpoint is the last good one")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

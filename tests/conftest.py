@@ -16,13 +16,21 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ragen_mega.models.prepare import cache_dir, make_tiny_model, prepare_smollm2
+from ragen_mega.models.prepare import (cache_dir, make_tiny_model, prepare_smollm2,
+                                       prepare_textgame_small)
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """HF directory of the real SmolLM2-135M-Instruct (fp32 safetensors + tokenizer)."""
     return prepare_smollm2()
+
+
+@pytest.fixture(scope="session")
+def textgame_small_dir(smollm2_dir):
+    """HF directory of the ``textgame-small`` preset, as users get it (random weights, the
+    games' tokenizer)."""
+    return prepare_textgame_small()
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ from ragen_mega.rollout.episode import (EpisodeSpec, Generation, PromptTooLong, 
                                         run_episode)
 from ragen_mega.rollout.faults import (DroppedEpisode, FaultCounters, count_rollout_faults,
                                        episode_or_drop)
-from ragen_mega.train import check_skipped_updates
+from ragen_mega.train import skipped_updates_error
 
 faulty_envs.register()
 AGENT = AgentConfig(think=True, max_actions_per_turn=1)
@@ -190,10 +190,10 @@ def test_fault_config_keys_are_checked():
         load_run_config("examples/bandit_cpu_demo.yaml", ["rollout.max_env_failure_rate=1.5"])
     with pytest.raises(ConfigError, match="max_skipped_updates_in_row: must be >= 1"):
         load_run_config("examples/bandit_cpu_demo.yaml", ["trainer.max_skipped_updates_in_row=0"])
-    check_skipped_updates({"actor/updates_skipped_in_row": 1.0}, limit=2)
+    assert skipped_updates_error({"actor/updates_skipped_in_row": 1.0}, limit=2) is None
     with pytest.raises(RuntimeError, match=r"critic: 2 updates in a row .*=2\)"):
-        check_skipped_updates({"actor/updates_skipped_in_row": 0.0,
-                               "critic/updates_skipped_in_row": 2.0}, limit=2)
+        raise skipped_updates_error({"actor/updates_skipped_in_row": 0.0,
+                                     "critic/updates_skipped_in_row": 2.0}, limit=2)
 
 
 def _dist_tensors(step_dir: Path, scratch: Path) -> dict[str, torch.Tensor]:

@@ -191,18 +191,19 @@ def test_learn_credit_across_turns(estimator, learn_setup, tiny_run_overrides, t
 FROZEN_LAKE_DEMO = "examples/frozen_lake_cpu_demo.yaml"
 
 
-def test_sft_warm_start_lowers_heldout_loss_and_serves(learn_setup, tiny_model, tmp_path, capsys):
-    """``ragen-mega sft`` on the FrozenLake demo's format targets with a tiny random Qwen2 (the
-    Megatron actor at TP 2, no engine): the held-out loss falls; the Hugging Face directory it
-    writes is a valid ``model.path``, and SGLang serves it (the held-out episodes ``eval`` plays,
-    greedy) with transformers' greedy tokens for the same prompts. Bad input fails before
-    anything starts."""
+def test_sft_warm_start_lowers_heldout_loss_and_serves(learn_setup, textgame_small_dir,
+                                                       tmp_path, capsys):
+    """``ragen-mega sft`` on the FrozenLake demo's format targets from the ``textgame-small``
+    preset (random weights, the games' tokenizer; the Megatron actor at TP 2, no engine): the
+    held-out loss falls; the Hugging Face directory it writes is a valid ``model.path``, and
+    SGLang serves it (the held-out episodes ``eval`` plays, greedy) with transformers' greedy
+    tokens for the same prompts. Bad input fails before anything starts."""
     from ragen_mega.evaluate import play_held_out
     from ragen_mega.sft import main as sft_main
 
     from test_sglang_engine import hf_greedy, hf_model
 
-    base = tiny_model("qwen2")
+    base = textgame_small_dir
     out = tmp_path / "warm"
     overrides = [f"model.path={base}", f"trainer.run_dir={tmp_path / 'run'}", f"sft.out={out}",
                  "sft.steps=6", "sft.batch_size=8", "sft.examples=48", "sft.heldout=8",

