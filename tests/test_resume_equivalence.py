@@ -185,9 +185,15 @@ def check_whole_run(history: list[dict], run_dir) -> None:
     in TensorBoard and every scalar in README's table, one checkpoint per step under one
     pointer."""
     for h in history:
+        # the actor does not move in the critic's warm-up: no time/actor_update_s then
+        phases = ("time/old_logprobs_s", "time/values_s", "time/critic_update_s") + (
+            () if h["train/actor_frozen"] else ("time/actor_update_s",))
         assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
         assert h["weight_version"] == h["step"]
         assert h["train/rollout_vs_trainer_logprob_diff"] < 1e-3
+        # the step's time breakdown: each phase measured, together within the train phase
+        assert all(h[k] > 0 for k in phases) and sum(h[k] for k in phases) <= h["time/train_s"]
+        assert h["time/save_s"] > 0  # every step saves here
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])

@@ -138,9 +138,11 @@ def test_overrides_apply():
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
 def test_examples_load(path):
     """Every example loads. Most name a model directory of the user's machine (/path/to/...):
-    until it exists, that key, and only that one, is refused."""
+    until it exists, that key, and only that one, is refused; a preset name is always taken."""
+    from ragen_mega.models.prepare import PRESETS
+
     model = yaml.safe_load(path.read_text())["model"]["path"]
-    if model != "smollm2" and not (pathlib.Path(model) / "config.json").is_file():
+    if model not in PRESETS and not (pathlib.Path(model) / "config.json").is_file():
         with pytest.raises(ConfigError, match="^model.path: "):
             load_run_config(path)
         load_run_config(path, ["model.path=smollm2"])
