@@ -36,7 +36,7 @@ import torch
 
 from ragen_mega.algo.advantages import kl_penalized_rewards
 from ragen_mega.algo.estimators import compute_advantages
-from ragen_mega.algo.losses import kl_penalty
+from ragen_mega.algo.losses import episode_loss_tokens, kl_penalty
 from ragen_mega.algo.filter import FILTER_SETTINGS
 from ragen_mega.algo.gigpo import step_group_metrics
 from ragen_mega.config import RunConfig, load_run_config
@@ -193,6 +193,7 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
     layout = pack_trajectories(samples, batch, enabled=layouts_agree(
         cfg.trainer.pack_trajectories, agg_modes))
     train = layout.batch  # what actor and critic see; the estimators read the per-turn batch
+    train["episode_loss_tokens"] = episode_loss_tokens(train["loss_mask"], train["episode_id"])
     metrics.update(layout.metrics)
     if cfg.algo.use_rollout_logprobs:
         train["old_logprobs"] = train["rollout_logprobs"]

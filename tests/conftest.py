@@ -177,9 +177,19 @@ def _reference_step(model_dir, batch, mode):
     mask = batch["loss_mask"][:, 1:] * batch["attention_mask"][:, 1:]
     old = ref_lp + batch["noise"][:, 1:]
     lp, entropy = _hf_logprobs_entropy(model, batch)
-    pg, _ = policy_loss(lp, old, batch["advantages"][:, 1:], mask, 0.2, 0.28, 3.0, agg=mode)
-    loss = (pg - ACTOR["entropy_coeff"] * aggregate(entropy, mask, mode)
-            + ACTOR["kl_coef"] * aggregate(kl_penalty(lp, ref_lp, "k1"), mask, mode))
+
+    def starpo(lp, old, adv, mask, entropy, ref_lp, mode):
+        pg, _ = policy_loss(lp, old, adv, mask, 0.2, 0.28, 3.0, agg=mode)
+        return (pg - ACTOR["entropy_coeff"] * aggregate(entropy, mask, mode)
+                + ACTOR["kl_coef"] * aggregate(kl_penalty(lp, ref_lp, "k1"), mask, mode))
+
+    parts = (lp, old, batch["advantages"][:, 1:], mask, entropy, ref_lp)
+    if mode == "episode-mean-token-mean":  # by hand: each episode's token-mean, then their mean
+        episodes = batch["episode_id"]
+        loss = torch.stack([starpo(*(t[episodes == e] for t in parts), "token-mean")
+                            for e in episodes.unique()]).mean()
+    else:
+        loss = starpo(*parts, mode)
     loss.backward()
     params = [p for p in model.parameters()]
     grad_norm = torch.norm(torch.stack([p.grad.norm() for p in params])).item()

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from ragen_mega.algo.losses import (AGG_MODES, aggregate, highlight_first_tokens, kl_penalty,
+from ragen_mega.algo.losses import (AGG_MODES, aggregate, episode_loss_tokens,
+                                    episode_weighted_mask, highlight_first_tokens, kl_penalty,
                                     loss_normalizer, policy_loss, truncated_is_weights,
                                     value_loss)
 
@@ -184,6 +185,30 @@ def test_micro_batch_accumulation_with_global_normalizer_equals_full_batch(mode)
     torch.testing.assert_close(logp_mb.grad, logp_full.grad)
     # the naive mean of per-micro-batch means is a different number: the normalizer matters
     assert abs(naive - full.item()) > 1e-3
+
+
+def test_episode_mean_weighs_each_episode_alike_in_any_layout():
+    """Rows 0 and 2 are one episode's two turns, row 1 another episode, row 3 empty (an episode
+    with no loss token). By hand: episode A's token mean (1+2+3+8+9)/5 = 4.6, B's 4.0; the mode
+    gives their mean 4.3, where a token-mean gives (1+2+3+4+8+9)/6 = 4.5. The same episode packed
+    into one row, or cut into micro-batches with the global normalizer, gives the same value."""
+    episode = torch.tensor([7, 3, 7, 5])
+    tokens = episode_loss_tokens(MASK, episode)
+    assert tokens.tolist() == [5.0, 1.0, 5.0, 0.0]
+    weighted = episode_weighted_mask(MASK, tokens)
+    mode = "episode-mean-token-mean"
+    assert aggregate(LOSS, weighted, mode).item() == pytest.approx((4.6 + 4.0) / 2)
+    assert aggregate(LOSS, MASK, "token-mean").item() == pytest.approx(4.5)
+    total = sum(loss_normalizer(weighted[a:b], mode) for a, b in [(0, 1), (1, 4)])
+    assert total.item() == pytest.approx(2.0)  # the summed weights count the episodes
+    split = sum(aggregate(LOSS[a:b], weighted[a:b], mode, normalizer=total)
+                for a, b in [(0, 1), (1, 4)])
+    assert split.item() == pytest.approx(4.3)
+    packed_loss = torch.tensor([[1.0, 2.0, 3.0, 8.0, 9.0], [4.0, 0.0, 0.0, 0.0, 0.0]])
+    packed_mask = torch.tensor([[1.0] * 5, [1.0, 0, 0, 0, 0]])
+    packed = episode_weighted_mask(packed_mask, episode_loss_tokens(packed_mask,
+                                                                    torch.tensor([7, 3])))
+    assert aggregate(packed_loss, packed, mode).item() == pytest.approx(4.3)
 
 
 KL_CASES = [  # logprob, ref_logprob, {kind: hand value}

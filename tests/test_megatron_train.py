@@ -22,7 +22,18 @@ LAYOUTS = {
     "pp2": (1, 2, None, {}),
     "pp2_vpp2": (1, 2, 2, {}),
     "dp2_seqmean": (1, 1, None, {"loss_agg_mode": "seq-mean-token-mean"}),
+    "dp2_epmean": (1, 1, None, {"loss_agg_mode": "episode-mean-token-mean"}),
 }
+#: rows 0 and 3 are one episode's turns, on different DP ranks under DP 2 (rows 0-1 and 2-3)
+EPISODE_ID = torch.tensor([0, 1, 2, 0])
+
+
+def with_episodes(batch: dict) -> dict:
+    """``batch`` with its rows' episodes, and their loss tokens as the driver counts them."""
+    from ragen_mega.algo.losses import episode_loss_tokens
+
+    return {**batch, "episode_id": EPISODE_ID,
+            "episode_loss_tokens": episode_loss_tokens(batch["loss_mask"], EPISODE_ID)}
 
 
 #: the SFT step: Adam with weight decay and an active clip, as the actor step's
@@ -39,6 +50,7 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
 
     out = {}
     for name, (tp, pp, vpp, extra) in LAYOUTS.items():
+        batch = with_episodes(batch) if "epmean" in name else batch
         init_parallel(rank, world_size, file_init_method("/nonexistent"), tp=tp, pp=pp, vpp=vpp)
         trainer = MegatronTrainer(ActorConfig(tp=tp, pp=pp, vpp=vpp, **actor_settings, **extra),
                                   hf_dir, total_steps=10)
@@ -107,8 +119,8 @@ def results(model_dir, batch, actor_step):
 
 @pytest.fixture(scope="module")
 def references(model_dir, batch, actor_step):
-    return {mode: actor_step.reference(model_dir, batch, mode)
-            for mode in ("token-mean", "seq-mean-token-mean")}
+    return {mode: actor_step.reference(model_dir, with_episodes(batch), mode)
+            for mode in ("token-mean", "seq-mean-token-mean", "episode-mean-token-mean")}
 
 
 def _mode(name):

@@ -151,6 +151,7 @@ def test_off_and_sequence_mean_losses_keep_per_turn_rows(unbounded):
     assert layouts_agree("auto", ["token-mean", "token-mean"])
     assert not layouts_agree("off", ["token-mean"])
     assert not layouts_agree("auto", ["token-mean", "seq-mean-token-mean"])
+    assert layouts_agree("auto", ["episode-mean-token-mean", "token-mean"])  # weights follow
     per_turn = build_batch(unbounded, pad_id=PAD)
     layout = pack_trajectories(unbounded, per_turn, enabled=False)
     assert layout.metrics == {"train/packed_episodes": 0.0, "train/pack_fallbacks": 0.0}

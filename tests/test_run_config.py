@@ -46,7 +46,7 @@ def test_defaults_are_ragen_starpo_s():
                                    "'constant', 'linear', 'cosine', 'inverse-square-root'"),
     (["actor.kl_kind=k9"], "actor.kl_kind: 'k9' is not allowed; allowed values: 'k1', 'kl',"),
     (["critic.loss_agg_mode=mean"], "critic.loss_agg_mode: 'mean' is not allowed; allowed values: "
-                                    "'token-mean', 'seq-mean-token-mean',"),
+                                    "'token-mean', 'episode-mean-token-mean',"),
     # each role has only its own loss settings; what the run derives is no key at all
     (["critic.clip_ratio_low=0.1"], "unknown config key 'critic.clip_ratio_low'"),
     (["critic.kl_coef=0.1"], "unknown config key 'critic.kl_coef'"),

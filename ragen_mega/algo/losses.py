@@ -21,6 +21,20 @@ micro-batches M and DDP averages gradients over the D data-parallel ranks) must 
 by ``M * D`` before backward so the gradient equals the full-batch gradient. The tests check
 step 3 against the full-batch value.
 
+Episodes alike (``episode-mean-token-mean``)
+--------------------------------------------
+A token-mean weighs an episode by its response tokens. In a multi-turn game the long episodes
+are mostly the failures (the agent wanders until ``max_turns``), so the tokens every response
+shares (``</answer>``, end of turn) carry a net negative advantage each step; with Adam's
+per-weight step size a small model from scratch unlearns its answer format within a few updates
+(FrozenLake, textgame-small: ``docs/results.md``). Weighing every EPISODE alike (the mean over its
+response tokens, then the mean over episodes: verl's ``seq-mean-token-mean`` when, as in RAGEN, a
+whole trajectory is one sequence) makes the group-mean advantages sum to zero over those shared
+tokens. The mode holds in any layout (an episode packed into one row, split into per-turn rows,
+under a memory window, across micro-batches and ranks): :func:`episode_weighted_mask` puts each
+token's weight ``1 / (its episode's loss tokens)`` into the loss mask before micro-batching,
+after which the mode is a token-mean whose normalizer (the summed weights) counts episodes.
+
 Entropy is computed by the trainer (vocab-parallel); its bonus is
 ``-entropy_coeff * aggregate(entropy, mask, mode, normalizer)``, nothing more is needed here.
 """
@@ -30,10 +44,13 @@ from typing import Literal, get_args
 
 import torch
 
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
-                  "seq-mean-token-sum-norm"]
+AggMode = Literal["token-mean", "episode-mean-token-mean", "seq-mean-token-mean",
+                  "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 KlKind = Literal["k1", "kl", "k2", "mse", "k3", "low_var_kl", "abs"]
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
+#: the modes that sum the (possibly weighted) loss mask: one training row per episode or one per
+#: turn is the same objective under them (``rollout/packing.py``)
+TOKEN_WEIGHTED: tuple[str, ...] = ("token-mean", "episode-mean-token-mean")
 KL_KINDS: tuple[str, ...] = get_args(KlKind)
 
 # log-ratios are clamped before exp, as verl does, so one wild token cannot produce inf/NaN
@@ -60,15 +77,32 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def episode_loss_tokens(loss_mask: torch.Tensor, episode_id: torch.Tensor) -> torch.Tensor:
+    """``[B]``: the loss tokens of each row's episode over all of the batch's rows (a packed
+    episode's one row, or its per-turn rows), which ``episode-mean-token-mean`` divides by."""
+    per_row = loss_mask.sum(dim=-1)
+    episodes, index = torch.unique(episode_id, return_inverse=True)
+    totals = per_row.new_zeros(len(episodes)).index_add_(0, index, per_row)
+    return totals[index]
+
+
+def episode_weighted_mask(mask: torch.Tensor, episode_tokens: torch.Tensor) -> torch.Tensor:
+    """The loss mask of ``episode-mean-token-mean``: each row's mask divided by its episode's
+    loss tokens (:func:`episode_loss_tokens`), so an episode's weights sum to 1 wherever its
+    rows go."""
+    return mask / episode_tokens.to(mask.dtype).clamp(min=1)[:, None]
+
+
 def loss_normalizer(mask: torch.Tensor, mode: str) -> torch.Tensor:
     """What :func:`aggregate` divides by in ``mode``, counted on this ``mask`` alone.
 
     Sum it over micro-batches and all-reduce it over data-parallel ranks to get the global
-    normalizer (see the module docstring). ``token-mean`` counts loss tokens; the ``seq-mean-*``
+    normalizer (see the module docstring). ``token-mean`` counts loss tokens (the summed mask,
+    which under ``episode-mean-token-mean``'s weighted mask counts episodes); the ``seq-mean-*``
     modes count sequences that have at least one loss token (an empty row is not a sample).
     """
     _check_mode(mode)
-    if mode == "token-mean":
+    if mode in TOKEN_WEIGHTED:
         return mask.sum()
     return (mask.sum(dim=-1) > 0).to(mask.dtype).sum()
 
@@ -81,6 +115,9 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
     Modes (verl's ``agg_loss`` names):
       - ``token-mean``: every loss token weighs the same (DAPO's token-level loss; StarPO's
         default).
+      - ``episode-mean-token-mean``: ``mask`` holds :func:`episode_weighted_mask`'s weights;
+        the weighted token sum over the summed weights, i.e. the mean over episodes of each
+        episode's token mean (module docstring).
       - ``seq-mean-token-mean``: mean over each sequence's tokens, then mean over sequences
         (the original GRPO objective: long answers are down-weighted per token).
       - ``seq-mean-token-sum``: sum over each sequence's tokens, then mean over sequences.
@@ -106,7 +143,7 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
     else:
         normalizer = max(float(normalizer), 1.0)
     masked = loss_mat * mask
-    if mode == "token-mean":
+    if mode in TOKEN_WEIGHTED:
         return masked.sum() / normalizer
     token_sums = masked.sum(dim=-1)
     if mode == "seq-mean-token-mean":

@@ -19,8 +19,22 @@ import dataclasses
 
 import torch
 
-from ragen_mega.algo.losses import (aggregate, highlight_first_tokens, kl_penalty, policy_loss,
-                                    truncated_is_weights, value_loss)
+from ragen_mega.algo.losses import (aggregate, episode_weighted_mask, highlight_first_tokens,
+                                    kl_penalty, policy_loss, truncated_is_weights, value_loss)
+
+
+def weigh_episodes(batch: dict, mode: str) -> dict:
+    """``batch`` with ``episode-mean-token-mean``'s weights in its loss mask (``algo/losses.py``:
+    every episode weighs alike); the batch as it is in the other modes. The weights come from the
+    batch's ``episode_loss_tokens``, counted by the driver over the whole step's batch, so they
+    hold however the rows are cut into mini-batches, ranks and micro-batches."""
+    if mode != "episode-mean-token-mean":
+        return batch
+    if "episode_loss_tokens" not in batch:
+        raise KeyError("loss_agg_mode episode-mean-token-mean weighs each episode by its loss "
+                       f"tokens: the batch needs episode_loss_tokens (has {sorted(batch)})")
+    return {**batch, "loss_mask": episode_weighted_mask(batch["loss_mask"],
+                                                        batch["episode_loss_tokens"])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +72,7 @@ class PolicyObjective:
             ("tis_weight", "tis_clipfrac") if settings.tis_cap is not None else ())
 
     def prepare(self, batch: dict) -> dict:
-        return batch
+        return weigh_episodes(batch, self.s.loss_agg_mode)
 
     def __call__(self, outputs: dict, mb: dict, norm: Normalization
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +115,9 @@ class ValueObjective:
         self.s = settings
 
     def prepare(self, batch: dict) -> dict:
-        """``batch`` with the first-token weight in its loss mask (before it is normalised)."""
+        """``batch`` with the first-token weight (and the episode weights of
+        ``episode-mean-token-mean``) in its loss mask, before it is normalised."""
+        batch = weigh_episodes(batch, self.s.loss_agg_mode)
         return {**batch, "loss_mask": highlight_first_tokens(batch["loss_mask"],
                                                              self.s.highlight_first)}
 
@@ -121,8 +137,9 @@ class ValueObjective:
 class SFTObjective:
     """Supervised fine-tuning (``ragen-mega sft``): the negative log-likelihood of the target
     tokens (``loss_mask``: the assistant's), normalised over micro-batches and ranks as the
-    actor's loss is (``loss_agg_mode``, the backend's :class:`Normalization`); the mean
-    target-token entropy as a statistic."""
+    actor's loss is (``loss_agg_mode``, the backend's :class:`Normalization`; an SFT batch has
+    no episodes, so ``episode-mean-token-mean`` is its token-mean); the mean target-token entropy
+    as a statistic."""
 
     needs_reference = False
     keys = ()

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from ragen_mega.algo.losses import TOKEN_WEIGHTED
 from ragen_mega.rollout.sample import Sample
 
 
@@ -70,9 +71,10 @@ class TrainLayout:
 
 def layouts_agree(mode: str, loss_agg_modes: Sequence[str]) -> bool:
     """Packing is on when ``mode`` (``trainer.pack_trajectories``) is ``auto`` and every trained
-    model's loss is a token-mean: the ``seq-mean-*`` modes weigh each SEQUENCE alike, so one row
-    per episode instead of one per turn would change the objective."""
-    return mode == "auto" and all(m == "token-mean" for m in loss_agg_modes)
+    model's loss sums its loss mask (``token-mean``, ``episode-mean-token-mean``, whose weights
+    follow the episode into any row): the ``seq-mean-*`` modes weigh each SEQUENCE alike, so one
+    row per episode instead of one per turn would change the objective."""
+    return mode == "auto" and all(m in TOKEN_WEIGHTED for m in loss_agg_modes)
 
 
 def pack_trajectories(samples: Sequence[Sample], per_turn: dict[str, torch.Tensor], *,
