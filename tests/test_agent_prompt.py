@@ -115,6 +115,28 @@ def test_answer_only_window_without_thoughts(tok):
         PromptBuilder(tok, cfg, "Walk.", ["Left"]).build(h1).text
 
 
+def test_without_instructions_the_prompt_is_the_turns_alone(tok):
+    """``instructions=False``: an empty system message (not the template's default one), no
+    instruction, action list or format rule; the turns, their rewards and the actions left stay,
+    and the whole chat still equals the tokenizer's own rendering of it."""
+    cfg = AgentConfig(think=False, answer_line=True, instructions=False)
+    sampled = [enc(tok, " Right </answer>")]
+    h = play(tok, cfg, sampled, ["P__G", "_P_G"], [0.0], [10, 9])
+    prompt = PromptBuilder.for_env(tok, cfg, Corridor()).build(h)
+    messages = [
+        {"role": "system", "content": ""},
+        {"role": "user", "content": "\nTurn 1:\nState:\nP__G\nYou have 10 actions left. "},
+        {"role": "assistant", "content": "<answer> Right </answer>"},
+        {"role": "user", "content": "Reward: 0\n\nTurn 2:\nState:\n_P_G\nYou have 9 actions left. "},
+    ]
+    assert prompt.ids == chat_ids(tok, messages) + enc(tok, "<answer>")
+    assert [prompt.ids[a:b] for a, b in prompt.response_spans] == sampled
+    with_words = PromptBuilder.for_env(tok, AgentConfig(think=False, answer_line=True),
+                                       Corridor()).build(h)
+    assert len(prompt.ids) < len(with_words.ids) - 100  # the words are most of a short prompt
+    assert "SmolLM" not in prompt.text and Corridor.instruction not in prompt.text
+
+
 @pytest.mark.parametrize("memory_turns, shown", [(0, [6]), (1, [5, 6]), (2, [4, 5, 6]), (5, [1, 2, 3, 4, 5, 6]),
                                                  (9, [1, 2, 3, 4, 5, 6]), (None, [1, 2, 3, 4, 5, 6])])
 def test_memory_window_keeps_exactly_the_last_k_turns(tok, memory_turns, shown):
@@ -222,6 +244,8 @@ def test_example_answer_shows_the_envs_own_actions_only_when_asked(tok, think, m
     ({"include_thoughts_in_memory": 1}, "include_thoughts_in_memory"),
     ({"max_prompt_tokens": 0}, "max_prompt_tokens"),
     ({"example_answer": "yes"}, "example_answer"),
+    ({"instructions": "no"}, "instructions"),
+    ({"instructions": False, "example_answer": True}, "example_answer"),
 ])
 def test_config_errors_name_the_field(kwargs, field):
     """A bad value is a ConfigError (a ValueError) naming the field first, as every section's."""

@@ -121,13 +121,16 @@ class PromptBuilder:
         self.example = example_answer(config, valid_actions)
         self.prefix_ids = self._encode(response_prefix(config))
         self._special_ids = set(tokenizer.all_special_ids)
-        self._system = system_prompt(config)
+        # without instructions: an empty system message (a template would put its own default
+        # in the place of a missing one), no head, no rule after the observations
+        self._system = system_prompt(config) if config.instructions else ""
         self._head = (f"{instruction.strip()}\nYour available actions are:\n{', '.join(valid_actions)}\n"
                       f"You can take up to {config.max_actions_per_turn} action(s) per turn, "
-                      f"separated by the action separator \" {config.action_sep} \".\n")
+                      f"separated by the action separator \" {config.action_sep} \".\n"
+                      if config.instructions else "")
         own = " (with your own actions)" if config.example_answer else ""
         self._rules = (f"Always output: {format_hint(config, valid_actions)}{own} with no extra text. "
-                       f"Strictly follow this format.\n")
+                       f"Strictly follow this format.\n" if config.instructions else "")
         # The template pieces of the last prompt, tokenized: the text between two sampled
         # responses never changes once written, so the next turn tokenizes only its new piece(s),
         # not the whole chat again (SmolLM2, Sokoban: build 0.7 -> 0.2 ms per turn at turn 5,
