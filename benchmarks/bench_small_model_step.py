@@ -8,10 +8,12 @@ where it went.
 The reference: the loop one would write in a single process on the same model, env, prompts and
 batch shape: transformers ``generate`` per turn for all live episodes at once (left-padded, KV
 cache within the turn), the env stepped in the loop, episode return minus its group's mean, the
-same StarPO-S filter ratio (groups by reward std), then one AdamW step of the token-mean policy
-gradient over the kept episodes, each packed as one row (its last prompt and response, loss on
-every response), in micro-batches of ``actor.micro_batch_size``. No engine, no Ray, no sync: what
-the stack's machinery costs is the gap.
+same StarPO-S filter ratio (groups by reward std), then one AdamW step of the policy gradient
+over the kept episodes (``actor.loss_agg_mode``: token-mean, or episode-mean-token-mean), each
+packed as one row when the whole chat is shown (its last prompt and response, loss on every
+response) or one row per turn under a memory window (``agent.memory_turns``), in micro-batches of
+``actor.micro_batch_size``. No engine, no Ray, no sync: what the stack's machinery costs is the
+gap.
 
 Both use ``--model`` (default ``textgame-small``, random weights: responses run to
 ``max_new_tokens`` and episodes to ``env.max_turns`` almost always, so both sides do the same,
@@ -85,7 +87,7 @@ class ReferenceLoop:
         histories = [History() for _ in envs]
         observations = [env.reset(step * groups + i // size) for i, env in enumerate(envs)]
         returns = [0.0] * len(envs)
-        last = [None] * len(envs)   # (prompt, response ids) of each episode's last turn
+        turns = [[] for _ in envs]   # (prompt, response ids) of each episode's turns
         live = list(range(len(envs)))
         generate_s = 0.0
         for _ in range(env_cfg.max_turns):
@@ -111,13 +113,13 @@ class ReferenceLoop:
                         break
                 histories[i].record(ids, parsed, reward)
                 returns[i] += reward
-                last[i] = (prompt, ids)
+                turns[i].append((prompt, ids))
                 if not done:
                     still.append(i)
             live = still
         t1 = time.perf_counter()
         kept = self._kept(returns, groups, size)
-        tokens = self._train(kept, returns, last, groups, size)
+        tokens = self._train(kept, returns, turns, groups, size)
         t2 = time.perf_counter()
         return {"step_s": t2 - t0, "generate_s": generate_s, "train_s": t2 - t1,
                 "tokens": tokens}
@@ -146,21 +148,27 @@ class ReferenceLoop:
         best = sorted(range(groups), key=lambda g: -stds[g])[:keep]
         return [g * size + k for g in sorted(best) for k in range(size)]
 
-    def _train(self, kept: list[int], returns: list[float], last: list, groups: int,
+    def _train(self, kept: list[int], returns: list[float], turns: list, groups: int,
                size: int) -> int:
-        """One AdamW step of the token-mean policy gradient over ``kept``; its token count."""
+        """One AdamW step of the policy gradient over ``kept``; its token count."""
+        packed = self.cfg.agent.memory_turns is None
+        per_episode = self.cfg.actor.loss_agg_mode == "episode-mean-token-mean"
         rows, masks, advantages = [], [], []
         for i in kept:
-            prompt, response = last[i]
             g = i // size
-            mean = statistics.fmean(returns[g * size:(g + 1) * size])
-            ids = list(prompt.ids) + list(response)
-            mask = [0] * len(ids)
-            for start, end in [*prompt.response_spans, (len(prompt.ids), len(ids))]:
-                mask[start:end] = [1] * (end - start)
-            rows.append(ids)
-            masks.append(mask)
-            advantages.append(returns[i] - mean)
+            advantage = returns[i] - statistics.fmean(returns[g * size:(g + 1) * size])
+            episode_rows = []
+            for prompt, response in (turns[i][-1:] if packed else turns[i]):
+                ids = list(prompt.ids) + list(response)
+                mask = [0] * len(ids)
+                for start, end in [*prompt.response_spans, (len(prompt.ids), len(ids))]:
+                    mask[start:end] = [1] * (end - start)
+                episode_rows.append((ids, mask))
+            weight = 1 / max(1, sum(sum(m) for _, m in episode_rows)) if per_episode else 1
+            for ids, mask in episode_rows:
+                rows.append(ids)
+                masks.append([weight * m for m in mask])
+                advantages.append(advantage)
         total = sum(map(sum, masks))
         micro = self.cfg.actor.micro_batch_size
         self.opt.zero_grad()
