@@ -45,9 +45,8 @@ class AgentConfig:
     #: the prompt carries RAGEN's words around the game: the system message, the env's
     #: instruction and action list, and the format rule after every observation. False: only the
     #: turns (``Turn k:``, the observation, the reward), for a model trained from scratch, which
-    #: cannot read English: on a 4x4 FrozenLake those words are 300 of the 390 tokens, and a 4-way
-    #: move head on textgame-small that learns to read the board from the bare observation within
-    #: 12 000 episodes has not started to after 16 000 with them (docs/results.md).
+    #: cannot read English: on a 4x4 FrozenLake those words are 280 of a prompt's 380 tokens, so
+    #: they cost most of a step's compute and only dilute the board (docs/results.md).
     instructions: bool = True
 
     def __post_init__(self):

@@ -25,12 +25,11 @@ Episodes alike (``episode-mean-token-mean``)
 --------------------------------------------
 A token-mean weighs an episode by its response tokens. In a multi-turn game the long episodes
 are mostly the failures (the agent wanders until ``max_turns``), so the tokens every response
-shares (``</answer>``, end of turn) carry a net negative advantage each step; with Adam's
-per-weight step size a small model from scratch unlearns its answer format within a few updates
-(FrozenLake, textgame-small: ``docs/results.md``). Weighing every EPISODE alike (the mean over its
-response tokens, then the mean over episodes: verl's ``seq-mean-token-mean`` when, as in RAGEN, a
-whole trajectory is one sequence) makes the group-mean advantages sum to zero over those shared
-tokens. The mode holds in any layout (an episode packed into one row, split into per-turn rows,
+shares (``</answer>``, end of turn) carry a net negative advantage each step (one in-process
+FrozenLake run on textgame-small lost its end-of-turn token that way, ``docs/results.md``).
+Weighing every EPISODE alike (the mean over its response tokens, then the mean over episodes:
+verl's ``seq-mean-token-mean`` when, as in RAGEN, a whole trajectory is one sequence) makes the
+group-mean advantages sum to zero over those shared tokens. The mode holds in any layout (an episode packed into one row, split into per-turn rows,
 under a memory window, across micro-batches and ranks): :func:`episode_weighted_mask` puts each
 token's weight ``1 / (its episode's loss tokens)`` into the loss mask before micro-batching,
 after which the mode is a token-mean whose normalizer (the summed weights) counts episodes.
