@@ -2,10 +2,21 @@
 
 The policy is a 4-way move head on a causal LM: the LM's logits of the env's move tokens at the
 prompt's last position, sampled, so no answer format can break and nothing but the choice of
-move is trained. REINFORCE with the group mean as the baseline, every episode weighted alike,
-Adam, ``--groups`` x ``--group-size`` episodes a step, all trained; greedy success on 64
-held-out maps every 20 steps. It separates "the model and prompt cannot learn this" from "the
-RL setup or the stack keeps it from learning" (docs/results.md, "A small model from scratch").
+move is trained. REINFORCE with the group mean as the baseline (or ``--estimator gigpo``: the
+stack's GiGPO with the config's ``algo.gamma`` and ``algo.grpo_norm_by_std``), every episode
+weighted alike, Adam, ``--groups`` x ``--group-size`` episodes a step, all trained; greedy
+success on 64 held-out maps every 20 steps. It separates "the model and prompt cannot learn
+this" from "the RL setup or the stack keeps it from learning" (docs/results.md, "A small model
+from scratch").
+
+``--softmax vocab`` makes the same logits the LM head's policy: the softmax over the whole
+vocabulary, an answer that is no move scored as a broken format (``agent.format_penalty``, the
+turn spent). ``--sample-moves`` then samples among the moves only (the loss keeps the whole
+softmax), ``--untie`` gives the output layer its own copy of the embeddings, and
+``--freeze-other-rows`` (with ``--untie``) keeps the output rows of every token but the moves
+where they started: the A/B that separates a 4-way policy from the LM head's, one difference at a
+time. In ``vocab`` mode each step's record has ``move_mass``, the sampled turns' mean probability
+of the four moves.
 
 The prompt is the run config's (``agent`` section: ``memory_turns``, ``instructions``), built by
 the stack's own PromptBuilder, or with ``--observation-only`` the env's observation text alone.
@@ -25,6 +36,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ragen_mega.agent.memory import History
+    from ragen_mega.algo.gigpo import anchor_groups, gigpo
     from ragen_mega.agent.parse import ParsedResponse
     from ragen_mega.agent.prompt import PromptBuilder
     from ragen_mega.config import load_run_config
@@ -38,16 +50,32 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--adam-eps", type=float, default=1e-8)
+    parser.add_argument("--seed", type=int, default=None, help="default: trainer.seed")
+    parser.add_argument("--estimator", choices=("reinforce", "gigpo"), default="reinforce")
+    parser.add_argument("--softmax", choices=("moves", "vocab"), default="moves")
+    parser.add_argument("--sample-moves", action="store_true",
+                        help="--softmax vocab: sample among the moves, train the whole softmax")
+    parser.add_argument("--untie", action="store_true", help="the output layer's own weights")
+    parser.add_argument("--freeze-other-rows", action="store_true",
+                        help="--untie: no update to the output rows of the non-move tokens")
     parser.add_argument("--observation-only", action="store_true",
                         help="the observation text and <answer>, no chat around it")
     args = parser.parse_args()
+    if args.freeze_other_rows and not args.untie:
+        parser.error("--freeze-other-rows needs --untie (tied, the rows are the input embeddings)")
     cfg = load_run_config(args.config, [])
-    torch.manual_seed(cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed if args.seed is None else args.seed)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if args.untie:
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr, eps=args.adam_eps)
     moves = list(make(cfg.env.name, **cfg.env.kwargs).valid_actions)
     move_ids = torch.tensor([tok.encode(" " + m, add_special_tokens=False)[0] for m in moves])
+    vocab = args.softmax == "vocab"
+    other_rows = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool)
+    other_rows[move_ids] = False
 
     def prompt(builder, history, observation):
         if args.observation_only:
@@ -62,61 +90,95 @@ def main() -> None:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         hidden = model.model(input_ids=ids, attention_mask=attention,
                              position_ids=positions).last_hidden_state[:, -1]
-        return hidden @ model.lm_head.weight[move_ids].T
+        return hidden @ (model.lm_head.weight if vocab else model.lm_head.weight[move_ids]).T
+
+    def pick(logits, greedy):
+        """The sampled (or greedy) column of ``logits``, and the move it is (None: no move)."""
+        if vocab and args.sample_moves:
+            logits = logits.clone()
+            logits[:, other_rows] = -torch.inf
+        picks = (logits.argmax(-1) if greedy
+                 else torch.distributions.Categorical(logits=logits).sample()).tolist()
+        index = move_ids.tolist() if vocab else list(range(len(moves)))
+        return [(k, index.index(k) if k in index else None) for k in picks]
 
     def play(seeds, greedy):
         envs = [make(cfg.env.name, **cfg.env.kwargs) for _ in seeds]
         builder = PromptBuilder.for_env(tok, cfg.agent, envs[0])
         histories = [History() for _ in envs]
         observations = [env.reset(seed) for env, seed in zip(envs, seeds)]
-        returns, turns, live = [0.0] * len(envs), [[] for _ in envs], list(range(len(envs)))
+        wins, turns, live = [False] * len(envs), [[] for _ in envs], list(range(len(envs)))
+        move_mass = []
         for _ in range(cfg.env.max_turns):
             if not live:
                 break
             prompts = [prompt(builder, histories[i], observations[i]) for i in live]
             with torch.no_grad():
                 logits = move_logits(prompts)
-            picks = (logits.argmax(-1) if greedy
-                     else torch.distributions.Categorical(logits=logits).sample()).tolist()
+                picks = pick(logits, greedy)
+            move_mass += logits.softmax(-1)[:, move_ids].sum(-1).tolist() if vocab else []
             still = []
-            for i, p, k in zip(live, prompts, picks):
-                observations[i], reward, done, _ = envs[i].step(moves[k])
-                returns[i] += reward
-                turns[i].append((p, k))
+            for i, p, (k, move) in zip(live, prompts, picks):
+                state = envs[i].state_key(observations[i])
+                if move is None:  # an answer that is no move: the turn is spent
+                    reward, done = cfg.agent.format_penalty, False
+                    parsed = ParsedResponse(format_ok=False, penalty=reward)
+                else:
+                    observations[i], reward, done, info = envs[i].step(moves[move])
+                    wins[i] = wins[i] or bool(info.get("success"))
+                    parsed = ParsedResponse(actions=[moves[move]], format_ok=True)
+                turns[i].append((p, k, reward, state))
                 if not args.observation_only:
-                    answer = tok.encode(f" {moves[k]} </answer>", add_special_tokens=False)
-                    histories[i].record(answer, ParsedResponse(actions=[moves[k]], format_ok=True),
-                                        reward)
+                    answer = [k] if move is None else tok.encode(f" {moves[move]} </answer>",
+                                                                 add_special_tokens=False)
+                    histories[i].record(answer, parsed, reward)
                 if not done:
                     still.append(i)
             live = still
-        return returns, turns
+        return wins, turns, move_mass
+
+    def advantages(turns):
+        """Each turn's advantage, in the order of the batch's turns."""
+        rows = [(i, t) for i, episode in enumerate(turns) for t in range(len(episode))]
+        rewards = torch.tensor([turns[i][t][2] for i, t in rows])
+        groups = torch.tensor([i // size for i, _ in rows])
+        if args.estimator == "gigpo":
+            steps = anchor_groups([turns[i][t][3] for i, t in rows], groups.tolist())
+            return gigpo(rewards, torch.tensor([i for i, _ in rows]), groups,
+                         torch.tensor([t + 1 for _, t in rows]), steps, gamma=cfg.algo.gamma,
+                         norm_by_std=cfg.algo.grpo_norm_by_std)[0]
+        returns = [sum(turn[2] for turn in episode) for episode in turns]
+        return torch.tensor([returns[i] - statistics.fmean(returns[i // size * size:
+                                                                   (i // size + 1) * size])
+                             for i, _ in rows])
 
     held_out = list(range(10**6, 10**6 + 64))
     size, batch = args.group_size, args.groups * args.group_size
     with open(args.out, "w") as out:
         for step in range(args.steps + 1):
             if step % 20 == 0:
-                returns, _ = play(held_out, greedy=True)
-                record = {"step": step, "val_greedy": sum(r > 0 for r in returns) / 64}
+                wins, _, _ = play(held_out, greedy=True)
+                record = {"step": step, "val_greedy": sum(wins) / 64}
                 out.write(json.dumps(record) + "\n")
                 print(record, flush=True)
             if step == args.steps:
                 break
-            returns, turns = play([(step + 1) * 1000 + i // size for i in range(batch)], False)
-            rows, weights = [], []
-            for i in range(batch):
-                group = returns[i // size * size:(i // size + 1) * size]
-                advantage = returns[i] - statistics.fmean(group)
-                rows += turns[i]
-                weights += [advantage / len(turns[i])] * len(turns[i])
+            seeds = [(step + 1) * 1000 + i // size for i in range(batch)]
+            wins, turns, move_mass = play(seeds, greedy=False)
+            rows = [turn for episode in turns for turn in episode]
+            weights = advantages(turns) * torch.tensor(
+                [1 / len(episode) for episode in turns for _ in episode])
             opt.zero_grad()
-            logp = torch.log_softmax(move_logits([p for p, _ in rows]), -1)
-            chosen = logp.gather(-1, torch.tensor([[k] for _, k in rows]))[:, 0]
-            (-(torch.tensor(weights) * chosen).sum() / batch).backward()
+            logp = torch.log_softmax(move_logits([p for p, *_ in rows]), -1)
+            chosen = logp.gather(-1, torch.tensor([[k] for _, k, *_ in rows]))[:, 0]
+            (-(weights * chosen).sum() / batch).backward()
+            if args.freeze_other_rows:
+                model.lm_head.weight.grad[other_rows] = 0.0
             opt.step()
-            out.write(json.dumps({"step": step + 1, "success": sum(r > 0 for r in returns) / batch})
-                      + "\n")
+            record = {"step": step + 1, "success": sum(wins) / batch}
+            if vocab:
+                record["move_mass"] = statistics.fmean(move_mass)
+            out.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":
