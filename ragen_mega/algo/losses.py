@@ -29,8 +29,9 @@ shares (``</answer>``, end of turn) carry a net negative advantage each step (on
 FrozenLake run on textgame-small lost its end-of-turn token that way, ``docs/results.md``).
 Weighing every EPISODE alike (the mean over its response tokens, then the mean over episodes:
 verl's ``seq-mean-token-mean`` when, as in RAGEN, a whole trajectory is one sequence) makes the
-group-mean advantages sum to zero over those shared tokens. The mode holds in any layout (an episode packed into one row, split into per-turn rows,
-under a memory window, across micro-batches and ranks): :func:`episode_weighted_mask` puts each
+group-mean advantages sum to zero over those shared tokens. The mode holds in any layout (an
+episode packed into one row, split into per-turn rows, under a memory window, across
+micro-batches and ranks): :func:`episode_weighted_mask` puts each
 token's weight ``1 / (its episode's loss tokens)`` into the loss mask before micro-batching,
 after which the mode is a token-mean whose normalizer (the summed weights) counts episodes.
 
