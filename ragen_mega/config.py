@@ -624,6 +624,10 @@ class SFTConfig:
     lr: Optional[float] = None  # None: actor.lr
     seed: int = 0
     out: Optional[str] = None   # the Hugging Face directory written; None: <trainer.run_dir>/hf
+    #: the training loss on every token, the prompt's too (the held-out loss stays on the
+    #: targets). For a model trained from scratch: predicting the boards keeps them in its
+    #: states, where random format-only targets alone teach it to ignore them (docs/results.md)
+    prompt_loss: bool = False
 
     def validate(self):
         for key in ("steps", "batch_size", "examples", "heldout"):

@@ -9,7 +9,8 @@ actor uses (``actor`` section: TP/PP, micro-batches, Adam; ``trainer.data_parall
 Data (``sft.data``, :mod:`ragen_mega.sft_data`): ``format``, the env's own first-turn prompts
 (exactly what the rollout sends) with a uniformly random valid answer, which teaches the format
 and nothing about the solution; or a JSONL file of chats. The loss (:class:`SFTObjective`) is the
-token-mean negative log-likelihood of the target tokens only. ``sft.steps`` steps of
+token-mean negative log-likelihood of the target tokens only, or with ``sft.prompt_loss`` of every
+token (a model trained from scratch then keeps the board in its states). ``sft.steps`` steps of
 ``sft.batch_size`` examples (epochs of a seeded shuffle), the held-out loss on ``sft.heldout``
 examples every ``sft.eval_every`` steps and at the first and last; scalars ``sft/loss``,
 ``sft/heldout_loss``, ``sft/entropy``, ``sft/grad_norm``, ``sft/lr`` in TensorBoard
@@ -59,7 +60,8 @@ def check(cfg: RunConfig) -> None:
 
 
 def load_examples(cfg: RunConfig, tokenizer) -> tuple[list, list]:
-    """(training, held-out) examples of ``sft.data``."""
+    """(training, held-out) examples of ``sft.data``; with ``sft.prompt_loss`` the training
+    examples' loss is on every token but the first (nothing predicts it)."""
     from ragen_mega import sft_data
 
     s = cfg.sft
@@ -70,7 +72,10 @@ def load_examples(cfg: RunConfig, tokenizer) -> tuple[list, list]:
         if len(examples) <= s.heldout:
             raise ConfigError(f"sft.heldout: {s.data} has {len(examples)} chats, not more than "
                               f"sft.heldout={s.heldout}")
-    return examples[:-s.heldout], examples[-s.heldout:]
+    train = examples[:-s.heldout]
+    if s.prompt_loss:
+        train = [sft_data.SFTExample(e.ids, [0] + [1] * (len(e.ids) - 1)) for e in train]
+    return train, examples[-s.heldout:]
 
 
 def batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:

@@ -287,6 +287,25 @@ def test_format_examples_are_deterministic(tok):
     assert split(b[0])[0] == split(a[1])[0]
 
 
+def test_prompt_loss_trains_on_every_token_and_keeps_the_heldout_loss_on_targets(tok):
+    """``sft.prompt_loss``: the training examples' loss covers every token but the first (the
+    prompt too); the held-out examples keep the target-only mask, so the held-out loss still
+    measures the format. Off, both are exactly ``format_examples``' own."""
+    from ragen_mega.sft import load_examples
+
+    overrides = ["sft.examples=6", "sft.heldout=2", "sft.seed=5"]
+    plain = format_examples(load_run_config(LAKE, overrides), tok, 8, seed=5)
+    train, heldout = load_examples(load_run_config(LAKE, overrides), tok)
+    assert train + heldout == plain
+    train, heldout = load_examples(load_run_config(LAKE, [*overrides, "sft.prompt_loss=true"]),
+                                   tok)
+    assert heldout == plain[6:]
+    assert [e.ids for e in train] == [e.ids for e in plain[:6]]
+    for e, p in zip(train, plain):
+        assert e.loss_mask == [0] + [1] * (len(e.ids) - 1)
+        assert sum(e.loss_mask) > 3 * sum(p.loss_mask)  # the prompt's tokens outnumber the answer's
+
+
 def test_format_examples_bad_count(tok):
     cfg = load_run_config(BANDIT)
     for count in (0, -1, 1.5, True):

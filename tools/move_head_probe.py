@@ -21,6 +21,16 @@ of the four moves.
 The prompt is the run config's (``agent`` section: ``memory_turns``, ``instructions``), built by
 the stack's own PromptBuilder, or with ``--observation-only`` the env's observation text alone.
 
+``--warm-start-steps N`` first runs a format warm start in this process, on the examples
+``ragen-mega sft`` trains on (``sft_data.format_examples``: turn-1 prompts, random valid answers),
+with Adam at ``--warm-start-lr``, 64 examples a step, a linear warm-up over the first 20 steps and
+the gradient's norm clipped at 1 (as the actor's defaults do): a sweep over warm starts without a
+Megatron run for each. ``--warm-start-prompt-loss`` also takes the loss on the prompt's tokens
+(the model learns to predict the boards, so its states must carry them). Step 0's record has
+``map_spread``: how much the final hidden state at the answer position differs between the 64
+held-out boards, as a share of its norm (the format warm start drives it down: it "erases the
+board"). ``--device cuda`` runs it on a GPU.
+
     python tools/move_head_probe.py CONFIG --model DIR --out probe.jsonl [--steps 400]
 """
 from __future__ import annotations
@@ -61,20 +71,28 @@ def main() -> None:
                         help="--untie: no update to the output rows of the non-move tokens")
     parser.add_argument("--observation-only", action="store_true",
                         help="the observation text and <answer>, no chat around it")
+    parser.add_argument("--warm-start-steps", type=int, default=0)
+    parser.add_argument("--warm-start-lr", type=float, default=3e-4)
+    parser.add_argument("--warm-start-prompt-loss", action="store_true",
+                        help="the warm start's loss on the prompt's tokens too")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     if args.freeze_other_rows and not args.untie:
         parser.error("--freeze-other-rows needs --untie (tied, the rows are the input embeddings)")
     cfg = load_run_config(args.config, [])
     torch.manual_seed(cfg.trainer.seed if args.seed is None else args.seed)
     tok = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
+    if args.warm_start_steps:
+        warm_start(model, tok, cfg, args)
     if args.untie:
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
     opt = torch.optim.Adam(model.parameters(), lr=args.lr, eps=args.adam_eps)
     moves = list(make(cfg.env.name, **cfg.env.kwargs).valid_actions)
-    move_ids = torch.tensor([tok.encode(" " + m, add_special_tokens=False)[0] for m in moves])
+    move_ids = torch.tensor([tok.encode(" " + m, add_special_tokens=False)[0] for m in moves],
+                            device=args.device)
     vocab = args.softmax == "vocab"
-    other_rows = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool)
+    other_rows = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool, device=args.device)
     other_rows[move_ids] = False
 
     def prompt(builder, history, observation):
@@ -83,14 +101,27 @@ def main() -> None:
         history.observe(observation)
         return builder.build(history).ids
 
-    def move_logits(prompts):
+    def final_hidden(prompts):
+        """The final hidden state at each prompt's last position (prompts left-padded)."""
         width, pad = max(map(len, prompts)), tok.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=args.device)
+        attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                                 device=args.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        hidden = model.model(input_ids=ids, attention_mask=attention,
-                             position_ids=positions).last_hidden_state[:, -1]
+        return model.model(input_ids=ids, attention_mask=attention,
+                           position_ids=positions).last_hidden_state[:, -1]
+
+    def move_logits(prompts):
+        hidden = final_hidden(prompts)
         return hidden @ (model.lm_head.weight if vocab else model.lm_head.weight[move_ids]).T
+
+    def map_spread(seeds):
+        """Between-board spread of the turn-1 final hidden state, as a share of its norm."""
+        env = make(cfg.env.name, **cfg.env.kwargs)
+        builder = PromptBuilder.for_env(tok, cfg.agent, env)
+        with torch.no_grad():
+            hidden = final_hidden([prompt(builder, History(), env.reset(s)) for s in seeds])
+        return ((hidden - hidden.mean(0)).norm(dim=-1).mean() / hidden.norm(dim=-1).mean()).item()
 
     def pick(logits, greedy):
         """The sampled (or greedy) column of ``logits``, and the move it is (None: no move)."""
@@ -159,7 +190,10 @@ def main() -> None:
             if step % 20 == 0:
                 wins, _, _ = play(held_out, greedy=True)
                 record = {"step": step, "val_greedy": sum(wins) / 64}
+                if step == 0:
+                    record["map_spread"] = round(map_spread(held_out), 5)
                 out.write(json.dumps(record) + "\n")
+                out.flush()
                 print(record, flush=True)
             if step == args.steps:
                 break
@@ -170,8 +204,9 @@ def main() -> None:
                 [1 / len(episode) for episode in turns for _ in episode])
             opt.zero_grad()
             logp = torch.log_softmax(move_logits([p for p, *_ in rows]), -1)
-            chosen = logp.gather(-1, torch.tensor([[k] for _, k, *_ in rows]))[:, 0]
-            (-(weights * chosen).sum() / batch).backward()
+            chosen = logp.gather(-1, torch.tensor([[k] for _, k, *_ in rows],
+                                                  device=args.device))[:, 0]
+            (-(weights.to(args.device) * chosen).sum() / batch).backward()
             if args.freeze_other_rows:
                 model.lm_head.weight.grad[other_rows] = 0.0
             opt.step()
@@ -179,6 +214,33 @@ def main() -> None:
             if vocab:
                 record["move_mass"] = statistics.fmean(move_mass)
             out.write(json.dumps(record) + "\n")
+
+
+def warm_start(model, tok, cfg, args, batch: int = 64, warmup: int = 20) -> None:
+    """The format warm start in this process (module docstring): ``args.warm_start_steps``
+    steps of ``batch`` fresh examples each, Adam, linear warm-up, grad norm clipped at 1."""
+    from ragen_mega.sft_data import collate_examples, format_examples
+
+    examples = format_examples(cfg, tok, args.warm_start_steps * batch, cfg.trainer.seed)
+    opt = torch.optim.Adam(model.parameters(), lr=args.warm_start_lr)
+    for step in range(args.warm_start_steps):
+        for group in opt.param_groups:
+            group["lr"] = args.warm_start_lr * min(1.0, (step + 1) / warmup)
+        data = {k: v.to(args.device) for k, v in collate_examples(
+            examples[step * batch:(step + 1) * batch], tok.pad_token_id).items()}
+        logits = model(input_ids=data["input_ids"],
+                       attention_mask=data["attention_mask"]).logits[:, :-1]
+        mask = (data["attention_mask"].float() if args.warm_start_prompt_loss
+                else data["loss_mask"])[:, 1:]
+        losses = torch.nn.functional.cross_entropy(logits.transpose(1, 2),
+                                                   data["input_ids"][:, 1:], reduction="none")
+        loss = (losses * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == args.warm_start_steps - 1:
+            print({"warm_start_step": step + 1, "loss": round(loss.item(), 4)}, flush=True)
 
 
 if __name__ == "__main__":
