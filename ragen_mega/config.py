@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Literal, Optional, get_args
 
 from ragen_mega.agent.config import AgentConfig
-from ragen_mega.algo.estimators import ESTIMATORS, NEEDS_CRITIC
+from ragen_mega.algo.estimators import ESTIMATORS, resolve_estimator
 from ragen_mega.algo.filter import GROUP_METRICS, STRATEGIES
 from ragen_mega.algo.losses import AGG_MODES, KL_KINDS, AggMode, KlKind
 from ragen_mega.config_tree import ConfigError, load_config
@@ -41,13 +41,22 @@ _TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123
 
 
 def _check_env_name(name: str, name_key: str) -> None:
-    """``name`` is a registered env; else a ConfigError naming the key. (Whether the env builds
-    with its kwargs is the start-up check's: ``preflight.py``.)"""
-    from ragen_mega.envs import list_envs
+    """``name`` is a registered env or a user's ``MODULE:CLASS`` / ``FILE.py:CLASS`` (imported
+    here, so a bad one fails at load); else a ConfigError naming the key. (Whether the env
+    builds with its kwargs is the start-up check's: ``preflight.py``.)"""
+    from ragen_mega.envs import env_class, list_envs
+    from ragen_mega.user_code import is_code_path
 
-    if name not in list_envs():
-        raise ConfigError(f"{name_key}: unknown env {name!r}; registered envs: "
-                          f"{', '.join(list_envs())}")
+    if not is_code_path(name):  # a registered env is not imported here (crafter, minigrid)
+        if name not in list_envs():
+            raise ConfigError(f"{name_key}: unknown env {name!r}; registered envs: "
+                              f"{', '.join(list_envs())}, or a class of yours as MODULE:CLASS "
+                              f"or FILE.py:CLASS")
+        return
+    try:
+        env_class(name)
+    except ValueError as e:
+        raise ConfigError(f"{name_key}: {e}") from e
 
 
 @dataclasses.dataclass
@@ -265,6 +274,11 @@ class RolloutConfig:
                 raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
 
 
+def _builtin_estimators():
+    """(name, spec) of the registered estimators named by a word, not a user's code path."""
+    return [(n, e) for n, e in sorted(ESTIMATORS.items()) if ":" not in n]
+
+
 @dataclasses.dataclass
 class FilterConfig:
     """Which rollout groups the step trains on (``algo/filter.py`` says each option and where
@@ -274,16 +288,17 @@ class FilterConfig:
     #: score mass (RAGEN-2); min_p: every group scoring >= ``min_p`` x the best
     strategy: str = "top_k"
     ratio: float = 0.25
-    top_p: Optional[float] = None         # strategy top_p only, in (0, 1]
+    #: strategy top_p only, in (0, 1]; unset: RAGEN-2's 0.9 (``algo/filter.py``)
+    top_p: Optional[float] = None
     top_p_mode: Literal["linear", "softmax"] = "linear"
     selection_eps: float = 0.01           # top_p linear: the mass threshold's slack (RAGEN's)
-    min_p: Optional[float] = None         # strategy min_p only, in (0, 1]
+    min_p: Optional[float] = None         # strategy min_p only, in (0, 1]; unset: 0.9, as top_p
     #: the group score: reward_std (StarPO-S), reward_variance, reward (mean), entropy (mean
     #: token NLL of the sampled answers), length (mean response tokens)
     metric: str = "reward_std"
     #: largest or smallest scores first; std / std_rev are StarPO-S's names for largest /
-    #: smallest reward std
-    mode: Literal["std", "std_rev", "largest", "smallest"] = "std"
+    #: smallest reward std. Unset: std for reward_std, else largest
+    mode: Optional[Literal["std", "std_rev", "largest", "smallest"]] = None
     include_zero: bool = True             # false: groups scoring 0 are never kept
     #: scale the kept samples' advantages by the kept share of groups (linear) or its root
     loss_scaling: Literal["none", "linear", "sqrt"] = "none"
@@ -300,10 +315,8 @@ class FilterConfig:
                               f"{self.metric!r}")
         if not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"ratio: must be in (0, 1], got {self.ratio}")
-        for key in ("top_p", "min_p"):
-            value = getattr(self, key)
-            if self.strategy == key and value is None:
-                raise ConfigError(f"{key}: filter.strategy={key} needs filter.{key} in (0, 1]")
+        for key in ("top_p", "min_p"):  # unset: algo/filter.py's defaults, which follow the
+            value = getattr(self, key)     # strategy and the metric
             if value is not None and self.strategy != key:
                 raise ConfigError(f"{key}: read only by filter.strategy={key}, and the strategy "
                                   f"is {self.strategy!r}; unset it or set filter.strategy={key}")
@@ -351,9 +364,15 @@ class AlgoConfig:
     kl_in_reward: float = 0.0
 
     def validate(self):
-        if self.adv_estimator not in ESTIMATORS:
-            raise ConfigError(f"adv_estimator: must be one of {sorted(ESTIMATORS)}, got "
-                              f"{self.adv_estimator!r}")
+        try:
+            spec = resolve_estimator(self.adv_estimator)
+        except ValueError as e:
+            raise ConfigError(f"adv_estimator: {e}") from e
+        for name, other in ESTIMATORS.items():
+            for key in (k for k in other.own_settings if other is not spec):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"{key}: read by adv_estimator={name} only, got "
+                                      f"adv_estimator={self.adv_estimator!r}; leave it unset")
         for key in ("gamma", "lam"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"{key}: must be in [0, 1], got {getattr(self, key)}")
@@ -364,10 +383,6 @@ class AlgoConfig:
             raise ConfigError(f"gigpo_step_weight: must be a finite number >= 0, got "
                               f"{self.gigpo_step_weight}")
         if self.gigpo_similarity is not None:
-            if self.adv_estimator != "gigpo":
-                raise ConfigError(f"gigpo_similarity: groups GiGPO's anchor states and is read "
-                                  f"by adv_estimator=gigpo only, got adv_estimator="
-                                  f"{self.adv_estimator!r}; leave it unset")
             if not 0.0 < self.gigpo_similarity < 1.0:
                 raise ConfigError(f"gigpo_similarity: must be in (0, 1) (leave it unset for "
                                   f"exact matching), got {self.gigpo_similarity}")
@@ -663,9 +678,7 @@ class RunConfig:
             raise ConfigError(f"critic.warmup_steps: must be < trainer.total_steps="
                               f"{self.trainer.total_steps} (else the actor never trains), got "
                               f"{self.critic.warmup_steps}")
-        if self.algo.adv_estimator in NEEDS_CRITIC and not self.critic.enable:
-            raise ConfigError(f"algo.adv_estimator: {self.algo.adv_estimator!r} needs a critic; "
-                              f"set critic.enable=true or algo.adv_estimator=grpo")
+        self._validate_estimator_needs()
         if self.algo.use_rollout_logprobs and self.rollout.temperature != 1.0:
             raise ConfigError("algo.use_rollout_logprobs: needs rollout.temperature=1.0 (engine "
                               "and trainer log-probs are checked equal there only), got "
@@ -676,10 +689,6 @@ class RunConfig:
             self._validate_user_agent()
         if self.trainer.async_rollout:
             self._validate_async_rollout()
-        if self.algo.adv_estimator in ("grpo", "gigpo") and self.env.group_size < 2:
-            raise ConfigError(f"env.group_size: {self.algo.adv_estimator} compares episodes "
-                              f"within a group, so it needs group_size >= 2, got "
-                              f"{self.env.group_size}")
         if self.trainer.collapse_every and not self.agent.think:
             raise ConfigError("trainer.collapse_every: the collapse probes cross-score each "
                               "answer's reasoning (<think>) with the batch's prompts, and with "
@@ -693,21 +702,37 @@ class RunConfig:
             raise ConfigError("env.remote: episodes play on env servers, so there are no envs "
                               "for rollout.env_workers to hold; set rollout.env_workers=0")
         if self.filter.soft_reweight and self.critic.enable:
-            raise ConfigError("filter.soft_reweight: weighs a group's advantages by its reward "
-                              "std, which a critic-free estimator's advantages are measured "
-                              "against (RAGEN-2 applies it to GRPO); set critic.enable=false "
-                              "with algo.adv_estimator=grpo or gigpo, or leave it false")
+            relative = [n for n, e in _builtin_estimators() if e.group_relative]
+            raise ConfigError(f"filter.soft_reweight: weighs a group's advantages by its reward "
+                              f"std, which a critic-free estimator's advantages are measured "
+                              f"against (RAGEN-2 applies it to GRPO); set critic.enable=false "
+                              f"with algo.adv_estimator={' or '.join(relative)}, or leave it "
+                              f"false")
         for role in ("actor", "critic"):
             ep = getattr(self, role).ep
             if self.trainer.data_parallel % ep:
                 raise ConfigError(f"{role}.ep: expert parallelism splits the data-parallel "
                                   f"ranks, so it must divide trainer.data_parallel="
                                   f"{self.trainer.data_parallel}, got {ep}")
-        if self.algo.adv_estimator == "gigpo" and self.critic.enable:
-            raise ConfigError("critic.enable: algo.adv_estimator=gigpo is critic-free (its "
-                              "step term replaces the critic's credit); set critic.enable=false "
-                              "or algo.adv_estimator=gae")
 
+
+    def _validate_estimator_needs(self):
+        """What the estimator declares it needs (``algo/estimators.py``'s ``EstimatorSpec``):
+        a critic, no critic, groups of two or more."""
+        name, spec = self.algo.adv_estimator, resolve_estimator(self.algo.adv_estimator)
+        if spec.critic == "required" and not self.critic.enable:
+            free = [n for n, e in _builtin_estimators() if e.critic != "required"]
+            raise ConfigError(f"algo.adv_estimator: {name!r} needs a critic ({spec.credit}); "
+                              f"set critic.enable=true or a critic-free estimator "
+                              f"({', '.join(free)})")
+        if spec.critic == "forbidden" and self.critic.enable:
+            with_critic = [n for n, e in _builtin_estimators() if e.critic == "required"]
+            raise ConfigError(f"critic.enable: algo.adv_estimator={name} is critic-free "
+                              f"({spec.credit}); set critic.enable=false or "
+                              f"algo.adv_estimator={' or '.join(with_critic)}")
+        if spec.group_relative and self.env.group_size < 2:
+            raise ConfigError(f"env.group_size: {name} compares episodes within a group, so it "
+                              f"needs group_size >= 2, got {self.env.group_size}")
 
     def _validate_async_rollout(self):
         """What an overlapped rollout rules out or needs (``trainer.async_rollout``)."""
@@ -743,12 +768,12 @@ class RunConfig:
     def _validate_turns_mode(self):
         """What streamed steps rule out: their episodes are mostly unfinished, so no estimator
         or normalisation that needs an episode's total score applies."""
-        if self.algo.adv_estimator not in ("gae", "gigpo"):
-            raise ConfigError(f"algo.adv_estimator: rollout.mode=turns needs gae (an episode cut "
-                              f"by a step's end bootstraps from the critic's value) or gigpo "
-                              f"(streams of a group compared by their window's rewards); "
-                              f"{self.algo.adv_estimator} scores whole episodes only, got "
-                              f"{self.algo.adv_estimator!r}")
+        if not resolve_estimator(self.algo.adv_estimator).streams:
+            streaming = [f"{n} ({e.credit})" for n, e in _builtin_estimators() if e.streams]
+            raise ConfigError(f"algo.adv_estimator: rollout.mode=turns needs "
+                              f"{' or '.join(streaming)}, which score the episodes a step's "
+                              f"end cuts; {self.algo.adv_estimator!r} scores whole episodes "
+                              f"only")
         if self.algo.reward_norm != "identity":
             raise ConfigError(f"algo.reward_norm: rollout.mode=turns needs identity (the "
                               f"normalisations compare whole-episode scores within a group), "

@@ -50,6 +50,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        others = [a for a in args if a is not type(None)]
+        if len(others) == 1:  # Optional[X]: X's own message (a Literal's allowed values)
+            return _coerce(value, others[0], key)
         for arg in (a for a in args if a is not type(None)):
             try:
                 return _coerce(value, arg, key)

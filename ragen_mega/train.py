@@ -155,7 +155,7 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
     if every and (step == 1 or step % every == 0):  # RAGEN's schedule: step 1, then every k
         with timed(metrics, "time/probe_s"):
             metrics.update(probe_collapse(cfg, run, played.samples, step))
-    train, samples = update_models(cfg, run, step, played, metrics)
+    batch, samples = update_models(cfg, run, step, played, metrics)
     t2 = time.perf_counter()
     pending = None if next_rollout is None else join_rollout(next_rollout, metrics)
     t_sync = time.perf_counter()
@@ -163,7 +163,7 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
     t3 = time.perf_counter()
     if cfg.trainer.check_weight_sync:
         metrics["sync/max_logprob_diff"] = max_logprob_diff(run.engines, run.actor, run.tokenizer)
-    tokens = 0 if train is None else int(train["attention_mask"].sum())
+    tokens = 0 if batch is None else int(batch["attention_mask"].sum())
     metrics.update({"time/rollout_s": played.rollout_s, "time/train_s": t2 - t1,
                     "time/sync_s": t3 - t_sync, "time/step_s": t3 - t0,
                     "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),

@@ -19,6 +19,9 @@ class NanOnUpdates:
         self.count += 1
         return self.inner.prepare(batch)
 
+    def summarize(self, metrics: dict) -> dict:
+        return self.inner.summarize(metrics)
+
     def __call__(self, outputs, mb, norm):
         loss, stats = self.inner(outputs, mb, norm)
         return (loss * float("nan") if self.count in self.updates else loss), stats

@@ -206,7 +206,6 @@ def test_bad_strategy_settings():
     rewards, groups = _batch()
     for kwargs, match in ((dict(strategy="top_q"), "top_k, top_p"),
                           (dict(metric="variance"), "reward_std"),
-                          (dict(strategy="top_p"), "top_p in"),
                           (dict(strategy="top_p", top_p=1.5), "top_p in"),
                           (dict(strategy="min_p", min_p=0.0), "min_p in"),
                           (dict(top_p_mode="cosine"), "linear, softmax"),

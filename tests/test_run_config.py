@@ -6,6 +6,7 @@ import pathlib
 import pytest
 import yaml
 
+from ragen_mega.algo.filter import default_mode
 from ragen_mega.config import load_run_config
 from ragen_mega.config_tree import ConfigError
 
@@ -16,7 +17,8 @@ def test_defaults_are_ragen_starpo_s():
     cfg = load_run_config()
     assert (cfg.env.env_groups, cfg.env.group_size, cfg.env.max_turns) == (8, 16, 5)
     assert (cfg.actor.clip_ratio_low, cfg.actor.clip_ratio_high, cfg.actor.kl_coef) == (0.2, 0.28, 0.0)
-    assert (cfg.filter.ratio, cfg.filter.mode) == (0.25, "std")
+    assert (cfg.filter.ratio, cfg.filter.metric, cfg.filter.mode) == (0.25, "reward_std", None)
+    assert default_mode(cfg.filter.metric) == "std"  # unset: StarPO-S's largest reward std
     assert (cfg.algo.adv_estimator, cfg.algo.gamma, cfg.algo.lam) == ("gae", 1.0, 1.0)
     assert cfg.critic.enable and cfg.critic.lr == 1e-5 and cfg.actor.lr == 1e-6
     assert cfg.actor.clip_ratio_c == 3.0 and cfg.actor.loss_agg_mode == "token-mean"
@@ -35,7 +37,9 @@ def test_defaults_are_ragen_starpo_s():
     (["agent.format_penalty=0.5"], "agent.format_penalty: is added to the reward, so it must "
                                    "be <= 0"),
     (["critic.enable=false"], "algo.adv_estimator: 'gae' needs a critic"),
-    (["algo.adv_estimator=ppo"], "algo.adv_estimator: must be one of ['gae', 'gigpo', 'grpo'], got 'ppo'"),
+    (["algo.adv_estimator=ppo"], "algo.adv_estimator: unknown advantage estimator 'ppo'; "
+                                 "registered: gae, gigpo, grpo, or a function of yours as "
+                                 "MODULE:FUNCTION or FILE.py:FUNCTION"),
     (["algo.adv_estimator=grpo", "env.group_size=1"], "env.group_size: grpo compares episodes"),
     (["rollout.top_p=0"], "rollout.top_p: must be in (0, 1]"),
     (["rollout.mem_fraction=1.5"], "rollout.mem_fraction: must be in (0, 1) or null"),
@@ -84,17 +88,15 @@ def test_defaults_are_ragen_starpo_s():
                                      "one weight version stale"),
     # the rollout filter (RAGEN-2's strategies): each value read by its strategy only
     (["filter.strategy=top_q"], "filter.strategy: must be one of ['min_p', 'top_k', 'top_p']"),
-    (["filter.strategy=top_p"], "filter.top_p: filter.strategy=top_p needs filter.top_p in "
-                                "(0, 1]"),
     (["filter.strategy=top_p", "filter.top_p=1.5"], "filter.top_p: must be in (0, 1], got 1.5"),
     (["filter.strategy=top_p", "filter.top_p=0"], "filter.top_p: must be in (0, 1], got 0"),
     (["filter.min_p=0.5"], "filter.min_p: read only by filter.strategy=min_p, and the "
                            "strategy is 'top_k'"),
-    (["filter.strategy=min_p"], "filter.min_p: filter.strategy=min_p needs filter.min_p"),
     (["filter.metric=variance"], "filter.metric: must be one of ['entropy', 'length', "
                                  "'reward', 'reward_std', 'reward_variance']"),
-    (["filter.metric=entropy"], "filter.mode: 'std' means largest reward std; with "
-                                "filter.metric=entropy say largest or smallest"),
+    (["filter.metric=entropy", "filter.mode=std"], "filter.mode: 'std' means largest reward "
+                                                   "std; with filter.metric=entropy say largest "
+                                                   "or smallest"),
     (["filter.selection_eps=-0.1"], "filter.selection_eps: must be >= 0"),
     (["filter.loss_scaling=log"], "filter.loss_scaling: 'log' is not allowed"),
     (["filter.soft_reweight=true"], "filter.soft_reweight: weighs a group's advantages by its "
@@ -123,6 +125,34 @@ def test_bad_values_name_the_key(overrides, needle):
     with pytest.raises(ConfigError) as err:
         load_run_config(None, overrides)
     assert needle in str(err.value)
+
+
+def test_filter_defaults_follow_the_metric_and_the_strategy():
+    """A default never makes another key's legal value an error: RAGEN-2's recommended filter
+    written as a user would (strategy and metric only) loads, with RAGEN-2's 0.9 and the order
+    that metric means; a value the user wrote keeps its refusal (the parametrized cases above)."""
+    import torch
+
+    from ragen_mega.algo.filter import FILTER_SETTINGS, select_groups
+
+    # group g's members score 0 and 2g (reward std g * sqrt(2), variance 2 g^2): 10 groups
+    rewards = torch.tensor([float(x) for g in range(10) for x in (0, 2 * g)])
+    groups = torch.arange(10).repeat_interleave(2)
+
+    def kept(overrides):
+        cfg = load_run_config(None, overrides)
+        settings = {key: getattr(cfg.filter, key) for key in FILTER_SETTINGS}
+        return select_groups(rewards, groups, **settings).kept_group_ids.tolist()
+
+    # RAGEN-2's: variances 2 g^2 sum to 570; 0.9 of it less eps is reached by groups 9..4
+    # (162 + 128 + 98 + 72 + 50 + 32 = 542 >= 512.99; 9..5 hold 510)
+    assert kept(["filter.strategy=top_p", "filter.metric=reward_variance"]) == [4, 5, 6, 7, 8, 9]
+    # min_p 0.9: the groups whose std is at least 0.9 of the best (9 sqrt 2): only 9
+    assert kept(["filter.strategy=min_p"]) == [9]
+    assert kept(["filter.metric=reward", "filter.ratio=0.2"]) == [8, 9]  # largest mean reward
+    assert kept(["filter.metric=reward", "filter.mode=smallest", "filter.ratio=0.2"]) == [0, 1]
+    assert kept(["filter.strategy=top_p", "filter.top_p=0.1", "filter.metric=reward_variance"]
+                ) == [9]
 
 
 def test_overrides_apply():

@@ -2,57 +2,95 @@
 
 An estimator is one function ``(batch, settings, *, token_values, bootstrap_values) -> batch``
 that adds ``advantages`` (and, for a critic's estimator, ``returns``) [B, S] to ``batch`` (the
-per-turn batch of ``rollout/batch.py``'s ``build_batch``), plus one entry in
-:data:`ESTIMATORS`; the config accepts every registered name. ``settings`` is the run's
-``algo`` section (any object with the attributes an estimator reads: ``gamma``, ``lam``,
-``reward_norm``, ``grpo_norm_by_std``, ``whiten_advantages``), so a new estimator's settings are
-new fields there and nothing between the config and the estimator passes them one by one.
-:data:`NEEDS_CRITIC` names the estimators that read the critic's values.
+per-turn batch of ``rollout/batch.py``'s ``build_batch``), registered with the :func:`estimator`
+decorator, which also declares what it needs of the run (:class:`EstimatorSpec`: a critic or
+none, groups of two or more, streamed steps). The config checks a run against those declarations
+and names no estimator itself, so a new estimator, built in or the user's
+(``algo.adv_estimator: my_pkg.credit:my_advantages``, or ``FILE.py:FUNCTION``), is one function
+here or there and nothing else. ``settings`` is the run's ``algo`` section (any object with the
+attributes an estimator reads: ``gamma``, ``lam``, ``reward_norm``, ``grpo_norm_by_std``,
+``whiten_advantages``), so a new estimator's settings are new fields there and nothing between
+the config and the estimator passes them one by one.
 
 Pure tensor functions, as the rest of ``algo/``: the math is in :mod:`.advantages`.
 """
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, Literal
 
 import torch
 
 from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, episode_scores,
                                         grpo, masked_whiten, normalize_scores, turn_level_gae)
 from ragen_mega.algo.gigpo import gigpo
+from ragen_mega.user_code import is_code_path, load_object
 
 Estimator = Callable[..., dict]
-ESTIMATORS: dict[str, Estimator] = {}
-NEEDS_CRITIC: set[str] = set()
 
 
-def estimator(name: str, *, needs_critic: bool = False):
-    """Register the decorated function as the estimator ``name``."""
+@dataclasses.dataclass(frozen=True)
+class EstimatorSpec:
+    """An estimator and what it needs of the run, which the config checks."""
+    fn: Estimator
+    #: required: it reads the critic's values; forbidden: its own credit replaces the critic's;
+    #: optional: a critic may train beside it, unread
+    critic: Literal["required", "forbidden", "optional"] = "optional"
+    group_relative: bool = False    #: it compares a group's episodes: env.group_size >= 2
+    #: it scores streamed steps (``rollout.mode: turns``), whose episodes a step's end cuts
+    streams: bool = False
+    #: ``algo`` keys (None by default) that only it reads: set under another estimator, an error
+    own_settings: tuple[str, ...] = ()
+    #: how it assigns credit, in a few words, for the config's messages
+    credit: str = ""
+
+
+ESTIMATORS: dict[str, EstimatorSpec] = {}
+
+
+def estimator(name: str, **declarations):
+    """Register the decorated function as the estimator ``name``, with its
+    :class:`EstimatorSpec` declarations (``critic``, ``group_relative``, ``streams``,
+    ``own_settings``, ``credit``)."""
     def register(fn: Estimator) -> Estimator:
-        ESTIMATORS[name] = fn
-        if needs_critic:
-            NEEDS_CRITIC.add(name)
+        ESTIMATORS[name] = EstimatorSpec(fn, **declarations)
         return fn
     return register
+
+
+def resolve_estimator(name: str) -> EstimatorSpec:
+    """The estimator ``name``: a registered one, or the user's function ``MODULE:FUNCTION`` /
+    ``FILE.py:FUNCTION``, imported (its module's :func:`estimator` declarations kept; an
+    undecorated function gets the defaults) and registered under ``name``. ValueError naming
+    what is wrong."""
+    if name in ESTIMATORS:
+        return ESTIMATORS[name]
+    if not is_code_path(name):
+        raise ValueError(f"unknown advantage estimator {name!r}; registered: "
+                         f"{', '.join(sorted(ESTIMATORS))}, or a function of yours as "
+                         f"MODULE:FUNCTION or FILE.py:FUNCTION")
+    fn = load_object(name)
+    if not callable(fn):
+        raise ValueError(f"{name!r} is not a function (an estimator is 'def f(batch, settings, "
+                         f"*, token_values=None, bootstrap_values=None)')")
+    declared = [spec for spec in ESTIMATORS.values() if spec.fn is fn]
+    ESTIMATORS[name] = declared[0] if declared else EstimatorSpec(fn)
+    return ESTIMATORS[name]
 
 
 def compute_advantages(batch: dict[str, torch.Tensor], settings, *,
                        token_values: torch.Tensor | None = None,
                        bootstrap_values: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """``batch`` with the advantages of the estimator ``settings.adv_estimator``."""
-    name = settings.adv_estimator
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; allowed: "
-                         f"{', '.join(sorted(ESTIMATORS))}")
-    return ESTIMATORS[name](batch, settings, token_values=token_values,
-                            bootstrap_values=bootstrap_values)
+    return resolve_estimator(settings.adv_estimator).fn(
+        batch, settings, token_values=token_values, bootstrap_values=bootstrap_values)
 
 
 def _scores_of(batch: dict[str, torch.Tensor]):
     return episode_scores(batch["episode_id"], batch["group_id"], batch["reward"])
 
 
-@estimator("grpo")
+@estimator("grpo", group_relative=True, credit="each episode's score against its group's")
 def grpo_advantages(batch, settings, *, token_values=None, bootstrap_values=None):
     """GRPO: each episode's score (its turns' rewards, normalised within its group by
     ``reward_norm``) against its group's, spread over every response token of the episode."""
@@ -64,7 +102,9 @@ def grpo_advantages(batch, settings, *, token_values=None, bootstrap_values=None
     return batch
 
 
-@estimator("gigpo")
+@estimator("gigpo", critic="forbidden", group_relative=True, streams=True,
+           own_settings=("gigpo_similarity",),
+           credit="its step term replaces the critic's credit")
 def gigpo_advantages(batch, settings, *, token_values=None, bootstrap_values=None):
     """GiGPO (:mod:`.gigpo`): GRPO's episode term plus ``gigpo_step_weight`` times a step term
     that compares each turn's discounted return (``gamma``) with those of the turns taken from
@@ -82,7 +122,8 @@ def gigpo_advantages(batch, settings, *, token_values=None, bootstrap_values=Non
     return batch
 
 
-@estimator("gae", needs_critic=True)
+@estimator("gae", critic="required", streams=True,
+           credit="GAE over the critic's values")
 def gae_advantages(batch, settings, *, token_values=None, bootstrap_values=None):
     """Turn-level GAE over an episode's turns, then token-level GAE inside each turn (bi-level;
     plain token-level GAE for one-turn episodes), with ``returns`` for the critic.

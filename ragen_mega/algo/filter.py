@@ -182,15 +182,29 @@ def _min_p(scores, candidates, largest, n_groups, settings):
     return candidates[keep]
 
 
+#: RAGEN-2's base config's ``rollout_filter_value``, which whichever strategy reads: the
+#: default ``top_p`` and ``min_p``
+RAGEN2_FILTER_VALUE = 0.9
+
+
+def default_mode(metric: str) -> str:
+    """Which end is kept when the user did not say: StarPO-S's ``std`` for ``reward_std``,
+    ``largest`` for every other metric (a default never contradicts the metric chosen)."""
+    return "std" if metric == "reward_std" else "largest"
+
+
 def select_groups(rewards: torch.Tensor, group_ids: torch.Tensor, ratio: float = 0.25,
-                  mode: str = "std", *, strategy: str = "top_k", metric: str = "reward_std",
+                  mode: str | None = None, *, strategy: str = "top_k",
+                  metric: str = "reward_std",
                   top_p: float | None = None, top_p_mode: str = "linear",
                   min_p: float | None = None, include_zero: bool = True,
                   selection_eps: float = 0.01, loss_scaling: str = "none",
                   soft_reweight: bool = False, entropy: torch.Tensor | None = None,
                   length: torch.Tensor | None = None) -> GroupSelection:
     """Keep groups of members by ``metric`` and ``strategy`` (the module docstring says each);
-    the defaults are StarPO-S: the top ``ratio`` of groups by in-group reward std.
+    the defaults are StarPO-S: the top ``ratio`` of groups by in-group reward std. Unset
+    (None), ``mode`` follows the metric (:func:`default_mode`) and ``top_p`` / ``min_p`` are
+    :data:`RAGEN2_FILTER_VALUE` under their strategy.
 
     ``rewards[i]`` is the total reward of member i (an episode), ``group_ids[i]`` its group;
     ``entropy`` and ``length`` (per member) are needed by those metrics only. Scores equal up
@@ -204,6 +218,9 @@ def select_groups(rewards: torch.Tensor, group_ids: torch.Tensor, ratio: float =
     ``score``/``chosen_score`` (the metric's mean over all / kept groups), ``zero_groups``
     (groups scoring 0), ``kept_groups``, ``kept_ratio`` (kept / all groups).
     """
+    mode = default_mode(metric) if mode is None else mode
+    top_p = RAGEN2_FILTER_VALUE if top_p is None and strategy == "top_p" else top_p
+    min_p = RAGEN2_FILTER_VALUE if min_p is None and strategy == "min_p" else min_p
     _check(rewards, group_ids, ratio, mode, strategy, metric, top_p, top_p_mode, min_p,
            selection_eps, loss_scaling)
     members = MemberValues(rewards, group_ids, entropy, length)

@@ -52,7 +52,24 @@ class Normalization:
                          horizon=self.horizon)
 
 
-class PolicyObjective:
+class Objective:
+    """What every objective gives the backend besides its loss: the batch keys it reads, whether
+    it needs the reference policy's log-probs, the batch as its loss wants it, and the step's
+    metrics from the statistics summed over micro-batches and ranks."""
+    needs_reference = False
+    keys: tuple[str, ...] = ()
+    stat_names: tuple[str, ...] = ()
+
+    def prepare(self, batch: dict) -> dict:
+        return batch
+
+    def summarize(self, metrics: dict) -> dict:
+        """The summed statistics are the batch's means as they are; an objective whose metric
+        is no mean (a ratio of batch-wide moments) computes it here."""
+        return metrics
+
+
+class PolicyObjective(Objective):
     """StarPO's actor loss on one micro-batch: the PPO clipped surrogate (asymmetric clip
     ``clip_ratio_low``/``clip_ratio_high``, dual clip ``clip_ratio_c``), optionally weighted by
     the truncated IS weight of the engine's log-probs (``tis_cap``), minus ``entropy_coeff``
@@ -68,7 +85,7 @@ class PolicyObjective:
             ("rollout_logprobs",) if settings.tis_cap is not None else ())
         self.stat_names = ("loss", "pg_loss", "entropy", "kl_loss", "pg_clipfrac",
                            "pg_clipfrac_ratio_high", "pg_clipfrac_ratio_low",
-                           "pg_clipfrac_lower", "ppo_kl") + (
+                           "pg_clipfrac_lower", "ppo_kl", "ratio_mean") + (
             ("tis_weight", "tis_clipfrac") if settings.tis_cap is not None else ())
 
     def prepare(self, batch: dict) -> dict:
@@ -96,20 +113,24 @@ class PolicyObjective:
                 loss, pg, (entropy * mask).sum() / norm.global_tokens, kl,
                 m["clip_frac"] * share, m["clip_frac_upper"] * share,
                 m["clip_frac_lower"] * share, m["dual_clip_frac"] * share,
-                m["approx_kl"] * share] + ([] if weights is None else [
+                m["approx_kl"] * share, m["ratio_mean"] * share] + ([] if weights is None else [
                     (weights * mask).sum() / norm.global_tokens,
                     ((weights >= s.tis_cap) * mask).sum() / norm.global_tokens])).detach().float()
         return loss, stats
 
 
-class ValueObjective:
+class ValueObjective(Objective):
     """The critic's clipped value loss against ``returns`` (``old_values``: the critic's values
     at rollout time; ``value_clip``), each response's first token counted ``highlight_first``
-    times (Verlog's first-token weight: in the loss, its normaliser and the metrics alike)."""
+    times (Verlog's first-token weight: in the loss, its normaliser and the metrics alike).
+    Metrics: ``vf_loss``, ``vf_clipfrac``, ``vpred_mean``, ``returns_mean`` and
+    ``vf_explained_var`` (1 - Var(returns - values) / Var(returns) over the whole batch: 1 is a
+    perfect critic, 0 or less no better than a constant), as verl and cleanrl log it."""
 
-    needs_reference = False
     keys = ("returns", "old_values")
-    stat_names = ("vf_loss", "vf_clipfrac", "vpred_mean")
+    #: the last three are moments that :meth:`summarize` turns into ``vf_explained_var``
+    stat_names = ("vf_loss", "vf_clipfrac", "vpred_mean", "returns_mean", "returns_sq_mean",
+                  "vf_error_mean", "vf_error_sq_mean")
 
     def __init__(self, settings):
         self.s = settings
@@ -129,27 +150,36 @@ class ValueObjective:
                              agg=norm.mode, normalizer=norm.normalizer, horizon=norm.horizon)
         with torch.no_grad():
             share = mask.sum() / norm.global_tokens
-            stats = torch.stack([loss, m["vf_clip_frac"] * share,
-                                 m["vpred_mean"] * share]).detach().float()
+            returns, error = mb["returns"], mb["returns"] - values
+
+            def mean(x):  # this micro-batch's share of the batch's weighted mean
+                return (x * mask).sum() / norm.global_tokens
+            stats = torch.stack([loss, m["vf_clip_frac"] * share, m["vpred_mean"] * share,
+                                 mean(returns), mean(returns.square()), mean(error),
+                                 mean(error.square())]).detach().float()
         return loss, stats
 
+    def summarize(self, metrics: dict) -> dict:
+        """``vf_explained_var`` from the batch's moments (a ratio of variances does not
+        average over micro-batches)."""
+        m = dict(metrics)
+        returns_var = m.pop("returns_sq_mean") - m["returns_mean"] ** 2
+        error_var = m.pop("vf_error_sq_mean") - m.pop("vf_error_mean") ** 2
+        m["vf_explained_var"] = 1.0 - error_var / max(returns_var, 1e-8)
+        return m
 
-class SFTObjective:
+
+class SFTObjective(Objective):
     """Supervised fine-tuning (``ragen-mega sft``): the negative log-likelihood of the target
     tokens (``loss_mask``: the assistant's), normalised over micro-batches and ranks as the
     actor's loss is (``loss_agg_mode``, the backend's :class:`Normalization`; an SFT batch has
     no episodes, so ``episode-mean-token-mean`` is its token-mean); the mean target-token entropy
     as a statistic."""
 
-    needs_reference = False
-    keys = ()
     stat_names = ("loss", "entropy")
 
     def __init__(self, settings=None):
         self.s = settings
-
-    def prepare(self, batch: dict) -> dict:
-        return batch
 
     def __call__(self, outputs: dict, mb: dict, norm: Normalization
                  ) -> tuple[torch.Tensor, torch.Tensor]:

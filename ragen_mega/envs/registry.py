@@ -10,7 +10,10 @@ one decorator away::
     class MyGame(TextEnv): ...
 
 or one line for a class defined elsewhere: ``register_env("my_game")(MyGame)``, or, without
-importing it, ``register_env_path("my_game", "my_pkg.games:MyGame")``.
+importing it, ``register_env_path("my_game", "my_pkg.games:MyGame")``. A run's YAML can also
+name the class itself, ``env.name: my_pkg.games:MyGame`` or ``env.name: games.py:MyGame``: every
+process that builds the env (the driver, Ray env workers, an env server) imports it on first use
+and registers it under that name.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import inspect
 from typing import Callable
 
 from ragen_mega.envs.base import TextEnv
+from ragen_mega.user_code import is_code_path, load_object
 
 _BUILTIN: dict[str, str] = {
     "bandit": "ragen_mega.envs.bandit:BanditEnv",
@@ -56,12 +60,21 @@ def list_envs() -> list[str]:
 
 
 def env_class(name: str) -> type[TextEnv]:
-    """The class registered under ``name``; unknown names list the known ones."""
+    """The class registered under ``name``, or the class a ``MODULE:CLASS`` / ``FILE.py:CLASS``
+    name points to (imported, registered under ``name``); ValueError naming what is wrong
+    (unknown names list the known ones)."""
     if name not in _CLASSES:
-        if name not in _PATHS:
-            raise ValueError(f"unknown env {name!r}; registered envs: {', '.join(list_envs())}")
-        module, _, attr = _PATHS[name].partition(":")
-        cls = getattr(importlib.import_module(module), attr)
+        if name in _PATHS:
+            module, _, attr = _PATHS[name].partition(":")
+            cls = getattr(importlib.import_module(module), attr)
+        elif is_code_path(name):
+            cls = load_object(name)
+            if not (inspect.isclass(cls) and issubclass(cls, TextEnv)):
+                raise ValueError(f"{name!r} is not a TextEnv subclass (an env is "
+                                 f"'class MyEnv(ragen_mega.envs.TextEnv)')")
+        else:
+            raise ValueError(f"unknown env {name!r}; registered envs: {', '.join(list_envs())}, "
+                             f"or a class of yours as MODULE:CLASS or FILE.py:CLASS")
         if name not in _CLASSES:  # a module using @register_env has registered itself already
             register_env(name)(cls)
     return _CLASSES[name]

@@ -18,16 +18,14 @@ restarts and the episode is played again from its start.
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import importlib.util
 import inspect
-from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 from ragen_mega.rollout.episode import (EngineRestarted, Episode, EnvFailed, EnvHandle,
                                         EpisodeSpec, GenerateFn, env_call, open_env_handle)
 from ragen_mega.rollout.gateway import Gateway
 from ragen_mega.rollout.sample import Sample
+from ragen_mega.user_code import load_object
 
 
 @dataclasses.dataclass
@@ -50,24 +48,7 @@ def load_agent(path: str) -> AgentFn:
     """The async function ``path`` names: ``package.module:function`` (importable) or
     ``path/to/file.py:function``; ValueError naming what is wrong."""
     where, _, name = path.rpartition(":")
-    if not where or not name:
-        raise ValueError(f"{path!r} is not MODULE:FUNCTION or FILE.py:FUNCTION")
-    if where.endswith(".py"):
-        file = Path(where)
-        if not file.is_file():
-            raise ValueError(f"{path!r}: no file {file}")
-        spec = importlib.util.spec_from_file_location(f"ragen_mega_agent_{file.stem}", file)
-        module = importlib.util.module_from_spec(spec)
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:  # noqa: BLE001 - the user's file may raise anything
-            raise ValueError(f"{path!r}: importing {file} raised {type(e).__name__}: {e}") from e
-    else:
-        try:
-            module = importlib.import_module(where)
-        except Exception as e:  # noqa: BLE001 - the user's module may raise anything
-            raise ValueError(f"{path!r}: importing {where} raised {type(e).__name__}: {e}") from e
-    fn = getattr(module, name, None)
+    fn = load_object(path)
     if not inspect.iscoroutinefunction(fn):
         raise ValueError(f"{path!r}: {where} has no async function {name!r} (an agent is "
                          f"'async def {name}(task)')")

@@ -304,8 +304,9 @@ class MegatronTrainer:
         where verl has the quantity: loss, pg_loss, entropy (token-mean), kl_loss, pg_clipfrac
         (either ratio clip active), pg_clipfrac_ratio_high / _ratio_low (each side alone),
         pg_clipfrac_lower (the dual clip active: verl's name), ppo_kl (k1 KL old -> new),
-        tis_weight / tis_clipfrac (``tis_cap`` set: mean truncated IS weight, share of tokens at
-        the cap). The critic's (the clipped value loss): vf_loss, vf_clipfrac, vpred_mean. Both:
+        ratio_mean (the mean importance ratio), tis_weight / tis_clipfrac (``tis_cap`` set: mean
+        truncated IS weight, share of tokens at the cap). The critic's (the clipped value loss):
+        vf_loss, vf_clipfrac, vpred_mean, returns_mean, vf_explained_var. Both:
         grad_norm, lr, update_successful, ppo_updates, updates_skipped, updates_skipped_in_row,
         padding_frac (``algo/objectives.py`` has the losses)."""
         c = self.config
@@ -344,9 +345,9 @@ class MegatronTrainer:
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         return not bool(bad)
 
-    def _step(self, microbatches: list, loss_fn, stat_names: tuple[str, ...]) -> dict:
+    def _step(self, microbatches: list, loss_fn, objective) -> dict:
         """Forward/backward over all micro-batches, optimizer update; global metrics on every
-        rank."""
+        rank (``objective``'s statistics, summed, then summarized)."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.model:
@@ -361,13 +362,13 @@ class MegatronTrainer:
         if self._all_finite(results):  # else skipped: weights and Adam state untouched
             with cuda_tensor_type_names():
                 updated, grad_norm, _ = self.optimizer.step()
-        stats = torch.zeros(len(stat_names), device=local_device())
+        stats = torch.zeros(len(objective.stat_names), device=local_device())
         for r in results:  # last pipeline stage only; summed shares of the global means
             stats += r["stats"]
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             dist.all_reduce(stats, group=mpu.get_pipeline_model_parallel_group())
         dist.all_reduce(stats, group=_dp_group())
-        metrics = dict(zip(stat_names, stats.tolist()))
+        metrics = objective.summarize(dict(zip(objective.stat_names, stats.tolist())))
         metrics.update(grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
                        lr=float(lr), update_successful=float(bool(updated)))
         return metrics
@@ -398,7 +399,7 @@ class MegatronTrainer:
             return loss * scale, {"stats": stats}
 
         take_mismatch_counts(self.model)  # counted from here: this update's forward only
-        metrics = {**self._step(microbatches, loss_fn, objective.stat_names),
+        metrics = {**self._step(microbatches, loss_fn, objective),
                    "padding_frac": padding}
         return {**metrics, **self._routing_mismatch()}
 
