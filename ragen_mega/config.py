@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Literal, Optional, get_args
+from typing import Literal, Optional
 
 from ragen_mega.agent.config import AgentConfig
 from ragen_mega.algo.estimators import ESTIMATORS, resolve_estimator
 from ragen_mega.algo.filter import GROUP_METRICS, STRATEGIES
-from ragen_mega.algo.losses import AGG_MODES, KL_KINDS, AggMode, KlKind
-from ragen_mega.config_tree import ConfigError, load_config
+from ragen_mega.algo.losses import AggMode, KlKind
+from ragen_mega.config_tree import (ConfigError, bounded, check_bounds, check_declared,
+                                     load_config)
 from ragen_mega.logging import EchoTrapThresholds
-from ragen_mega.models.hf_config import LOCAL_ATTENTIONS, LocalAttention
+from ragen_mega.models.hf_config import LocalAttention
 
 
 @dataclasses.dataclass
@@ -65,9 +66,10 @@ class EnvMixEntry:
     tag: str = ""                # metric names: rollout/<tag>/success, val/<tag>/pass@k, ...
     name: Optional[str] = None   # registered env; None: the tag is the env's name
     kwargs: dict = dataclasses.field(default_factory=dict)
-    env_groups: int = 1          # training groups per step (0: evaluated only)
-    val_groups: Optional[int] = None   # held-out groups; None: env.val_groups (0: not evaluated)
-    max_turns: Optional[int] = None    # this env's turn limit; None: env.max_turns
+    env_groups: int = bounded(1, ge=0)   # training groups per step (0: evaluated only)
+    val_groups: Optional[int] = bounded(None, ge=0)  # held-out groups; None: env.val_groups
+                                                     # (0: not evaluated)
+    max_turns: Optional[int] = bounded(None, ge=1, note="leave it out to use env.max_turns")
 
     @property
     def env_name(self) -> str:
@@ -107,28 +109,25 @@ class EnvConfig:
     """
     name: str = "bandit"
     kwargs: dict = dataclasses.field(default_factory=dict)
-    env_groups: int = 8          # distinct seeds per step (RAGEN: env_groups)
-    group_size: int = 16         # episodes per seed (RAGEN: group_size)
-    max_turns: int = 5
+    env_groups: int = bounded(8, ge=1)    # distinct seeds per step (RAGEN: env_groups)
+    group_size: int = bounded(16, ge=1)   # episodes per seed (RAGEN: group_size)
+    max_turns: int = bounded(5, ge=1)
     seed: int = 0                # first training seed; step k uses seeds after step k-1's
     #: held-out evaluation: same env unless named; seeds start at ``val_seed``
     val_name: Optional[str] = None
     val_kwargs: dict = dataclasses.field(default_factory=dict)
-    val_groups: int = 16
+    val_groups: int = bounded(16, ge=1)
     #: episodes per held-out seed: > 1 logs pass@k (a seed counts if any of its k episodes won)
-    val_group_size: int = 1
+    val_group_size: int = bounded(1, ge=1)
     val_seed: int = 1_000_000
     mix: list[EnvMixEntry] = dataclasses.field(default_factory=list)
     #: env servers (``ragen-mega env-server``) the episodes are played on instead of local envs,
     #: episode i on server i mod len (``rollout/remote_env.py``); each must serve ``name`` with
     #: ``kwargs`` (checked at start-up). [] = local envs (or ``rollout.env_workers``)
     remote: list[str] = dataclasses.field(default_factory=list)
-    remote_timeout_s: float = 60.0   # an env server's answer; longer is an env failure
+    remote_timeout_s: float = bounded(60.0, gt=0)  # an env server's answer; longer: a failure
 
     def validate(self):
-        for key in ("env_groups", "group_size", "max_turns", "val_groups", "val_group_size"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
         if self.remote:
             self._validate_remote()
         if not self.mix:
@@ -146,8 +145,6 @@ class EnvConfig:
         if self.mix or self.val_name is not None or self.val_kwargs:
             raise ConfigError("remote: env servers serve one env, the run's name and kwargs; "
                               "not with env.mix, env.val_name or env.val_kwargs")
-        if not self.remote_timeout_s > 0:
-            raise ConfigError(f"remote_timeout_s: must be > 0, got {self.remote_timeout_s}")
 
     def _validate_mix(self):
         defaults = EnvConfig()
@@ -168,12 +165,10 @@ class EnvConfig:
             tags.add(m.tag)
             _check_env_name(m.env_name, f"{key}.name" if m.name is not None else
                             f"{key}.tag (no name given, so the tag names the env)")
-            for count in ("env_groups", "val_groups"):
-                if (getattr(m, count) or 0) < 0:
-                    raise ConfigError(f"{key}.{count}: must be >= 0, got {getattr(m, count)}")
-            if m.max_turns is not None and m.max_turns < 1:
-                raise ConfigError(f"{key}.max_turns: must be >= 1, got {m.max_turns} (leave it "
-                                  f"out to use env.max_turns)")
+            try:  # list items are no sections of the tree: their bounds are checked here
+                check_bounds(m)
+            except ConfigError as e:
+                raise ConfigError(f"{key}.{e}") from e
             if m.env_groups == 0 and m.val_groups == 0:
                 raise ConfigError(f"{key}: env_groups and val_groups are both 0: the env "
                                   f"{m.tag!r} would never be played")
@@ -188,10 +183,10 @@ class EnvConfig:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 400    # RAGEN: response_length per turn
-    val_temperature: float = 0.0
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    max_new_tokens: int = bounded(400, ge=1)   # RAGEN: response_length per turn
+    val_temperature: float = bounded(0.0, ge=0)
     num_engines: int = 1
     engine_tp: int = 1
     #: a mixture of experts: SGLang's --ep-size, the engine's ranks splitting the experts (a
@@ -201,7 +196,7 @@ class RolloutConfig:
     #: Ray actors that host the envs (episode i on worker i % env_workers), each in its own
     #: placement-group bundle, so long-horizon runs step 100+ envs on the cluster's CPUs instead
     #: of in the driver; 0: every env lives in the driver (env_steps_in_thread applies only then)
-    env_workers: int = 0
+    env_workers: int = bounded(0, ge=0, note="0: envs in the driver")
     #: every request carries a sampling seed derived from (trainer.seed, step, episode, turn),
     #: and the engines sample it as a pure function of seed and logits (SGLang's seeded
     #: Gumbel-max sampler; on GPU that means --enable-deterministic-inference). A step's rollout
@@ -211,22 +206,22 @@ class RolloutConfig:
     #: GPU: SGLang's --mem-fraction-static, the share of each GPU an engine takes for weights and
     #: KV cache (None: SGLang's default, ~0.9). Colocated runs keep the trainer's weights and
     #: optimizer on the same GPUs during rollout, so give the engines less (e.g. 0.4).
-    mem_fraction: Optional[float] = None
+    mem_fraction: Optional[float] = bounded(None, gt=0, lt=1, note="or null: SGLang's default")
     #: episodes: each step plays every episode to its end (RAGEN). turns: env streams that live
     #: across steps, each playing exactly ``turns_per_step`` turns a step; an episode cut by the
     #: step's end goes on in the next one and its advantage bootstraps from the critic (Verlog's
     #: fixed-turn batches for long horizons; ``rollout/streams.py``). Needs algo.adv_estimator=gae.
     mode: Literal["episodes", "turns"] = "episodes"
     #: turns mode: turns every stream (env.env_groups x env.group_size of them) plays per step
-    turns_per_step: Optional[int] = None
+    turns_per_step: Optional[int] = bounded(None, ge=1)
     #: an engine whose server dies during a step is restarted on its devices, given the current
     #: weights, and its episodes are replayed from their start (same seeds, same episodes); this
     #: many restarts per step, then the run stops with an error naming the engine's log
-    max_engine_restarts_per_step: int = 2
+    max_engine_restarts_per_step: int = bounded(2, ge=0, note="0: a dead engine ends the run")
     #: an episode whose env raises (at make, reset, step or close) is dropped and the step goes
     #: on with the others; more than this fraction of a step's episodes dropped so ends the run,
     #: naming the env, seed and exception (a broken env, not bad luck)
-    max_env_failure_rate: float = 0.1
+    max_env_failure_rate: float = bounded(0.1, ge=0, le=1)
     #: an agent the user wrote plays every episode instead of the built-in prompts and parser
     #: (the agent section): MODULE:FUNCTION or FILE.py:FUNCTION, an async function given an
     #: AgentTask (rollout/user_agent.py) that calls the engines through the run's
@@ -235,7 +230,7 @@ class RolloutConfig:
     #: where the gateway listens while a rollout plays (port 0: a free port, the same for the
     #: rest of the run); the agents get their episode's URL, so only the agents' host matters
     gateway_host: str = "127.0.0.1"
-    gateway_port: int = 0
+    gateway_port: int = bounded(0, ge=0, le=65535, note="a TCP port; 0: any free one")
 
     def validate(self):
         if self.engine_ep < 1 or self.engine_tp % self.engine_ep:
@@ -247,31 +242,9 @@ class RolloutConfig:
             if not where or not name:
                 raise ConfigError(f"agent: MODULE:FUNCTION or FILE.py:FUNCTION, got "
                                   f"{self.agent!r}")
-        if not 0 <= self.gateway_port <= 65535:
-            raise ConfigError(f"gateway_port: a TCP port (0: any free one), got "
-                              f"{self.gateway_port}")
-        if not 0.0 <= self.max_env_failure_rate <= 1.0:
-            raise ConfigError(f"max_env_failure_rate: must be in [0, 1], "
-                              f"got {self.max_env_failure_rate}")
-        if self.max_engine_restarts_per_step < 0:
-            raise ConfigError(f"max_engine_restarts_per_step: must be >= 0 (0: a dead engine "
-                              f"ends the run), got {self.max_engine_restarts_per_step}")
-        if self.mode == "turns" and (self.turns_per_step is None or self.turns_per_step < 1):
-            raise ConfigError(f"turns_per_step: must be an integer >= 1 with rollout.mode=turns "
-                              f"(the turns each env stream plays per step), "
-                              f"got {self.turns_per_step}")
-        if self.mem_fraction is not None and not 0.0 < self.mem_fraction < 1.0:
-            raise ConfigError(f"mem_fraction: must be in (0, 1) or null, got {self.mem_fraction}")
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        if self.env_workers < 0:
-            raise ConfigError(f"env_workers: must be >= 0 (0: envs in the driver), "
-                              f"got {self.env_workers}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p: must be in (0, 1], got {self.top_p}")
-        for key in ("temperature", "val_temperature"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
+        if self.mode == "turns" and self.turns_per_step is None:
+            raise ConfigError("turns_per_step: must be an integer >= 1 with rollout.mode=turns "
+                              "(the turns each env stream plays per step), got None")
 
 
 def _builtin_estimators():
@@ -287,12 +260,12 @@ class FilterConfig:
     #: top_k: the top ``ratio`` of groups; top_p: the fewest top groups holding ``top_p`` of the
     #: score mass (RAGEN-2); min_p: every group scoring >= ``min_p`` x the best
     strategy: str = "top_k"
-    ratio: float = 0.25
+    ratio: float = bounded(0.25, gt=0, le=1)
     #: strategy top_p only, in (0, 1]; unset: RAGEN-2's 0.9 (``algo/filter.py``)
-    top_p: Optional[float] = None
+    top_p: Optional[float] = bounded(None, gt=0, le=1)
     top_p_mode: Literal["linear", "softmax"] = "linear"
-    selection_eps: float = 0.01           # top_p linear: the mass threshold's slack (RAGEN's)
-    min_p: Optional[float] = None         # strategy min_p only, in (0, 1]; unset: 0.9, as top_p
+    selection_eps: float = bounded(0.01, ge=0)  # top_p linear: the threshold's slack (RAGEN's)
+    min_p: Optional[float] = bounded(None, gt=0, le=1)  # strategy min_p only; unset: 0.9
     #: the group score: reward_std (StarPO-S), reward_variance, reward (mean), entropy (mean
     #: token NLL of the sampled answers), length (mean response tokens)
     metric: str = "reward_std"
@@ -313,17 +286,11 @@ class FilterConfig:
         if self.metric not in GROUP_METRICS:
             raise ConfigError(f"metric: must be one of {sorted(GROUP_METRICS)}, got "
                               f"{self.metric!r}")
-        if not 0.0 < self.ratio <= 1.0:
-            raise ConfigError(f"ratio: must be in (0, 1], got {self.ratio}")
         for key in ("top_p", "min_p"):  # unset: algo/filter.py's defaults, which follow the
             value = getattr(self, key)     # strategy and the metric
             if value is not None and self.strategy != key:
                 raise ConfigError(f"{key}: read only by filter.strategy={key}, and the strategy "
                                   f"is {self.strategy!r}; unset it or set filter.strategy={key}")
-            if value is not None and not 0.0 < value <= 1.0:
-                raise ConfigError(f"{key}: must be in (0, 1], got {value}")
-        if self.selection_eps < 0:
-            raise ConfigError(f"selection_eps: must be >= 0, got {self.selection_eps}")
         if self.mode in ("std", "std_rev") and self.metric != "reward_std":
             order = "largest" if self.mode == "std" else "smallest"
             raise ConfigError(f"mode: {self.mode!r} means {order} reward std; with "
@@ -337,9 +304,9 @@ class AlgoConfig:
     #: critic-free, episode score vs. its group; gigpo: critic-free, grpo plus a step term
     #: comparing the turns taken from the same state within a group (verl-agent's GiGPO)
     adv_estimator: str = "gae"
-    gamma: float = 1.0           # across turns (RAGEN uses 1.0; gigpo: its step returns' discount,
+    gamma: float = bounded(1.0, ge=0, le=1)  # across turns (RAGEN uses 1.0; gigpo: its step returns' discount,
                                  # 0.95 in verl-agent)
-    lam: float = 1.0
+    lam: float = bounded(1.0, ge=0, le=1)
     grpo_norm_by_std: bool = True
     #: gae: whiten the advantages over the batch's response tokens (zero mean, unit variance),
     #: as verl's GAE (and so RAGEN's and Verlog's) always does. An untrained critic biases
@@ -354,14 +321,15 @@ class AlgoConfig:
     use_rollout_logprobs: bool = False
     #: gigpo: the step term's weight omega in A = A_episode + omega * A_step (verl-agent's
     #: step_advantage_w, 1.0)
-    gigpo_step_weight: float = 1.0
+    gigpo_step_weight: float = bounded(1.0, ge=0, lt=float("inf"))
     #: gigpo: None matches anchor states exactly (equal ``TextEnv.state_key``); a ratio in (0, 1)
     #: also groups near-identical ones (difflib ratio; verl-agent's similarity_thresh, 0.9)
-    gigpo_similarity: Optional[float] = None
+    gigpo_similarity: Optional[float] = bounded(None, gt=0, lt=1,
+                                                note="leave it unset for exact matching")
     #: KL in the reward (verl's use_kl_in_reward, Verlog's long-horizon option): each turn's
     #: reward less this times its tokens' summed KL (actor.kl_kind) between the rollout policy
     #: and the initial one (the actor keeps a reference model). 0 = off: StarPO-S is KL-free
-    kl_in_reward: float = 0.0
+    kl_in_reward: float = bounded(0.0, ge=0, lt=float("inf"), note="0: off")
 
     def validate(self):
         try:
@@ -373,19 +341,6 @@ class AlgoConfig:
                 if getattr(self, key) is not None:
                     raise ConfigError(f"{key}: read by adv_estimator={name} only, got "
                                       f"adv_estimator={self.adv_estimator!r}; leave it unset")
-        for key in ("gamma", "lam"):
-            if not 0.0 <= getattr(self, key) <= 1.0:
-                raise ConfigError(f"{key}: must be in [0, 1], got {getattr(self, key)}")
-        if not 0.0 <= self.kl_in_reward < float("inf"):
-            raise ConfigError(f"kl_in_reward: must be a finite number >= 0 (0: off), got "
-                              f"{self.kl_in_reward}")
-        if not 0.0 <= self.gigpo_step_weight < float("inf"):
-            raise ConfigError(f"gigpo_step_weight: must be a finite number >= 0, got "
-                              f"{self.gigpo_step_weight}")
-        if self.gigpo_similarity is not None:
-            if not 0.0 < self.gigpo_similarity < 1.0:
-                raise ConfigError(f"gigpo_similarity: must be in (0, 1) (leave it unset for "
-                                  f"exact matching), got {self.gigpo_similarity}")
 
 
 LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
@@ -401,32 +356,32 @@ class ModelTrainingConfig:
     ``warmup_steps`` in which it does not train; ``rollout.temperature``, ``trainer.seed``) and
     hands them to the trainer."""
 
-    tp: int = 1
-    pp: int = 1
-    vpp: int | None = None              # virtual pipeline chunks per rank (interleaved 1F1B)
-    ep: int = 1                         # expert parallel: a mixture of experts' experts split
+    tp: int = bounded(1, ge=1)
+    pp: int = bounded(1, ge=1)
+    vpp: int | None = bounded(None, ge=1)  # virtual pipeline chunks per rank (interleaved 1F1B)
+    ep: int = bounded(1, ge=1)          # expert parallel: a mixture of experts' experts split
                                         # over this many of the data-parallel ranks (a divisor
                                         # of trainer.data_parallel and of the expert count)
-    micro_batch_size: int = 1
-    ppo_mini_batch_size: int | None = None  # episodes per optimizer update (RAGEN/verl count
+    micro_batch_size: int = bounded(1, ge=1)
+    ppo_mini_batch_size: int | None = bounded(None, ge=1)  # episodes per optimizer update (RAGEN/verl count
                                         # trajectories; an episode's turns stay together);
                                         # None = the whole batch, one update per epoch
-    ppo_epochs: int = 1                 # passes over the batch's mini-batches per training step
-    max_tokens_per_micro_batch: int | None = None  # training micro-batches by a padded-token
+    ppo_epochs: int = bounded(1, ge=1)  # passes over the batch's mini-batches per training step
+    max_tokens_per_micro_batch: int | None = bounded(None, ge=1)  # training micro-batches by a padded-token
                                         # budget (rows sorted by length) instead of
                                         # micro_batch_size rows each; None = fixed count
-    lr: float = 1e-6
+    lr: float = bounded(1e-6, gt=0)
     min_lr: float = 0.0
-    lr_warmup_steps: int = 0            # linear LR warm-up: update step k (1-based) uses
+    lr_warmup_steps: int = bounded(0, ge=0)  # linear LR warm-up: update step k (1-based) uses
                                         # lr * k / lr_warmup_steps
     lr_decay_style: LrDecayStyle = "constant"   # from lr to min_lr over the run's steps
-    weight_decay: float = 0.0           # AdamW, never on biases and norm weights (Megatron rule)
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0              # max global grad norm; 0 = no clipping
+    weight_decay: float = bounded(0.0, ge=0)  # AdamW, never on biases and norm weights (Megatron rule)
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)
+    adam_eps: float = bounded(1e-8, gt=0)
+    grad_clip: float = bounded(1.0, ge=0, note="0 disables clipping")  # max global grad norm
     loss_agg_mode: AggMode = "token-mean"
-    loss_horizon: int | None = None     # seq-mean-token-sum-norm divisor; None = batch width - 1
+    loss_horizon: int | None = bounded(None, ge=1)  # seq-mean-token-sum-norm divisor; None = batch width - 1
     use_distributed_optimizer: bool = False
     bf16: bool = False                  # GPU only
     local_attention: LocalAttention = "sdpa"  # without TransformerEngine: "sdpa" = one fused
@@ -436,7 +391,7 @@ class ModelTrainingConfig:
     #: MoE layers, averaged over micro-batches, added to the model's loss); 0 = none, the router
     #: learns from the RL loss alone (transformers' Qwen3-MoE trains with 0.001 / top-k in
     #: Megatron's scale: Megatron divides by top-k where transformers does not)
-    moe_aux_loss_coeff: float = 0.0
+    moe_aux_loss_coeff: float = bounded(0.0, ge=0, note="0: no load-balancing loss")
     #: which load-balancing loss: "aux_loss" (over each micro-batch's tokens, Switch
     #: Transformer's), "seq_aux_loss" (per sequence), "global_aux_loss" (over the global batch)
     moe_load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss"] = "aux_loss"
@@ -447,58 +402,18 @@ class ModelTrainingConfig:
     moe_grouped_gemm: bool = False
 
     def validate(self):
-        for field in ("tp", "pp", "ep", "micro_batch_size", "ppo_epochs"):
-            if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
-                raise ConfigError(f"{field}: must be an integer >= 1, got "
-                                  f"{getattr(self, field)!r}")
-        if self.ppo_mini_batch_size is not None and (
-                not isinstance(self.ppo_mini_batch_size, int) or self.ppo_mini_batch_size < 1):
-            raise ConfigError(f"ppo_mini_batch_size: must be None (the whole batch) or an "
-                              f"integer >= 1 (episodes), got {self.ppo_mini_batch_size!r}")
-        if self.max_tokens_per_micro_batch is not None and self.max_tokens_per_micro_batch < 1:
-            raise ConfigError(f"max_tokens_per_micro_batch: must be None or >= 1, got "
-                              f"{self.max_tokens_per_micro_batch!r}")
-        if self.vpp is not None and (self.vpp < 1 or self.pp == 1):
+        """The declared bounds and choices too (``config_tree.check_declared``): the Megatron
+        trainer validates a section it is handed directly, outside any config tree."""
+        check_declared(self)
+        if self.vpp is not None and self.pp == 1:
             raise ConfigError(f"vpp: must be None or >= 1 together with pp > 1, got {self.vpp!r}")
-        if not self.moe_aux_loss_coeff >= 0:
-            raise ConfigError(f"moe_aux_loss_coeff: must be >= 0 (0: no load-balancing loss), "
-                              f"got {self.moe_aux_loss_coeff!r}")
-        balancing = ("aux_loss", "seq_aux_loss", "global_aux_loss")
-        if self.moe_load_balancing not in balancing:
-            raise ConfigError(f"moe_load_balancing: must be one of {balancing}, got "
-                              f"{self.moe_load_balancing!r}")
         if self.ep > 1 and self.max_tokens_per_micro_batch is not None:
             raise ConfigError("max_tokens_per_micro_batch: with ep > 1 every expert-parallel "
                               "rank must run as many micro-batches as the others (their tokens "
                               "meet in each MoE layer's all-to-all), which a token budget does "
                               "not guarantee; set it null (micro_batch_size rows each)")
-        if not self.lr > 0:
-            raise ConfigError(f"lr: must be > 0, got {self.lr!r}")
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"min_lr: must be in [0, lr={self.lr}], got {self.min_lr!r}")
-        if self.lr_warmup_steps < 0:
-            raise ConfigError(f"lr_warmup_steps: must be >= 0, got {self.lr_warmup_steps!r}")
-        if self.lr_decay_style not in get_args(LrDecayStyle):
-            raise ConfigError(f"lr_decay_style: must be one of {get_args(LrDecayStyle)}, got "
-                              f"{self.lr_decay_style!r}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"weight_decay: must be >= 0, got {self.weight_decay!r}")
-        for field in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, field) < 1:
-                raise ConfigError(f"{field}: must be in [0, 1), got {getattr(self, field)!r}")
-        if not self.adam_eps > 0:
-            raise ConfigError(f"adam_eps: must be > 0, got {self.adam_eps!r}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"grad_clip: must be >= 0 (0 disables clipping), got "
-                              f"{self.grad_clip!r}")
-        if self.loss_agg_mode not in AGG_MODES:
-            raise ConfigError(f"loss_agg_mode: must be one of {AGG_MODES}, got "
-                              f"{self.loss_agg_mode!r}")
-        if self.loss_horizon is not None and self.loss_horizon < 1:
-            raise ConfigError(f"loss_horizon: must be None or >= 1, got {self.loss_horizon!r}")
-        if self.local_attention not in LOCAL_ATTENTIONS:
-            raise ConfigError(f"local_attention: must be one of {LOCAL_ATTENTIONS}, got "
-                              f"{self.local_attention!r}")
         return self
 
 
@@ -508,17 +423,18 @@ class ActorConfig(ModelTrainingConfig):
     (clip 0.2 / 0.28, dual-clip 3, no entropy bonus, no KL)."""
     #: ``actor.warmup_steps`` meant the LR warm-up once; critic-only steps are critic.warmup_steps
     RENAMED_KEYS = {"warmup_steps": "lr_warmup_steps"}
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28
-    clip_ratio_c: float | None = 3.0    # dual-clip bound for negative advantages; None = off
-    entropy_coeff: float = 0.0
-    kl_coef: float = 0.0                # 0 = no KL term and no reference model
+    clip_ratio_low: float = bounded(0.2, ge=0, lt=1)
+    clip_ratio_high: float = bounded(0.28, ge=0)
+    #: dual-clip bound for negative advantages; None = off
+    clip_ratio_c: float | None = bounded(3.0, gt=1, note="or None to disable dual-clip")
+    entropy_coeff: float = bounded(0.0, ge=0)
+    kl_coef: float = bounded(0.0, ge=0, note="0 disables the KL term and the reference model")
     kl_kind: KlKind = "low_var_kl"
     #: truncated importance sampling: each token's PPO loss is weighted by
     #: min(exp(old - engine log-prob), tis_cap), the engine's sampled log-probs taken as the
     #: behaviour policy (verl's tis_imp_ratio_cap, slime's --use-tis; slime caps at 2). None: off.
     #: trainer.async_rollout needs it: its samples come from weights one version older.
-    tis_cap: float | None = None
+    tis_cap: float | None = bounded(None, gt=0, note="slime uses 2; None turns it off")
     #: mixtures of experts: train every token through the experts the engine routed it to
     #: (slime's --use-rollout-routing-replay), so the trainer's log-probs are those of the
     #: routing the engine sampled with. Whether or not it is on, actor/routing_mismatch logs
@@ -526,25 +442,7 @@ class ActorConfig(ModelTrainingConfig):
     routing_replay: bool = False
 
     def validate(self):
-        super().validate()
-        if not 0 <= self.clip_ratio_low < 1:
-            raise ConfigError(f"clip_ratio_low: must be in [0, 1), got {self.clip_ratio_low!r}")
-        if self.clip_ratio_high < 0:
-            raise ConfigError(f"clip_ratio_high: must be >= 0, got {self.clip_ratio_high!r}")
-        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1:
-            raise ConfigError(f"clip_ratio_c: must be > 1 (or None to disable dual-clip), got "
-                              f"{self.clip_ratio_c!r}")
-        if self.entropy_coeff < 0:
-            raise ConfigError(f"entropy_coeff: must be >= 0, got {self.entropy_coeff!r}")
-        if self.kl_coef < 0:
-            raise ConfigError(f"kl_coef: must be >= 0 (0 disables the KL term), got "
-                              f"{self.kl_coef!r}")
-        if self.kl_kind not in KL_KINDS:
-            raise ConfigError(f"kl_kind: must be one of {KL_KINDS}, got {self.kl_kind!r}")
-        if self.tis_cap is not None and not self.tis_cap > 0:
-            raise ConfigError(f"tis_cap: must be > 0 (slime uses 2) or None to turn the IS "
-                              f"correction off, got {self.tis_cap!r}")
-        return self
+        return super().validate()
 
 
 @dataclasses.dataclass
@@ -558,31 +456,25 @@ class CriticConfig(ModelTrainingConfig):
     ``highlight_first`` (Verlog's option): the value loss at each turn's first response token,
     where the bi-level GAE reads the turn's value, counts this many times (1.0 = today's loss)."""
     enable: bool = True
-    lr: float = 1e-5
-    value_clip: float | None = 0.5      # clipped value loss range; None = plain MSE
-    warmup_steps: int = 0               # critic-only training steps before the actor moves
-    highlight_first: float = 1.0        # value-loss weight of each turn's first response token
+    lr: float = bounded(1e-5, gt=0)   # redeclared with its bounds: an override drops them
+    value_clip: float | None = bounded(0.5, gt=0, note="or None: plain MSE")  # clip range
+    #: critic-only training steps before the actor moves
+    warmup_steps: int = bounded(0, ge=0, note="critic-only steps; the LR warm-up is "
+                                               "lr_warmup_steps")
+    #: value-loss weight of each turn's first response token
+    highlight_first: float = bounded(1.0, ge=1.0, note="1.0 weighs every token alike")
 
     def validate(self):
-        super().validate()
-        if self.value_clip is not None and not self.value_clip > 0:
-            raise ConfigError(f"value_clip: must be > 0 or None, got {self.value_clip!r}")
-        if isinstance(self.warmup_steps, bool) or self.warmup_steps < 0:
-            raise ConfigError(f"warmup_steps: must be an integer >= 0 (critic-only steps; the "
-                              f"LR warm-up is lr_warmup_steps), got {self.warmup_steps!r}")
-        if not self.highlight_first >= 1.0:
-            raise ConfigError(f"highlight_first: must be >= 1.0 (1.0 weighs every token "
-                              f"alike), got {self.highlight_first!r}")
-        return self
+        return super().validate()
 
 
 @dataclasses.dataclass
 class TrainerConfig:
     """The ``trainer`` section, the run as a whole: length, where it writes, placement, resume."""
-    total_steps: int = 200
+    total_steps: int = bounded(200, ge=1)
     run_dir: str = "runs/default"
-    save_every: int = 0          # 0 = only at the end
-    eval_every: int = 0          # 0 = never
+    save_every: int = bounded(0, ge=0)   # 0 = only at the end
+    eval_every: int = bounded(0, ge=0)   # 0 = never
     resume: str = "auto"         # auto | never | a checkpoint directory
     colocate: bool = False
     #: overlap: step k+1's rollout plays on the engines while the trainer trains on step k's
@@ -592,8 +484,8 @@ class TrainerConfig:
     #: off-policy rollouts). Episodes mode, separate engines (not colocate) only.
     async_rollout: bool = False
     ray_address: Optional[str] = None   # None: start a private local Ray; "auto" on clusters
-    data_parallel: int = 1       # replicas of the actor and of the critic (each TP x PP ranks)
-    sync_bucket_mb: int = 512    # weight-sync bucket size (slime's default)
+    data_parallel: int = bounded(1, ge=1)  # replicas of the actor and of the critic (each TP x PP ranks)
+    sync_bucket_mb: int = bounded(512, ge=1)  # weight-sync bucket size (slime's default)
     check_weight_sync: bool = False     # after each sync, compare engine and trainer log-probs
     seed: int = 0
     #: auto: an episode whose prompts grow by prefix (unbounded memory) trains as ONE sequence
@@ -602,22 +494,12 @@ class TrainerConfig:
     pack_trajectories: Literal["auto", "off"] = "auto"
     #: an update with a NaN/inf loss or gradient is skipped (weights and optimizer untouched);
     #: this many skipped in a row (actor or critic) ends the run before that step is saved
-    max_skipped_updates_in_row: int = 3
+    max_skipped_updates_in_row: int = bounded(3, ge=1)
     #: RAGEN-2's collapse probes (MI, retrieval, conditional entropy of the first-turn
     #: reasoning; rollout/collapse_probe.py) at step 1 and every this many steps; 0 = off
-    collapse_every: int = 0
-    collapse_samples: int = 64   # reasonings cross-scored against every group's prompt
+    collapse_every: int = bounded(0, ge=0)
+    collapse_samples: int = bounded(64, ge=1)  # reasonings cross-scored against every group's prompt
 
-    def validate(self):
-        if self.total_steps < 1:
-            raise ConfigError(f"total_steps: must be >= 1, got {self.total_steps}")
-        for key in ("data_parallel", "sync_bucket_mb", "max_skipped_updates_in_row",
-                    "collapse_samples"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
-        for key in ("save_every", "eval_every", "collapse_every"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"{key}: must be >= 0, got {getattr(self, key)}")
 
 
 @dataclasses.dataclass
@@ -629,14 +511,14 @@ class SFTConfig:
     #: valid answers, which teach the answer format, not the solution; else a JSONL file of chats
     #: ({"messages": [...]}), loss on the assistant messages
     data: str = "format"
-    steps: int = 20
-    batch_size: int = 16        # examples per step: a multiple of actor.micro_batch_size x
+    steps: int = bounded(20, ge=1)
+    batch_size: int = bounded(16, ge=1)  # examples per step: a multiple of actor.micro_batch_size x
                                 # trainer.data_parallel
-    examples: int = 512         # "format": training examples generated (env seeds seed, ...)
-    heldout: int = 32           # examples kept out of training for the held-out loss ("format":
+    examples: int = bounded(512, ge=1)  # "format": training examples generated (env seeds seed, ...)
+    heldout: int = bounded(32, ge=1)    # examples kept out of training for the held-out loss ("format":
                                 # seeds after the training ones; a JSONL file: its last lines)
-    eval_every: int = 5         # held-out loss every this many steps (and at steps 0 and last)
-    lr: Optional[float] = None  # None: actor.lr
+    eval_every: int = bounded(5, ge=0)  # held-out loss every this many steps (and at steps 0 and last)
+    lr: Optional[float] = bounded(None, gt=0, note="or null: actor.lr")
     seed: int = 0
     out: Optional[str] = None   # the Hugging Face directory written; None: <trainer.run_dir>/hf
     #: the training loss on every token, the prompt's too (the held-out loss stays on the
@@ -645,13 +527,6 @@ class SFTConfig:
     prompt_loss: bool = False
 
     def validate(self):
-        for key in ("steps", "batch_size", "examples", "heldout"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"{key}: must be >= 1, got {getattr(self, key)}")
-        if self.eval_every < 0:
-            raise ConfigError(f"eval_every: must be >= 0, got {self.eval_every}")
-        if self.lr is not None and not self.lr > 0:
-            raise ConfigError(f"lr: must be > 0 (or null: actor.lr), got {self.lr}")
         if not isinstance(self.data, str) or not self.data.strip():
             raise ConfigError(f"data: 'format' or a JSONL file of chats, got {self.data!r}")
 

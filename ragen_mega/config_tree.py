@@ -7,6 +7,8 @@ and checks everything before any process or server starts:
 - an unknown key names its full dotted path and lists the keys that section allows;
 - a value of the wrong type names the key, the expected type and what it got;
 - a ``Literal[...]`` field lists the allowed values;
+- a field declared with :func:`bounded` (``lr: float = bounded(1e-6, gt=0)``) is checked
+  against its bounds (``lr: must be > 0, got -1``); None passes, for an optional field unset;
 - each section may define ``validate(self)`` for cross-field rules; it raises ``ConfigError``
   whose message starts with the key relative to the section (``lr: must be > 0``): the section's
   own path is put in front (``actor.lr: ...``), so one section class can serve several places;
@@ -152,6 +154,62 @@ def _override_value(item: str, raw: str) -> Any:
                           f"{_yaml_problem(e, raw)}") from e
 
 
+@dataclasses.dataclass(frozen=True)
+class Bounds:
+    """A number field's bounds (any of ``ge``, ``gt``, ``le``, ``lt``) and what an edge value
+    means (``note``: ``0: off``), for the message."""
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+    note: str = ""
+
+    def holds(self, value) -> bool:
+        """Written as ``not (value < ge)``'s complement so that NaN fails every bound."""
+        return ((self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self) -> str:
+        low = (f"[{self.ge}" if self.ge is not None else
+               f"({self.gt}" if self.gt is not None else None)
+        high = (f"{self.le}]" if self.le is not None else
+                f"{self.lt})" if self.lt is not None else None)
+        if low and high:
+            text = f"in {low}, {high}"
+        elif low:
+            text = f"{'>=' if low[0] == '[' else '>'} {low[1:]}"
+        else:
+            text = f"{'<=' if high[-1] == ']' else '<'} {high[:-1]}"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def bounded(default, *, ge=None, gt=None, le=None, lt=None, note: str = ""):
+    """A dataclass field with ``default`` and declared bounds (:class:`Bounds`), which
+    :func:`check_bounds` enforces before the section's own ``validate``."""
+    return dataclasses.field(default=default,
+                             metadata={"bounds": Bounds(ge, gt, le, lt, note)})
+
+
+def check_bounds(section: Any) -> None:
+    """ConfigError naming the first field of ``section`` outside its declared bounds."""
+    for f in dataclasses.fields(section):
+        bounds, value = f.metadata.get("bounds"), getattr(section, f.name)
+        if bounds is not None and value is not None and not bounds.holds(value):
+            raise ConfigError(f"{f.name}: must be {bounds.describe()}, got {value!r}")
+
+
+def check_declared(section: Any) -> None:
+    """What the tree checks as it builds ``section``, for a section built directly (a
+    backend handed one outside any tree): its declared bounds, and every ``Literal`` field's
+    value among its choices; ConfigError naming the field."""
+    hints = get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        tp = hints[f.name]
+        if Literal in (get_origin(tp), *map(get_origin, get_args(tp))):
+            _coerce(getattr(section, f.name), tp, f.name)
+    check_bounds(section)
+
+
 def _line_column(text: str, position: int) -> str:
     """``line L, column C`` (1-based, as editors count) of character ``position`` of ``text``."""
     line = text.count("\n", 0, position) + 1
@@ -187,11 +245,12 @@ def _validate_tree(section: Any, prefix: str = "") -> None:
         child = getattr(section, f.name)
         if dataclasses.is_dataclass(child):
             _validate_tree(child, f"{prefix}{f.name}.")
-    if hasattr(section, "validate"):
-        try:
+    try:
+        check_bounds(section)
+        if hasattr(section, "validate"):
             section.validate()
-        except ConfigError as e:
-            raise ConfigError(f"{prefix}{e}") from e
+    except ConfigError as e:
+        raise ConfigError(f"{prefix}{e}") from e
 
 
 def build_config(root_type: type[T], values: dict | None = None) -> T:

@@ -6,7 +6,8 @@ from typing import Literal, Optional
 
 import pytest
 
-from ragen_mega.config_tree import ConfigError, build_config, load_config, parse_overrides
+from ragen_mega.config_tree import (ConfigError, bounded, build_config, check_declared,
+                                     load_config, parse_overrides)
 
 
 @dataclasses.dataclass
@@ -132,3 +133,49 @@ def test_nested_section_errors_carry_the_section_path():
         build_config(Outer, {"inner": {"steps": -1}})
     with pytest.raises(ConfigError, match=r"^checked: Checked\.k must be >= 0, got -2"):
         build_config(Outer, {"checked": {"k": -2}})
+
+
+@dataclasses.dataclass
+class Bounded:
+    """Declared bounds, each edge kind once, and an optional field."""
+    workers: int = bounded(0, ge=0, note="0: none")
+    rate: float = bounded(0.5, gt=0, le=1)
+    beta: float = bounded(0.9, ge=0, lt=1)
+    cap: Optional[float] = bounded(None, gt=1, note="None: off")
+    mode: Literal["a", "b"] = "a"
+    scale: float = bounded(1.0, lt=10)
+
+
+@dataclasses.dataclass
+class BoundedRun:
+    b: Bounded = dataclasses.field(default_factory=Bounded)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("b.workers=-1", "b.workers: must be >= 0 (0: none), got -1"),
+    ("b.rate=0", "b.rate: must be in (0, 1], got 0.0"),
+    ("b.rate=1.5", "b.rate: must be in (0, 1], got 1.5"),
+    ("b.rate=.nan", "b.rate: must be in (0, 1], got nan"),   # NaN fails every bound
+    ("b.beta=1", "b.beta: must be in [0, 1), got 1.0"),
+    ("b.cap=1", "b.cap: must be > 1 (None: off), got 1.0"),
+    ("b.scale=10", "b.scale: must be < 10, got 10.0")])
+def test_declared_bounds_name_the_key_and_the_range(override, message):
+    with pytest.raises(ConfigError) as e:
+        build_config(BoundedRun, parse_overrides([override]))
+    assert str(e.value) == message
+
+
+def test_declared_bounds_admit_their_edges_and_an_unset_optional():
+    cfg = build_config(BoundedRun, parse_overrides(["b.workers=0", "b.rate=1", "b.beta=0",
+                                                    "b.cap=1.01", "b.scale=-5"]))
+    assert (cfg.b.workers, cfg.b.rate, cfg.b.beta, cfg.b.cap) == (0, 1, 0, 1.01)
+    assert build_config(BoundedRun).b.cap is None
+
+
+def test_check_declared_checks_a_section_built_directly():
+    """A backend handed a section outside any tree checks what the tree would have."""
+    check_declared(Bounded())
+    with pytest.raises(ConfigError, match=r"^mode: 'c' is not allowed; allowed values: 'a', 'b'"):
+        check_declared(Bounded(mode="c"))
+    with pytest.raises(ConfigError, match=r"^rate: must be in \(0, 1\], got 2"):
+        check_declared(Bounded(rate=2))
