@@ -299,13 +299,14 @@ class FilterConfig:
 
 @dataclasses.dataclass
 class AlgoConfig:
-    #: a name in algo/estimators.py's registry. gae: a critic, GAE over turns then over the
-    #: tokens of each turn (bi-level; RAGEN StarPO-S, Verlog for long horizons); grpo:
-    #: critic-free, episode score vs. its group; gigpo: critic-free, grpo plus a step term
-    #: comparing the turns taken from the same state within a group (verl-agent's GiGPO)
+    #: a name in algo/estimators.py's registry, or a function of the user's (MODULE:FUNCTION,
+    #: FILE.py:FUNCTION). gae: a critic, GAE over turns then over the tokens of each turn
+    #: (bi-level; RAGEN StarPO-S, Verlog for long horizons); grpo: critic-free, episode score
+    #: vs. its group; gigpo: critic-free, grpo plus a step term comparing the turns taken from
+    #: the same state within a group (verl-agent's GiGPO)
     adv_estimator: str = "gae"
-    gamma: float = bounded(1.0, ge=0, le=1)  # across turns (RAGEN uses 1.0; gigpo: its step returns' discount,
-                                 # 0.95 in verl-agent)
+    #: across turns (RAGEN uses 1.0; gigpo: its step returns' discount, 0.95 in verl-agent)
+    gamma: float = bounded(1.0, ge=0, le=1)
     lam: float = bounded(1.0, ge=0, le=1)
     grpo_norm_by_std: bool = True
     #: gae: whiten the advantages over the batch's response tokens (zero mean, unit variance),
@@ -363,25 +364,27 @@ class ModelTrainingConfig:
                                         # over this many of the data-parallel ranks (a divisor
                                         # of trainer.data_parallel and of the expert count)
     micro_batch_size: int = bounded(1, ge=1)
-    ppo_mini_batch_size: int | None = bounded(None, ge=1)  # episodes per optimizer update (RAGEN/verl count
-                                        # trajectories; an episode's turns stay together);
-                                        # None = the whole batch, one update per epoch
+    #: episodes per optimizer update (RAGEN/verl count trajectories; an episode's turns stay
+    #: together); None = the whole batch, one update per epoch
+    ppo_mini_batch_size: int | None = bounded(None, ge=1)
     ppo_epochs: int = bounded(1, ge=1)  # passes over the batch's mini-batches per training step
-    max_tokens_per_micro_batch: int | None = bounded(None, ge=1)  # training micro-batches by a padded-token
-                                        # budget (rows sorted by length) instead of
-                                        # micro_batch_size rows each; None = fixed count
+    #: training micro-batches by a padded-token budget (rows sorted by length) instead of
+    #: micro_batch_size rows each; None = fixed count
+    max_tokens_per_micro_batch: int | None = bounded(None, ge=1)
     lr: float = bounded(1e-6, gt=0)
     min_lr: float = 0.0
     lr_warmup_steps: int = bounded(0, ge=0)  # linear LR warm-up: update step k (1-based) uses
                                         # lr * k / lr_warmup_steps
     lr_decay_style: LrDecayStyle = "constant"   # from lr to min_lr over the run's steps
-    weight_decay: float = bounded(0.0, ge=0)  # AdamW, never on biases and norm weights (Megatron rule)
+    #: AdamW, never on biases and norm weights (Megatron rule)
+    weight_decay: float = bounded(0.0, ge=0)
     adam_beta1: float = bounded(0.9, ge=0, lt=1)
     adam_beta2: float = bounded(0.999, ge=0, lt=1)
     adam_eps: float = bounded(1e-8, gt=0)
     grad_clip: float = bounded(1.0, ge=0, note="0 disables clipping")  # max global grad norm
     loss_agg_mode: AggMode = "token-mean"
-    loss_horizon: int | None = bounded(None, ge=1)  # seq-mean-token-sum-norm divisor; None = batch width - 1
+    #: seq-mean-token-sum-norm divisor; None = batch width - 1
+    loss_horizon: int | None = bounded(None, ge=1)
     use_distributed_optimizer: bool = False
     bf16: bool = False                  # GPU only
     local_attention: LocalAttention = "sdpa"  # without TransformerEngine: "sdpa" = one fused
@@ -484,7 +487,8 @@ class TrainerConfig:
     #: off-policy rollouts). Episodes mode, separate engines (not colocate) only.
     async_rollout: bool = False
     ray_address: Optional[str] = None   # None: start a private local Ray; "auto" on clusters
-    data_parallel: int = bounded(1, ge=1)  # replicas of the actor and of the critic (each TP x PP ranks)
+    #: replicas of the actor and of the critic (each TP x PP ranks)
+    data_parallel: int = bounded(1, ge=1)
     sync_bucket_mb: int = bounded(512, ge=1)  # weight-sync bucket size (slime's default)
     check_weight_sync: bool = False     # after each sync, compare engine and trainer log-probs
     seed: int = 0
@@ -498,7 +502,8 @@ class TrainerConfig:
     #: RAGEN-2's collapse probes (MI, retrieval, conditional entropy of the first-turn
     #: reasoning; rollout/collapse_probe.py) at step 1 and every this many steps; 0 = off
     collapse_every: int = bounded(0, ge=0)
-    collapse_samples: int = bounded(64, ge=1)  # reasonings cross-scored against every group's prompt
+    #: reasonings cross-scored against every group's prompt
+    collapse_samples: int = bounded(64, ge=1)
 
 
 
@@ -514,10 +519,13 @@ class SFTConfig:
     steps: int = bounded(20, ge=1)
     batch_size: int = bounded(16, ge=1)  # examples per step: a multiple of actor.micro_batch_size x
                                 # trainer.data_parallel
-    examples: int = bounded(512, ge=1)  # "format": training examples generated (env seeds seed, ...)
-    heldout: int = bounded(32, ge=1)    # examples kept out of training for the held-out loss ("format":
-                                # seeds after the training ones; a JSONL file: its last lines)
-    eval_every: int = bounded(5, ge=0)  # held-out loss every this many steps (and at steps 0 and last)
+    #: "format": training examples generated (env seeds seed, ...)
+    examples: int = bounded(512, ge=1)
+    #: examples kept out of training for the held-out loss ("format": seeds after the training ones;
+    #: a JSONL file: its last lines)
+    heldout: int = bounded(32, ge=1)
+    #: held-out loss every this many steps (and at steps 0 and last)
+    eval_every: int = bounded(5, ge=0)
     lr: Optional[float] = bounded(None, gt=0, note="or null: actor.lr")
     seed: int = 0
     out: Optional[str] = None   # the Hugging Face directory written; None: <trainer.run_dir>/hf

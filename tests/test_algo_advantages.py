@@ -110,7 +110,7 @@ def test_broadcast_to_tokens():
         broadcast_to_tokens(torch.zeros(3), torch.ones(2, 3))
 
 
-def test_normalize_scores_methods_and_groupings():
+def test_normalize_scores_methods():
     scores = torch.tensor([1.0, 3.0, 2.0, 2.0, 7.0])
     groups = torch.tensor([0, 0, 1, 1, 2])
     # group 0: mean 2, unbiased std sqrt(2); group 1 flat; group 2 alone
@@ -120,15 +120,6 @@ def test_normalize_scores_methods_and_groupings():
                                torch.tensor([-1.0, 1.0, 0.0, 0.0, 0.0]))
     torch.testing.assert_close(normalize_scores(scores, groups, "mean_std"),
                                torch.tensor([-1 / (s2 + 1e-6), 1 / (s2 + 1e-6), 0.0, 0.0, 0.0]))
-    # batch grouping: mean 3, unbiased std sqrt((4 + 0 + 1 + 1 + 16) / 4) = sqrt(5.5)
-    torch.testing.assert_close(normalize_scores(scores, groups, "mean", grouping="batch"),
-                               scores - 3.0)
-    s = math.sqrt(5.5)
-    torch.testing.assert_close(normalize_scores(scores, groups, "mean_std", grouping="batch"),
-                               (scores - 3.0) / (s + 1e-6))
-    tags = torch.tensor([0, 1, 0, 1, 1])  # inductive: by env type: [1, 2] and [3, 2, 7]
-    torch.testing.assert_close(normalize_scores(scores, groups, "mean", "inductive", tags),
-                               torch.tensor([-0.5, -1.0, 0.5, -2.0, 3.0]))
 
 
 def test_normalize_scores_asym_clip_and_errors():
@@ -143,10 +134,6 @@ def test_normalize_scores_asym_clip_and_errors():
     assert out[0].item() == -1.0
     with pytest.raises(ValueError, match="mean_std"):
         normalize_scores(success, torch.zeros(20), "zscore")
-    with pytest.raises(ValueError, match="grouping"):
-        normalize_scores(success, torch.zeros(20), "mean", grouping="episode")
-    with pytest.raises(ValueError, match="tag_ids"):
-        normalize_scores(success, torch.zeros(20), "mean", grouping="inductive")
 
 
 def test_turn_level_gae_hand_values_with_truncated_bootstrap():

@@ -43,7 +43,7 @@ def _gpu_worker(rank, world_size, hf_dir, batch, actor_settings):
 
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
-    from ragen_mega.backends.sglang.weight_sender import serialize_for_engine
+    from ragen_mega.backends.sglang.weight_sender import engine_payload, pickle_for_receiver
 
     out = {"backend": dist.get_backend()}
     for name, bf16 in (("fp32", False), ("bf16", True)):
@@ -70,7 +70,7 @@ def _gpu_worker(rank, world_size, hf_dir, batch, actor_settings):
     bucket = [(n, t.clone()) for n, t in trainer.export_hf_state()]
     ctx = mp.get_context("spawn")
     for flattened in (False, True):
-        payload = serialize_for_engine(bucket, flattened=flattened)
+        payload = pickle_for_receiver(engine_payload(bucket, flattened=flattened))
         queue = ctx.Queue()
         child = ctx.Process(target=_read_shared, args=(payload, queue))
         child.start()

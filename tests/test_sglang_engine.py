@@ -21,8 +21,9 @@ import torch
 from ragen_mega.backends.sglang.client import EngineClient, EngineError, dtype_name
 from ragen_mega.backends.sglang.cpu_standins import STANDIN_ROOT
 from ragen_mega.backends.sglang.server import launch_server
-from ragen_mega.backends.sglang.weight_sender import (BucketedWeightSender, flatten_bucket,
-                                                     iter_buckets, serialize_for_engine)
+from ragen_mega.backends.sglang.weight_sender import (BucketedWeightSender, engine_payload,
+                                                     flatten_bucket, iter_buckets,
+                                                     pickle_for_receiver)
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 77], list(range(500, 530))]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
@@ -215,7 +216,7 @@ def test_distributed_weight_sync_bucket_sizes(engine, reference, tiny_dir):
                 assert stats.num_buckets == 1
             if bucket_bytes < smallest:  # a bucket smaller than any tensor: each goes alone
                 assert stats.num_buckets == len(state)
-            assert client.get_weight_version() == f"dist-{i}"
+            assert client.model_info()["weight_version"] == f"dist-{i}"
             outs = check_against(client, refs)
             assert {o.weight_version for o in outs} == {f"dist-{i}"}
             runs.append([(o.output_ids, o.output_logprobs) for o in outs])
@@ -235,11 +236,11 @@ def test_colocated_tensor_weight_sync(engine, reference, tiny_dir):
                                       load_format=load_format)
         stats = sender.send(state.items(), version=f"tensor-{load_format}")
         assert stats.num_buckets > 1
-        assert client.get_weight_version() == f"tensor-{load_format}"
+        assert client.model_info()["weight_version"] == f"tensor-{load_format}"
         check_against(client, refs)
         client.update_weights_from_disk(str(tiny_dir), weight_version="original")
         check_against(client, reference)
-    assert client.get_weight_version() == "original"
+    assert client.model_info()["weight_version"] == "original"
 
 
 def test_updates_outside_a_session_are_refused(engine, tiny_dir):
@@ -249,9 +250,9 @@ def test_updates_outside_a_session_are_refused(engine, tiny_dir):
     name, tensor = next(iter(model.state_dict().items()))
     refusal = "update_weights_from_tensor.*must run between begin_weight_update"
     with pytest.raises(EngineError, match=refusal):
-        client.update_weights_from_tensor([serialize_for_engine([(name, tensor)])])
+        client.update_weights_from_tensor([pickle_for_receiver(engine_payload([(name, tensor)]))])
     with client.weight_update():  # inside a session the same call is accepted
-        client.update_weights_from_tensor([serialize_for_engine([(name, tensor)])])
+        client.update_weights_from_tensor([pickle_for_receiver(engine_payload([(name, tensor)]))])
 
 
 def test_only_requests_with_the_key_are_served(engine, tiny_dir):
@@ -267,12 +268,12 @@ def test_only_requests_with_the_key_are_served(engine, tiny_dir):
             for call in (lambda: outsider.generate(PROMPTS[0], GREEDY),
                          lambda: outsider.begin_weight_update(),
                          lambda: outsider.update_weights_from_tensor(
-                             [serialize_for_engine([(name, tensor)])])):
+                             [pickle_for_receiver(engine_payload([(name, tensor)]))])):
                 with pytest.raises(EngineError, match="refused: HTTP 401, the engine's key"):
                     call()
     assert client.generate(PROMPTS[0], GREEDY).output_ids
     with client.weight_update():
-        client.update_weights_from_tensor([serialize_for_engine([(name, tensor)])])
+        client.update_weights_from_tensor([pickle_for_receiver(engine_payload([(name, tensor)]))])
     assert ENGINE_KEY not in open(f"/proc/{server.pid}/cmdline").read()
     assert ENGINE_KEY not in " ".join(server.command)
     log = server.log_file.read_text()

@@ -12,7 +12,6 @@ from typing import NamedTuple
 import torch
 
 NORM_METHODS = ("identity", "mean", "mean_std", "asym_clip")
-NORM_GROUPINGS = ("state", "batch", "inductive")
 
 # RAGEN treats a group as constant (normalised score 0) when its std is at or below this
 _RAGEN_STD_FLOOR = 1e-6
@@ -154,17 +153,12 @@ def grpo(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True
 
 
 @torch.no_grad()
-def normalize_scores(scores: torch.Tensor, group_ids: torch.Tensor, method: str = "identity",
-                     grouping: str = "state", tag_ids: torch.Tensor | None = None
+def normalize_scores(scores: torch.Tensor, group_ids: torch.Tensor, method: str = "identity"
                      ) -> torch.Tensor:
     """RAGEN's episode-score normalisation (``agent_proxy.reward_normalization`` in its
-    ``ctx_manager``), applied before the advantage estimator.
-
-    ``grouping`` picks the groups the statistics are taken over:
-      - ``state``: samples sharing ``group_ids`` (same env seed / initial state),
-      - ``batch``: the whole batch is one group,
-      - ``inductive``: samples sharing ``tag_ids`` (same env type), which must then be given.
-    ``method``:
+    ``ctx_manager``), applied before the advantage estimator, over the samples sharing
+    ``group_ids`` (same env seed / initial state: RAGEN's ``state`` grouping; its ``batch`` and
+    ``inductive`` groupings are no config's, so they are not here). ``method``:
       - ``identity``: unchanged,
       - ``mean``: subtract the group mean,
       - ``mean_std``: ``(x - mean) / (std + 1e-6)``, and 0 for a group whose std <= 1e-6
@@ -177,17 +171,11 @@ def normalize_scores(scores: torch.Tensor, group_ids: torch.Tensor, method: str 
     if method not in NORM_METHODS:
         raise ValueError(f"unknown reward normalization method {method!r}; "
                          f"allowed: {', '.join(NORM_METHODS)}")
-    if grouping not in NORM_GROUPINGS:
-        raise ValueError(f"unknown reward normalization grouping {grouping!r}; "
-                         f"allowed: {', '.join(NORM_GROUPINGS)}")
-    if grouping == "inductive" and tag_ids is None:
-        raise ValueError("grouping='inductive' groups by environment type: pass tag_ids")
     if method == "identity":
         _check_samples(scores=scores, group_ids=group_ids)
         return scores.clone()
-    ids = {"state": group_ids, "batch": torch.zeros_like(group_ids), "inductive": tag_ids}[grouping]
-    _check_samples(scores=scores, group_ids=group_ids, group_keys=ids)
-    mean, std, count = _per_sample_stats(scores, ids)
+    _check_samples(scores=scores, group_ids=group_ids)
+    mean, std, count = _per_sample_stats(scores, group_ids)
     if method == "mean":
         out = scores - mean
     else:

@@ -360,8 +360,3 @@ def train_step_specs(parts: Sequence[EnvPart], *, group_size: int, seed: int, st
     are a function of the step alone (a resumed run replays exactly the uninterrupted one)."""
     first = seed + (step - 1) * mix_seeds_per_step(parts, group_size)
     return mix_specs(parts, group_size=group_size, first_seed=first)
-
-
-async def run_episodes(specs: Sequence[EpisodeSpec], **kwargs) -> list[Episode]:
-    """All episodes concurrently (each advances on its own generation), in ``specs`` order."""
-    return list(await asyncio.gather(*(run_episode(s, **kwargs) for s in specs)))

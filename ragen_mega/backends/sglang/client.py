@@ -219,13 +219,6 @@ class AsyncEngineClient:
     async def server_info(self) -> dict:
         return await self.request("GET", "/server_info")
 
-    async def get_weight_version(self) -> str:
-        info = await self.model_info()
-        if not isinstance(info, dict) or "weight_version" not in info:
-            raise EngineError(f"GET {self.url}/model_info: malformed response, "
-                              f"no weight_version: {str(info)[:300]}")
-        return info["weight_version"]
-
     # ----- generation -----
 
     def _parse_completion(self, item: Any, return_logprob: bool,
@@ -395,7 +388,7 @@ class AsyncEngineClient:
                                          weight_version: str | None = None,
                                          timeout: float | None = None) -> None:
         """Colocated update: one serialized payload per engine TP rank (see
-        ``weight_sender.serialize_for_engine``); tensors travel by shared memory, not HTTP."""
+        ``weight_sender.engine_payload`` and ``pickle_for_receiver``); tensors travel by shared memory, not HTTP."""
         payloads = [base64.b64encode(p).decode("ascii") if isinstance(p, (bytes, bytearray))
                     else p for p in serialized_named_tensors]
         await self._control("/update_weights_from_tensor", {

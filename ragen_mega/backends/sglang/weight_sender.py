@@ -84,13 +84,6 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]):
             [list(t.shape) for _, t in ordered], flat)
 
 
-def serialize_for_engine(bucket: list[tuple[str, torch.Tensor]], *,
-                         flattened: bool = False) -> bytes:
-    """Pickle a bucket the way SGLang's ``update_weights_from_tensor`` unpickles it, for one
-    receiving process (:func:`engine_payload`, then :func:`pickle_for_receiver`)."""
-    return pickle_for_receiver(engine_payload(bucket, flattened=flattened))
-
-
 def engine_payload(bucket: list[tuple[str, torch.Tensor]], *, flattened: bool = False):
     """What SGLang's ``update_weights_from_tensor`` unpickles: the ``(name, tensor)`` list, or
     with ``flattened=True`` SGLang's flattened bucket (one tensor + metadata; the metadata are
