@@ -33,7 +33,8 @@ MOVES = ("Up", "Down", "Left", "Right")
 def sokoban_episodes(tokenizer, episodes: int, seed: int = 0):
     """``episodes`` Sokoban episodes of RAGEN's shape, played with a scripted policy."""
     from ragen_mega.agent import AgentConfig
-    from ragen_mega.rollout.episode import EpisodeSpec, Generation, run_episodes
+    from ragen_mega.rollout.types import EpisodeSpec, Generation
+    from ragen_mega.rollout.episode import run_episode
 
     async def generate(prompt_ids, sampling):
         rng = random.Random(hash((seed, len(prompt_ids))))
@@ -45,9 +46,13 @@ def sokoban_episodes(tokenizer, episodes: int, seed: int = 0):
 
     specs = [EpisodeSpec("sokoban", {"dim_room": [6, 6], "num_boxes": 1}, seed=seed + e,
                          episode_id=e, group_id=e // 2) for e in range(episodes)]
-    played = asyncio.run(run_episodes(specs, tokenizer=tokenizer,
-                                      agent=AgentConfig(max_actions_per_turn=5, memory_turns=None),
-                                      generate=generate, sampling={}, max_turns=5))
+    agent = AgentConfig(max_actions_per_turn=5, memory_turns=None)
+
+    async def play():
+        return await asyncio.gather(*(run_episode(s, tokenizer=tokenizer, agent=agent,
+                                                  generate=generate, sampling={}, max_turns=5)
+                                      for s in specs))
+    played = asyncio.run(play())
     return [s for ep in played for s in ep.samples]
 
 

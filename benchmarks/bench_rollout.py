@@ -149,7 +149,9 @@ def main() -> None:
     from ragen_mega.backends.sglang.client import AsyncEngineClient
     from ragen_mega.backends.sglang.server import launch_server
     from ragen_mega.rollout.seeding import request_seed
-    from ragen_mega.rollout.episode import Generation, group_specs, run_episode
+    from ragen_mega.rollout.types import Generation
+    from ragen_mega.rollout.seeding import group_specs
+    from ragen_mega.rollout.episode import run_episode
 
     with tempfile.TemporaryDirectory(prefix="bench_rollout_") as tmp:
         hf_dir = bench_model(args.model or "tiny", tmp)
@@ -248,7 +250,8 @@ def horizon(args) -> None:
     from ragen_mega.agent import AgentConfig
     from ragen_mega.backends.sglang.client import AsyncEngineClient
     from ragen_mega.backends.sglang.server import launch_server
-    from ragen_mega.rollout.episode import EpisodeSpec, Generation, run_episode
+    from ragen_mega.rollout.types import EpisodeSpec, Generation
+    from ragen_mega.rollout.episode import run_episode
     from ragen_mega.rollout.seeding import request_seed
 
     with tempfile.TemporaryDirectory(prefix="bench_horizon_") as tmp:
@@ -320,7 +323,9 @@ def streamed(args) -> None:
     from ragen_mega.agent import AgentConfig
     from ragen_mega.backends.sglang.client import AsyncEngineClient
     from ragen_mega.backends.sglang.server import launch_server
-    from ragen_mega.rollout.episode import EnvPart, Generation, run_episode, train_step_specs
+    from ragen_mega.rollout.types import Generation
+    from ragen_mega.rollout.seeding import EnvPart, train_step_specs
+    from ragen_mega.rollout.episode import run_episode
     from ragen_mega.rollout.seeding import request_seed
     from ragen_mega.rollout.streams import EnvStreams
 

@@ -105,7 +105,7 @@ class EnvConfig:
     added env never thins another's evaluation). With ``mix``, ``name``/``kwargs``/``val_name``/
     ``val_kwargs`` at the top are refused (each entry says its env). Seeds: each env of a step
     gets its own consecutive range, the ranges end to end, so a step's seeds are a function of
-    the step (resume) and no two envs share one (``rollout.episode.mix_specs``).
+    the step (resume) and no two envs share one (``rollout.seeding.mix_specs``).
     """
     name: str = "bandit"
     kwargs: dict = dataclasses.field(default_factory=dict)

@@ -31,7 +31,7 @@ from ragen_mega import checkpoints
 from ragen_mega.agent.prompt import example_answer
 from ragen_mega.envs import registry
 from ragen_mega.envs.references import REFERENCE_KEYS, reference_lines
-from ragen_mega.rollout.episode import mix_specs, val_parts
+from ragen_mega.rollout.seeding import mix_specs, val_parts
 from ragen_mega.rollout.metrics import summarize
 
 #: the run directory's file of its held-out reference lines (written by ``ragen-mega train``)

@@ -98,7 +98,7 @@ def check_model_layout(cfg: RunConfig) -> None:
 
 def env_builds(cfg: RunConfig) -> list[tuple[str, str, dict]]:
     """``(kwargs key, env name, kwargs)`` of every env the run plays."""
-    from ragen_mega.rollout.episode import val_parts
+    from ragen_mega.rollout.seeding import val_parts
 
     env = cfg.env
     if env.mix:

@@ -46,7 +46,9 @@ import torch
 from ragen_mega.agent import History, PromptBuilder, parse_response
 from ragen_mega.agent.parse import ANSWER_CLOSE, ANSWER_OPEN, THINK_CLOSE
 from ragen_mega.envs.registry import make
-from ragen_mega.rollout.episode import EpisodeSpec, EpisodeState, LocalEnv, train_parts
+from ragen_mega.rollout.types import EpisodeSpec
+from ragen_mega.rollout.seeding import train_parts
+from ragen_mega.rollout.episode import EpisodeState, LocalEnv
 
 _ROLES = ("system", "user", "assistant")
 

@@ -88,7 +88,7 @@ def tokenizer(smollm2_dir):
 
 def _scripted(tokenizer, answers, delays=None, log=None):
     """A generate function answering turn k of every episode with ``answers[k]``."""
-    from ragen_mega.rollout.episode import Generation
+    from ragen_mega.rollout.types import Generation
 
     calls: dict[int, int] = {}
 

@@ -20,7 +20,9 @@ from ragen_mega.agent import AgentConfig
 from ragen_mega.backends.megatron import checkpoint as ckpt
 from ragen_mega.config import load_run_config
 from ragen_mega import checkpoints
-from ragen_mega.rollout.episode import EnvPart, Generation, group_specs, run_episode
+from ragen_mega.rollout.types import Generation
+from ragen_mega.rollout.seeding import EnvPart, group_specs
+from ragen_mega.rollout.episode import run_episode
 from ragen_mega.rollout.faults import FaultCounters
 from ragen_mega.rollout.manager import PlayedStep
 from ragen_mega.rollout.metrics import summarize

@@ -15,7 +15,8 @@ import requests
 
 from conftest import start_env_server as start_server, stop_env_server as stop
 from ragen_mega.agent import AgentConfig
-from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, mix_specs
+from ragen_mega.rollout.types import EpisodeSpec
+from ragen_mega.rollout.seeding import EnvPart, mix_specs
 from ragen_mega.rollout.faults import (DroppedEpisode, FaultCounters, count_rollout_faults,
                                        episode_or_drop)
 from ragen_mega.http_token import ENV_SERVER_TOKEN

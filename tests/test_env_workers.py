@@ -14,8 +14,10 @@ from ragen_mega.agent import AgentConfig
 from ragen_mega.ray.cluster import init_ray
 from ragen_mega.ray.env_workers import EnvWorkerError, EnvWorkerGroup
 from ragen_mega.ray.placement import bundle_cpus, create_placement_group, plan_placement
-from ragen_mega.rollout.episode import EnvPart, EpisodeSpec, Generation, mix_specs, run_episode
-from ragen_mega.rollout.episode import EnvFailed
+from ragen_mega.rollout.types import EpisodeSpec, Generation
+from ragen_mega.rollout.seeding import EnvPart, mix_specs
+from ragen_mega.rollout.episode import run_episode
+from ragen_mega.rollout.types import EnvFailed
 from ragen_mega.rollout.faults import DroppedEpisode, episode_or_drop
 
 ANSWERS = [" go </think><answer> Up || Left </answer>", " hmm </think><answer> Down </answer>",

@@ -29,8 +29,9 @@ from ragen_mega.train import train
 from ragen_mega import checkpoints
 from ragen_mega.algo.estimators import compute_advantages
 from ragen_mega.rollout.batch import build_batch, filter_groups
-from ragen_mega.rollout.episode import (EpisodeSpec, Generation, PromptTooLong, group_specs,
-                                        run_episode)
+from ragen_mega.rollout.types import EpisodeSpec, Generation, PromptTooLong
+from ragen_mega.rollout.seeding import group_specs
+from ragen_mega.rollout.episode import run_episode
 from ragen_mega.rollout.faults import (DroppedEpisode, FaultCounters, count_rollout_faults,
                                        episode_or_drop)
 from ragen_mega.train import skipped_updates_error
@@ -135,7 +136,7 @@ def test_streamed_faults_cost_an_episode_not_the_window(tokenizer, tmp_path):
     seeds 6, 10, 14. Seed 1 does not end at the pull (two turns); stream 1's 2nd request, its
     turn-2 prompt, is refused as too long: the episode ends after turn 1 (last, truncated), and
     its 3rd, the first prompt of seed 5, too: no turn, dropped. Every stream still gives 3."""
-    from ragen_mega.rollout.episode import EnvPart
+    from ragen_mega.rollout.seeding import EnvPart
     from ragen_mega.rollout.faults import count_window_faults
     from ragen_mega.rollout.streams import EnvStreams
 

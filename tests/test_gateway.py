@@ -25,7 +25,7 @@ import pytest
 from conftest import server_killed_under_first_request, server_pids
 from ragen_mega.config import load_run_config
 from ragen_mega.config_tree import ConfigError
-from ragen_mega.rollout.episode import Generation
+from ragen_mega.rollout.types import Generation
 from ragen_mega.rollout.gateway import Gateway
 from ragen_mega.rollout.token_history import TokenHistory
 from ragen_mega.rollout.user_agent import load_agent

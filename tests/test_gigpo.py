@@ -17,7 +17,8 @@ from ragen_mega.config_tree import ConfigError
 from ragen_mega.envs import make
 from ragen_mega.envs.sokoban import SokobanEnv
 from ragen_mega.rollout.batch import build_batch
-from ragen_mega.rollout.episode import EpisodeSpec, run_episodes
+from ragen_mega.rollout.types import EpisodeSpec
+from episodes import run_episodes
 from ragen_mega.rollout.sample import Sample
 
 # Group 0 plays one seed three times, gamma 0.5; states are named s0..s3 (the anchor keys):

@@ -239,7 +239,7 @@ def tp_ep_worker(rank, world, dirs, ids, mask, value_head, batch, settings, own,
 
     from ragen_mega.backends.megatron.forward import forward_logprobs, forward_values
     from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
-    from ragen_mega.backends.megatron.model import unwrap
+    from ragen_mega.backends.megatron.chunk import unwrap
     from ragen_mega.backends.megatron.parallel import init_parallel
     from ragen_mega.backends.megatron.routing import take_mismatch_counts
     from ragen_mega.backends.megatron.train import MegatronTrainer

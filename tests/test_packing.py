@@ -19,7 +19,7 @@ from ragen_mega.backends.megatron.train import ppo_minibatches
 from ragen_mega.algo.estimators import compute_advantages
 from ragen_mega.config import AlgoConfig
 from ragen_mega.rollout.batch import build_batch
-from ragen_mega.rollout.episode import EpisodeSpec, Generation
+from ragen_mega.rollout.types import EpisodeSpec, Generation
 from ragen_mega.rollout.packing import grows_by_prefix, layouts_agree, pack_trajectories
 
 # turn k's answer (cycled); the second ends with the sampled end-of-turn token, which the next

@@ -11,8 +11,9 @@ import asyncio
 import pytest
 from ragen_mega.agent import AgentConfig
 from ragen_mega.envs import make
-from ragen_mega.rollout.episode import (EnvPart, EpisodeSpec, group_specs, mix_specs,
-                                        run_episodes, train_step_specs)
+from ragen_mega.rollout.types import EpisodeSpec
+from ragen_mega.rollout.seeding import EnvPart, group_specs, mix_specs, train_step_specs
+from episodes import run_episodes
 from ragen_mega.rollout.sample import collate
 
 

@@ -231,7 +231,7 @@ def test_env_mix_parts():
     """A mixed run: training parts in order (eval-only entry left out), eval parts with each
     entry's val_groups (default: env.val_groups), the env name defaulting to the tag, an
     entry's own max_turns carried (None: env.max_turns applies)."""
-    from ragen_mega.rollout.episode import EnvPart, train_parts, val_parts
+    from ragen_mega.rollout.seeding import EnvPart, train_parts, val_parts
 
     cfg = load_run_config(None, [MIX, "env.env_groups=5", "env.val_groups=7"])
     assert train_parts(cfg.env) == [
@@ -246,7 +246,7 @@ def test_env_mix_parts():
 def test_single_env_parts():
     """The simple form is one part tagged with the env's name; a different eval env does not
     inherit the training env's kwargs (sokoban's dim_room would break frozen_lake)."""
-    from ragen_mega.rollout.episode import EnvPart, train_parts, val_parts
+    from ragen_mega.rollout.seeding import EnvPart, train_parts, val_parts
 
     cfg = load_run_config(None, ["env.name=sokoban", "env.kwargs={dim_room: [6, 6]}",
                                  "env.env_groups=2", "env.val_groups=3"])

@@ -17,7 +17,8 @@ from ragen_mega.backends.megatron.launch import run_workers
 
 def _attention_worker(rank, world, hf_dir, ids, mask):
     from ragen_mega.backends.megatron.forward import forward_logprobs
-    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint, unwrap
+    from ragen_mega.backends.megatron.chunk import unwrap
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.parallel import init_parallel
 
     out = {}

@@ -17,7 +17,9 @@ from ragen_mega.agent import parse_response
 from ragen_mega.config import load_run_config
 from ragen_mega.envs.registry import make
 from ragen_mega.models.prepare import resolve_model
-from ragen_mega.rollout.episode import EpisodeSpec, Generation, run_episode, train_parts
+from ragen_mega.rollout.types import EpisodeSpec, Generation
+from ragen_mega.rollout.seeding import train_parts
+from ragen_mega.rollout.episode import run_episode
 from ragen_mega.sft_data import (SFTExample, chat_example, collate_examples, format_examples,
                                  load_chats)
 

@@ -12,7 +12,9 @@ import asyncio
 import pytest
 
 from ragen_mega.agent import AgentConfig
-from ragen_mega.rollout.episode import EnvPart, Generation, run_episode
+from ragen_mega.rollout.types import Generation
+from ragen_mega.rollout.seeding import EnvPart
+from ragen_mega.rollout.episode import run_episode
 from ragen_mega.rollout.streams import EnvStreams
 
 AGENT = AgentConfig(think=False, max_actions_per_turn=1, memory_turns=1)

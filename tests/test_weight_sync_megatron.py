@@ -40,7 +40,7 @@ def megatron_greedy(chunks, prompt: list[int], n_new: int) -> list[int]:
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from ragen_mega.backends.megatron.model import unwrap
+    from ragen_mega.backends.megatron.chunk import unwrap
 
     model = unwrap(chunks[0])
     vocab = model.ragen_spec.vocab_size

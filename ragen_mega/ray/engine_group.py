@@ -31,8 +31,9 @@ from typing import Any, TypeVar
 import torch
 
 from ragen_mega.ray.actor_group import ActorGroup
-from ragen_mega.rollout.episode import (EngineRestarted, Episode, EpisodeSpec, Generation, OpenEnvFn,
-                                        PromptTooLong)
+from ragen_mega.rollout.types import (EngineRestarted, EpisodeSpec, Generation, OpenEnvFn,
+                                      PromptTooLong)
+from ragen_mega.rollout.episode import Episode
 
 T = TypeVar("T")
 
@@ -145,7 +146,7 @@ class EngineGroup:
         """One completion (token ids and log-probs) from ``engine``, or the next one in turn.
         Raises :class:`EngineRestarted` if that engine died under the request and is back; a
         prompt the engine refuses as longer than its context raises
-        :class:`~ragen_mega.rollout.episode.PromptTooLong` (the episode ends there)."""
+        :class:`~ragen_mega.rollout.types.PromptTooLong` (the episode ends there)."""
         from ragen_mega.backends.sglang.client import ContextLengthExceeded, EngineError
 
         engine = next(self._next) if engine is None else engine

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 from ragen_mega.envs import make
 from ragen_mega.ray.actor_group import ActorGroup
-from ragen_mega.rollout.episode import EpisodeSpec
+from ragen_mega.rollout.types import EpisodeSpec
 
 
 class EnvWorkerError(RuntimeError):

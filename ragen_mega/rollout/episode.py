@@ -5,86 +5,22 @@ own env and goes on, so an episode never waits for the slowest one of the batch 
 lock-step "generate the whole batch, then step all envs" loop). An episode drives its env through
 an async handle (:class:`EnvHandle`), so the same code plays an env in this process
 (:class:`LocalEnv`; slow steps such as Crafter's in a worker thread, so the event loop keeps
-feeding the engines) or in a Ray actor elsewhere in the cluster (``ray.env_workers``).
+feeding the engines) or in a Ray actor elsewhere in the cluster (``ray.env_workers``). The types
+it shares with the engines are in ``rollout/types.py``; which seeds a step's episodes play, in
+``rollout/seeding.py``.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import dataclasses
-from typing import Any, Awaitable, Callable, Protocol, Sequence
-
-import torch
+from typing import Any
 
 from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
-from ragen_mega.envs import env_class, make
+from ragen_mega.envs import make
 from ragen_mega.rollout.sample import Sample
-
-
-@dataclasses.dataclass
-class Generation:
-    """What an engine returns for one prompt: sampled ids and their log-probs (and, from the
-    engines of a mixture of experts, the experts of every token but the last:
-    ``routed_experts`` [prompt + output - 1, layers, top-k])."""
-    output_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = ""
-    routed_experts: torch.Tensor | None = None
-
-
-#: ``await generate(prompt_ids, sampling_params)`` -> :class:`Generation`
-GenerateFn = Callable[[list[int], dict[str, Any]], Awaitable[Generation]]
-
-
-class PromptTooLong(RuntimeError):
-    """The engine refused a prompt longer than its context (a ``GenerateFn`` raises this; the
-    episode then ends at that turn, truncated)."""
-
-
-class EnvFailed(RuntimeError):
-    """A user's env raised (at make, reset, step or close) while playing ``spec``'s episode."""
-
-    def __init__(self, spec: EpisodeSpec, call: str, error: BaseException):
-        self.spec, self.call, self.error = spec, call, error
-        super().__init__(f"env {spec.env_name!r} (seed {spec.seed}, episode {spec.episode_id}) "
-                         f"raised during {call}: {type(error).__name__}: {error}")
-
-
-class EngineRestarted(RuntimeError):
-    """The engine serving a request died and was restarted (with the current weights): a
-    ``GenerateFn`` raises this, and the episode (or window) that sent it is played again from its
-    start (``ray/engine_group.py`` restarts; ``rollout/manager.py`` replays)."""
-
-
-@dataclasses.dataclass
-class EpisodeSpec:
-    """Which episode to play: env, its kwargs and seed, and where it belongs."""
-    env_name: str
-    env_kwargs: dict[str, Any]
-    seed: int
-    episode_id: int
-    group_id: int
-    env_tag: str = ""
-    max_turns: int | None = None   # this env's own turn limit (``env.mix[i].max_turns``)
-
-
-class EnvHandle(Protocol):
-    """What an episode needs of its env: the prompt's text (read before ``reset``, as
-    :meth:`PromptBuilder.for_env` reads a :class:`TextEnv`'s) and awaitable game calls."""
-    instruction: str
-    valid_actions: list[str]
-
-    async def reset(self, seed: int) -> str: ...
-
-    async def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]: ...
-
-    async def state_key(self, observation: str) -> str: ...
-
-    async def close(self) -> None: ...
-
-
-#: ``await open_env(spec)`` -> a fresh :class:`EnvHandle` of ``spec``'s env
-OpenEnvFn = Callable[[EpisodeSpec], Awaitable[EnvHandle]]
+from ragen_mega.rollout.types import (EnvFailed, EnvHandle, EpisodeSpec, GenerateFn, OpenEnvFn,
+                                      PromptTooLong)
 
 
 class LocalEnv:
@@ -276,87 +212,3 @@ async def env_call(spec: EpisodeSpec, call: str, fn, *args):
         return await fn(*args)
     except Exception as e:  # noqa: BLE001 - a user's env may raise anything
         raise EnvFailed(spec, call, e) from e
-
-
-def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, group_size: int,
-                first_seed: int, env_tag: str = "", first_group: int = 0,
-                max_turns: int | None = None) -> list[EpisodeSpec]:
-    """RAGEN's grouping: ``env_groups`` groups of ``group_size`` episodes. Group ``g`` plays seed
-    ``first_seed + g`` in every episode, unless the env's ``seed_shared_in_group`` is False; then
-    episode ``i`` plays seed ``first_seed + i`` (the seed range used is the same size either way:
-    :func:`seeds_per_step`). Group ids start at ``first_group`` (episode ids follow them), so the
-    groups of several envs in one step stay distinct (:func:`mix_specs`). ``max_turns``: the
-    env's own turn limit (None: the run's)."""
-    shared = env_class(env_name).seed_shared_in_group
-    return [EpisodeSpec(env_name, dict(env_kwargs),
-                        first_seed + (g if shared else g * group_size + k),
-                        (first_group + g) * group_size + k, first_group + g, env_tag, max_turns)
-            for g in range(env_groups) for k in range(group_size)]
-
-
-def seeds_per_step(env_name: str, env_groups: int, group_size: int) -> int:
-    """How many consecutive seeds one call of :func:`group_specs` uses."""
-    return env_groups if env_class(env_name).seed_shared_in_group else env_groups * group_size
-
-
-@dataclasses.dataclass(frozen=True)
-class EnvPart:
-    """One env of a step's mix (RAGEN's ``env_configs`` tag with its ``n_groups``): episodes of
-    env ``name`` built with ``kwargs``, ``groups`` groups of them, metrics logged under ``tag``,
-    at most ``max_turns`` turns each (None: the run's ``env.max_turns``)."""
-    tag: str
-    name: str
-    kwargs: dict[str, Any]
-    groups: int
-    max_turns: int | None = None
-
-
-def train_parts(env) -> list[EnvPart]:
-    """The envs of one training step, in order, from the run's ``env`` section: its ``mix``
-    entries that train (``env_groups`` > 0), or the one env ``name`` with ``kwargs``."""
-    if not env.mix:
-        return [EnvPart(env.name, env.name, env.kwargs, env.env_groups)]
-    return [EnvPart(m.tag, m.env_name, m.kwargs, m.env_groups, m.max_turns) for m in env.mix
-            if m.env_groups > 0]
-
-
-def val_parts(env) -> list[EnvPart]:
-    """The envs of the held-out evaluation (groups of ``env.val_group_size`` episodes), in
-    order: each ``mix`` entry with held-out groups, or ``val_name`` (default: the training env)
-    with ``val_kwargs`` (default: the training kwargs, for the training env only)."""
-    if not env.mix:
-        name = env.val_name or env.name
-        kwargs = env.val_kwargs or (env.kwargs if name == env.name else {})
-        return [EnvPart(name, name, kwargs, env.val_groups)]
-    groups = [env.val_groups if m.val_groups is None else m.val_groups for m in env.mix]
-    return [EnvPart(m.tag, m.env_name, m.kwargs, g, m.max_turns)
-            for m, g in zip(env.mix, groups) if g]
-
-
-def mix_seeds_per_step(parts: Sequence[EnvPart], group_size: int) -> int:
-    """How many consecutive seeds one call of :func:`mix_specs` uses: the parts' ranges end to end."""
-    return sum(seeds_per_step(p.name, p.groups, group_size) for p in parts)
-
-
-def mix_specs(parts: Sequence[EnvPart], *, group_size: int, first_seed: int) -> list[EpisodeSpec]:
-    """The episodes of one step over several envs: :func:`group_specs` for each part in order,
-    each part on its own seed range right after the previous part's (no two envs share a seed,
-    and the whole step spans :func:`mix_seeds_per_step` seeds, so step k's seeds stay a function
-    of k), group ids numbered on across parts. One part is exactly :func:`group_specs`."""
-    specs: list[EpisodeSpec] = []
-    first_group = 0
-    for p in parts:
-        specs += group_specs(p.name, p.kwargs, env_groups=p.groups, group_size=group_size,
-                             first_seed=first_seed, env_tag=p.tag, first_group=first_group,
-                             max_turns=p.max_turns)
-        first_seed += seeds_per_step(p.name, p.groups, group_size)
-        first_group += p.groups
-    return specs
-
-
-def train_step_specs(parts: Sequence[EnvPart], *, group_size: int, seed: int, step: int
-                     ) -> list[EpisodeSpec]:
-    """Training step ``step``'s (1-based) episodes: its seeds follow step ``step - 1``'s, so they
-    are a function of the step alone (a resumed run replays exactly the uninterrupted one)."""
-    first = seed + (step - 1) * mix_seeds_per_step(parts, group_size)
-    return mix_specs(parts, group_size=group_size, first_seed=first)

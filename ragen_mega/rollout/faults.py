@@ -8,15 +8,15 @@ a dashboard shows a flat line rather than a missing one) and described, one JSON
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ragen_mega.rollout.episode import Episode, EnvFailed, EpisodeSpec
+from ragen_mega.rollout.types import DroppedEpisode, EnvFailed, EpisodeSpec
+from ragen_mega.rollout.episode import Episode
 
-if TYPE_CHECKING:  # streams.py counts its faults here: its window is only a type to this module
+if TYPE_CHECKING:  # streams.py counts its faults here and never imports this module
     from ragen_mega.rollout.streams import Window
 
 #: The counters of a step, each logged as ``fault/<name>``.
@@ -63,15 +63,6 @@ class FaultCounters:
         counters.counts.update({k: int(n) for k, n in state["counts"].items()
                                 if k in counters.counts})
         return counters
-
-
-@dataclasses.dataclass
-class DroppedEpisode:
-    """An episode that gave nothing to train on: its env raised (``env_failed``), or its very
-    first prompt was longer than the engine's context (``prompt_too_long``)."""
-    spec: EpisodeSpec
-    kind: str
-    reason: str
 
 
 async def episode_or_drop(spec: EpisodeSpec, play) -> Episode | DroppedEpisode:

@@ -24,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ragen_mega.agent.parse import STOP_STRINGS
-from ragen_mega.rollout.episode import (EngineRestarted, Episode, GenerateFn, OpenEnvFn,
-                                        mix_specs, run_episode, train_parts, train_step_specs,
-                                        val_parts)
+from ragen_mega.rollout.types import EngineRestarted, GenerateFn, OpenEnvFn
+from ragen_mega.rollout.seeding import mix_specs, train_parts, train_step_specs, val_parts
+from ragen_mega.rollout.episode import Episode, run_episode
 from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
                                        episode_or_drop)
 from ragen_mega.http_token import GATEWAY_TOKEN, token_from_env

@@ -2,7 +2,7 @@
 
 ``env.remote: [URL, ...]`` makes the rollout open each episode's env as a session on one of the
 servers (episode ``i`` on server ``i mod len(urls)``), through :class:`HttpEnv`, an
-:class:`~ragen_mega.rollout.episode.EnvHandle` like ``LocalEnv``: prompts, rewards, seeds and the
+:class:`~ragen_mega.rollout.types.EnvHandle` like ``LocalEnv``: prompts, rewards, seeds and the
 samples are those of the same env played locally. The server builds the env with its own
 kwargs; :func:`check_servers` (the start-up check) makes sure each server serves the config's
 env with the config's kwargs.

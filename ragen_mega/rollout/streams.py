@@ -7,7 +7,7 @@ next one, so no stream waits for the slowest episode and every step trains the s
 turn samples (docs/design.md, "Long horizons").
 
 Streams keep RAGEN's seed groups: stream ``s`` is the ``s``-th episode of
-:func:`~ragen_mega.rollout.episode.train_step_specs`, and its ``j``-th episode plays what episodes
+:func:`~ragen_mega.rollout.seeding.train_step_specs`, and its ``j``-th episode plays what episodes
 mode plays at step ``j + 1``: so the streams of group ``g`` play the same seed sequence, and the
 seed of episode ``j`` of group ``g`` is a function of ``(g, j)`` alone. Episode ids are
 ``j * num_streams + s``, unique over the run.
@@ -33,10 +33,10 @@ import contextlib
 from typing import Any, Callable, Sequence
 
 from ragen_mega.agent import AgentConfig
-from ragen_mega.rollout.episode import (EnvFailed, EnvPart, Episode, EpisodeSpec, EpisodeState,
-                                        GenerateFn, Generation, OpenEnvFn, PromptTooLong,
-                                        open_episode, take_turn, train_step_specs)
-from ragen_mega.rollout.faults import DroppedEpisode
+from ragen_mega.rollout.types import (DroppedEpisode, EnvFailed, EpisodeSpec, GenerateFn,
+                                      Generation, OpenEnvFn, PromptTooLong)
+from ragen_mega.rollout.seeding import EnvPart, train_step_specs
+from ragen_mega.rollout.episode import Episode, EpisodeState, open_episode, take_turn
 from ragen_mega.rollout.sample import Sample
 
 

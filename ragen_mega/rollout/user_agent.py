@@ -21,8 +21,8 @@ import dataclasses
 import inspect
 from typing import Any, Awaitable, Callable, Sequence
 
-from ragen_mega.rollout.episode import (EngineRestarted, Episode, EnvFailed, EnvHandle,
-                                        EpisodeSpec, GenerateFn, env_call, open_env_handle)
+from ragen_mega.rollout.types import EngineRestarted, EnvFailed, EnvHandle, EpisodeSpec, GenerateFn
+from ragen_mega.rollout.episode import env_call, Episode, open_env_handle
 from ragen_mega.rollout.gateway import Gateway
 from ragen_mega.rollout.sample import Sample
 from ragen_mega.user_code import load_object

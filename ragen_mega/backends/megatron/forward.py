@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ragen_mega.backends.megatron.model import unwrap
+from ragen_mega.backends.megatron.chunk import unwrap
 from ragen_mega.backends.megatron.routing import set_engine_routing
 from ragen_mega.backends.megatron.parallel import local_device
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ragen_mega.backends.megatron.chunk import unwrap
 from ragen_mega.backends.megatron.parallel import parallel_info
 from ragen_mega.backends.megatron.transformer_config import (block_spec, layer_spec,
                                                              megatron_config, te_available)
@@ -130,15 +131,6 @@ def _expert_parallel() -> tuple[int, int]:
     from megatron.core import parallel_state as mpu
 
     return mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
-
-
-def unwrap(chunk: nn.Module) -> nn.Module:
-    """The GPTModel inside DDP / Float16Module wrappers."""
-    while not hasattr(chunk, "ragen_spec") and hasattr(chunk, "module"):
-        chunk = chunk.module
-    if not hasattr(chunk, "ragen_spec"):
-        raise TypeError(f"{type(chunk).__name__} is not a chunk made by build_model")
-    return chunk
 
 
 def chunk_spec(chunks) -> tuple[ModelSpec, str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ragen_mega.backends.megatron.model import unwrap
+from ragen_mega.backends.megatron.chunk import unwrap
 
 
 class EngineRouting:

@@ -52,8 +52,9 @@ from ragen_mega.backends.megatron.cpu_compat import cuda_tensor_type_names
 from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_values,
                                                   make_forward_step, run_schedule,
                                                   split_microbatches)
+from ragen_mega.backends.megatron.chunk import unwrap
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
-                                                load_hf_checkpoint, unwrap)
+                                                load_hf_checkpoint)
 from ragen_mega.backends.megatron.parallel import local_device
 from ragen_mega.backends.megatron.routing import take_mismatch_counts
 from ragen_mega.models.hf_config import model_spec
