@@ -95,10 +95,13 @@ def main() -> None:
     other_rows = torch.ones(model.lm_head.weight.shape[0], dtype=torch.bool, device=args.device)
     other_rows[move_ids] = False
 
-    def prompt(builder, history, observation):
+    def prompt(builder, history, observation, turn):
+        """Turn ``turn``'s (0-based) prompt ids, as the rollout's EpisodeState builds them (the
+        actions left included)."""
         if args.observation_only:
             return tok.encode(observation + "\n<answer>", add_special_tokens=False)
-        history.observe(observation)
+        history.observe(observation, actions_left=(cfg.env.max_turns - turn)
+                        * cfg.agent.max_actions_per_turn)
         return builder.build(history).ids
 
     def final_hidden(prompts):
@@ -120,7 +123,7 @@ def main() -> None:
         env = make(cfg.env.name, **cfg.env.kwargs)
         builder = PromptBuilder.for_env(tok, cfg.agent, env)
         with torch.no_grad():
-            hidden = final_hidden([prompt(builder, History(), env.reset(s)) for s in seeds])
+            hidden = final_hidden([prompt(builder, History(), env.reset(s), 0) for s in seeds])
         return ((hidden - hidden.mean(0)).norm(dim=-1).mean() / hidden.norm(dim=-1).mean()).item()
 
     def pick(logits, greedy):
@@ -140,10 +143,10 @@ def main() -> None:
         observations = [env.reset(seed) for env, seed in zip(envs, seeds)]
         wins, turns, live = [False] * len(envs), [[] for _ in envs], list(range(len(envs)))
         move_mass = []
-        for _ in range(cfg.env.max_turns):
+        for turn in range(cfg.env.max_turns):
             if not live:
                 break
-            prompts = [prompt(builder, histories[i], observations[i]) for i in live]
+            prompts = [prompt(builder, histories[i], observations[i], turn) for i in live]
             with torch.no_grad():
                 logits = move_logits(prompts)
                 picks = pick(logits, greedy)
