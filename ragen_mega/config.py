@@ -19,6 +19,7 @@ from ragen_mega.algo.losses import AggMode, KlKind
 from ragen_mega.config_tree import (ConfigError, bounded, check_bounds, check_declared,
                                      load_config)
 from ragen_mega.logging import EchoTrapThresholds
+from ragen_mega.user_code import is_code_path
 from ragen_mega.models.hf_config import LocalAttention
 
 
@@ -46,7 +47,6 @@ def _check_env_name(name: str, name_key: str) -> None:
     here, so a bad one fails at load); else a ConfigError naming the key. (Whether the env
     builds with its kwargs is the start-up check's: ``preflight.py``.)"""
     from ragen_mega.envs import env_class, list_envs
-    from ragen_mega.user_code import is_code_path
 
     if not is_code_path(name):  # a registered env is not imported here (crafter, minigrid)
         if name not in list_envs():
@@ -249,7 +249,7 @@ class RolloutConfig:
 
 def _builtin_estimators():
     """(name, spec) of the registered estimators named by a word, not a user's code path."""
-    return [(n, e) for n, e in sorted(ESTIMATORS.items()) if ":" not in n]
+    return [(n, e) for n, e in sorted(ESTIMATORS.items()) if not is_code_path(n)]
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ estimators (``algo.adv_estimator``). One loader, so every key takes the same two
 fails with the same kind of message."""
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import sys
@@ -28,7 +29,9 @@ def load_object(path: str) -> Any:
         file = Path(where).resolve()
         if not file.is_file():
             raise ValueError(f"{path!r}: no file {where}")
-        module_name = f"ragen_mega_user_{file.stem}_{abs(hash(str(file))):x}"
+        # the same name in every process (str's hash is salted per process; a digest is not)
+        digest = hashlib.blake2b(str(file).encode(), digest_size=6).hexdigest()
+        module_name = f"ragen_mega_user_{file.stem}_{digest}"
         module = sys.modules.get(module_name)
         if module is None:
             spec = importlib.util.spec_from_file_location(module_name, file)
