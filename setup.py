@@ -7,7 +7,7 @@ setup(
     description="Multi-turn agent RL (StarPO/StarPO-S) on Megatron-core, SGLang and Ray",
     python_requires=">=3.11",
     packages=find_packages(include=["ragen_mega", "ragen_mega.*"]),
-    package_data={"ragen_mega": ["py.typed"]},
+    package_data={"ragen_mega": ["py.typed", "view_page.html"]},
     install_requires=["numpy", "pyyaml"],
     extras_require={
         # The CPU stack is installed by scripts/setup_env.sh (it needs --no-deps steps).

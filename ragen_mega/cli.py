@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("ragen_mega.sft", "supervised warm start on the same trainer (CONFIG.yaml [key=value ...])"),
     "eval": ("ragen_mega.evaluate", "held-out evaluation of a checkpoint (CONFIG.yaml --checkpoint PATH)"),
     "plot": ("ragen_mega.plot", "curves of runs' metrics.jsonl as a PNG (RUN_DIR ... --out FILE.png)"),
+    "view": ("ragen_mega.view", "the trajectory viewer: a run's episodes, turn by turn, in a browser"),
 }
 
 

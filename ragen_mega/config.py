@@ -504,6 +504,11 @@ class TrainerConfig:
     collapse_every: int = bounded(0, ge=0)
     #: reasonings cross-scored against every group's prompt
     collapse_samples: int = bounded(64, ge=1)
+    #: each step's episodes, turn by turn, in RUN_DIR/trajectories/step_N.jsonl.gz (held-out:
+    #: eval_step_N.jsonl.gz), one JSON record per episode (ragen_mega/trajectories.py)
+    save_trajectories: bool = True
+    #: keep the first this many groups of each step in those files; unset: every group
+    trajectory_samples: Optional[int] = bounded(None, ge=1)
 
 
 

@@ -30,7 +30,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -42,11 +42,11 @@ from ragen_mega.algo.gigpo import step_group_metrics
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.preflight import preflight
 from ragen_mega.config_tree import ConfigError, to_dict
-from ragen_mega import checkpoints, preemption
+from ragen_mega import checkpoints, preemption, trajectories
 from ragen_mega.evaluate import REFERENCES_FILE, held_out_references
 from ragen_mega.logging import append_metrics, timed
 from ragen_mega.ray.sync_check import max_logprob_diff
-from ragen_mega.rollout.batch import build_batch, cut_value_batch, filter_groups
+from ragen_mega.rollout.batch import Filtered, build_batch, cut_value_batch, filter_groups
 from ragen_mega.rollout.collapse_probe import first_turn_probe, valid_thinking_rate
 from ragen_mega.rollout.manager import PlayedStep
 from ragen_mega.rollout.metrics import weight_staleness
@@ -106,7 +106,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         run.rollouts.open_streams(saved_streams)
     run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
     if start == 0 and t.eval_every:  # step 0: the start weights, the base of every curve
-        metrics = run.rollouts.evaluate()
+        metrics = evaluate(cfg, run, 0)
         logger.log(0, metrics)
         append_metrics(run_dir, 0, metrics)
     for step in range(start + 1, t.total_steps + 1):
@@ -115,7 +115,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         played = pending or run.rollouts.rollout(step, run.weight_version)
         metrics, pending = train_step(cfg, run, step, played)
         if t.eval_every and step % t.eval_every == 0:
-            metrics.update(run.rollouts.evaluate())
+            metrics.update(evaluate(cfg, run, step))
         # a step whose updates kept failing is logged, never saved: the newest checkpoint
         # stays the last good one
         failed = skipped_updates_error(metrics, t.max_skipped_updates_in_row)
@@ -155,37 +155,48 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
     if every and (step == 1 or step % every == 0):  # RAGEN's schedule: step 1, then every k
         with timed(metrics, "time/probe_s"):
             metrics.update(probe_collapse(cfg, run, played.samples, step))
-    batch, samples = update_models(cfg, run, step, played, metrics)
+    update = update_models(cfg, run, step, played, metrics)
     t2 = time.perf_counter()
+    if cfg.trainer.save_trajectories:
+        with timed(metrics, "time/trajectories_s"):
+            save_step_trajectories(cfg, run, step, played, update)
     pending = None if next_rollout is None else join_rollout(next_rollout, metrics)
     t_sync = time.perf_counter()
     metrics.update(run.sync_weights(step))
     t3 = time.perf_counter()
     if cfg.trainer.check_weight_sync:
         metrics["sync/max_logprob_diff"] = max_logprob_diff(run.engines, run.actor, run.tokenizer)
-    tokens = 0 if batch is None else int(batch["attention_mask"].sum())
+    tokens = 0 if update.train is None else int(update.train["attention_mask"].sum())
     metrics.update({"time/rollout_s": played.rollout_s, "time/train_s": t2 - t1,
                     "time/sync_s": t3 - t_sync, "time/step_s": t3 - t0,
                     "time/train_tokens_per_s": tokens / max(t2 - t1, 1e-9),
-                    "train/batch_samples": float(len(samples)),
+                    "train/batch_samples": float(len(update.filtered.samples)),
                     "train/batch_tokens": float(tokens),
                     "weight_version": float(step), **played.faults.metrics()})
     metrics.update(run.engines.take_fault_counts())  # since the previous step's
     return metrics, pending
 
 
+class Update(NamedTuple):
+    """What a step trained on: the trained layout (None: the filter kept no group), the
+    filter's result, and the per-turn batch of the kept samples with their advantages (and,
+    for a streamed step's cut turns, ``bootstrap_values``)."""
+    train: dict[str, torch.Tensor] | None
+    filtered: Filtered
+    per_turn: dict[str, torch.Tensor] | None
+
+
 def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
-                  metrics: dict[str, float]) -> tuple[dict[str, torch.Tensor] | None, list]:
+                  metrics: dict[str, float]) -> Update:
     """Filter, batch, old log-probs and values, advantages, then the critic's and the actor's
-    updates (``metrics`` gains theirs). Returns the trained batch and its samples; ``(None,
-    [])`` when the filter kept no group (RAGEN skips such a step too: ``top_p`` linear keeps
-    nothing when no group's score is above 0), where neither model moves."""
-    samples, filter_metrics, weights = filter_groups(
-        played.samples, by_stream=played.window is not None,
-        **{key: getattr(cfg.filter, key) for key in FILTER_SETTINGS})
-    metrics.update(filter_metrics)
+    updates (``metrics`` gains theirs). When the filter keeps no group (RAGEN skips such a step
+    too: ``top_p`` linear keeps nothing when no group's score is above 0) neither model moves."""
+    filtered = filter_groups(played.samples, by_stream=played.window is not None,
+                             **{key: getattr(cfg.filter, key) for key in FILTER_SETTINGS})
+    samples, weights = filtered.samples, filtered.weights
+    metrics.update(filtered.metrics)
     if not samples:  # the filter found no group worth training on: no update this step
-        return None, samples
+        return Update(None, filtered, None)
     batch = build_batch(samples, pad_id=run.tokenizer.pad_token_id,
                         state_similarity=cfg.algo.gigpo_similarity)
     agg_modes = [cfg.actor.loss_agg_mode] + (
@@ -210,9 +221,10 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
         with timed(metrics, "time/values_s"):
             train["old_values"] = run.critic.compute_values(train)
         values = layout.to_per_turn(train["old_values"])
-    batch = compute_advantages(batch, cfg.algo, token_values=values, bootstrap_values=None
-                               if played.window is None else cut_values(cfg, run, samples,
-                                                                        played.window))
+    if played.window is not None:
+        batch["bootstrap_values"] = cut_values(cfg, run, samples, played.window)
+    batch = compute_advantages(batch, cfg.algo, token_values=values,
+                               bootstrap_values=batch.get("bootstrap_values"))
     if not bool((weights == 1).all()):  # filter.loss_scaling, filter.soft_reweight
         batch["advantages"] = batch["advantages"] * weights[:, None]
     if "step_advantages" in batch:
@@ -232,7 +244,34 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
         if metrics.get(f"{role}/updates_skipped"):
             played.faults.record("updates_skipped", int(metrics[f"{role}/updates_skipped"]),
                                  role=role, reason="NaN or inf in the loss or the gradients")
-    return train, samples
+    return Update(train, filtered, batch)
+
+
+def evaluate(cfg: RunConfig, run: Run, step: int) -> dict[str, float]:
+    """The held-out evaluation of the weights after step ``step``: its metrics, and its
+    episodes in ``eval_step_N.jsonl.gz`` (``trainer.save_trajectories``)."""
+    metrics, samples = run.rollouts.evaluate()
+    for sample in samples:
+        sample.weight_version = step
+    if cfg.trainer.save_trajectories:
+        trajectories.write_records(
+            trajectories.step_file(cfg.trainer.run_dir, step, "eval"),
+            trajectories.episode_records(samples, run.tokenizer, kind="eval", step=step,
+                                         groups=cfg.trainer.trajectory_samples))
+    return metrics
+
+
+def save_step_trajectories(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
+                           update: Update) -> None:
+    """Step ``step``'s episodes, with the filter's verdict and the credit each turn got, in
+    ``RUN_DIR/trajectories/step_N.jsonl.gz`` (``trajectories.py``)."""
+    per_turn = update.per_turn or {}
+    records = trajectories.episode_records(
+        played.samples, run.tokenizer, kind="train", step=step,
+        scores=update.filtered.scores, kept=update.filtered.samples,
+        advantages=per_turn.get("advantages"), step_advantages=per_turn.get("step_advantages"),
+        bootstrap=per_turn.get("bootstrap_values"), groups=cfg.trainer.trajectory_samples)
+    trajectories.write_records(trajectories.step_file(cfg.trainer.run_dir, step), records)
 
 
 def probe_collapse(cfg: RunConfig, run: Run, samples: list, step: int) -> dict[str, float]:

@@ -5,6 +5,18 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${RAGEN_MEGA_VENV:-$root/.venv}"  # as scripts/setup_env.sh
 "$root/scripts/setup_env.sh"
+# the trajectory viewer's browser test (tests/test_learn.py) drives Debian's headless Chromium
+if ! command -v chromedriver >/dev/null || ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+      chromium chromium-driver >/dev/null
+  else
+    echo "scripts/test.sh: the viewer's browser test needs Chromium and its driver:" \
+      "sudo apt-get install chromium chromium-driver" >&2
+    exit 1
+  fi
+fi
 cd "$root"
 # a crash in native code prints every thread's stack (tests/conftest.py: pytest_unconfigure)
 export PYTHONFAULTHANDLER=1

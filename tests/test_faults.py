@@ -81,7 +81,7 @@ def test_env_that_raises_is_dropped_and_its_group_keeps_the_rest(tokenizer, tmp_
     # the group that lost a member is filtered and advantaged on the one it has: alone, it has
     # no baseline (advantage 0); group 1 is Phoenix 0.1 vs Dragon 1.0: mean 0.55, unbiased std
     # 0.45 * sqrt(2), so -+1/sqrt(2)
-    samples, metrics, _ = filter_groups([s for e in episodes for s in e.samples], ratio=1.0)
+    samples, metrics, *_ = filter_groups([s for e in episodes for s in e.samples], ratio=1.0)
     assert metrics["filter/kept_groups"] == 2.0
     batch = compute_advantages(build_batch(samples, pad_id=0), AlgoConfig(adv_estimator="grpo"))
     per_sample = (batch["advantages"] * batch["loss_mask"]).sum(1) / batch["loss_mask"].sum(1)

@@ -91,6 +91,108 @@ def test_learn_one_turn(one_turn_run):
     assert_learns(success, 0.25)
 
 
+def test_the_run_writes_every_step_and_evaluation_as_trajectories(one_turn_run):
+    """``RUN_DIR/trajectories``: each training step's 32 episodes and the two evaluations'
+    (steps 0 and 8), read back against the run's own metrics (the same episodes summarised by
+    other code), the game's rules (a line starting with A pays 1) and GRPO's mean-only credit
+    worked from the records' returns."""
+    from learn_envs import first_letter
+    from ragen_mega.trajectories import SCHEMA, read_records, step_file
+
+    _, history, run_dir = one_turn_run
+    names = sorted(p.name for p in (run_dir / "trajectories").iterdir())
+    assert names == sorted([f"step_{k}.jsonl.gz" for k in range(1, 9)]
+                           + ["eval_step_0.jsonl.gz", "eval_step_8.jsonl.gz"])
+    for metrics in history:
+        step = metrics["step"]
+        records = read_records(step_file(run_dir, step))
+        assert len(records) == 32 and {r["schema"] for r in records} == {SCHEMA}
+        assert {(r["kind"], r["step"], r["weight_version"]) for r in records} == {
+            ("train", step, step - 1)}
+        returns = [r["return"] for r in records]
+        assert sum(returns) / 32 == pytest.approx(metrics["rollout/reward_mean"], abs=1e-6)
+        assert sum(r["success"] for r in records) / 32 == pytest.approx(
+            metrics["rollout/success"])
+        for r in records:
+            [t] = r["turns"]
+            assert t["observation"] == "Your line:" and t["prompt_tokens"] > 0
+            assert r["return"] == t["reward"]
+            for move in t["actions"]:  # what the env was told, parsed from what was sampled
+                assert move["action"] in t["response"]
+                assert move["reward"] == float(first_letter(move["action"]) == "A")
+            group = [q["return"] for q in records if q["group"] == r["group"]]
+            assert t["advantage"] == pytest.approx(r["return"] - sum(group) / len(group),
+                                                   abs=1e-6)
+            assert r["kept"] is True
+    evaluations = {0: json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0]),
+                   8: history[-1]}
+    for step, metrics in evaluations.items():
+        records = read_records(step_file(run_dir, step, "eval"))
+        assert len(records) == 32 and {(r["kind"], r["weight_version"]) for r in records} == {
+            ("eval", step)}
+        assert sum(r["success"] for r in records) / 32 == pytest.approx(metrics["val/success"])
+        assert {r["kept"] for r in records} == {None}
+
+
+def test_the_viewer_shows_the_run_in_a_browser(one_turn_run):
+    """``ragen-mega view`` of the run in a headless Chromium: click a step, then an episode of
+    one of its groups; the page shows that episode's turn as its trajectory record has it
+    (observation, response, reward, advantage), and the held-out evaluation of step 8 opens from
+    its own link."""
+    import shutil
+    import socket
+    import threading
+
+    import uvicorn
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from ragen_mega.trajectories import read_records, step_file
+    from ragen_mega.view import make_app
+
+    _, _, run_dir = one_turn_run
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(make_app(run_dir), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage",
+                 "--window-size=1400,900"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    try:
+        wait = WebDriverWait(driver, 60)
+        while not server.started:  # the server says when it listens
+            thread.join(0.05)
+        driver.get(f"http://127.0.0.1:{sock.getsockname()[1]}/")
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                             '#steps tr[data-step="3"]'))[0].click()
+        links = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR,
+                                                     '#groups tr[data-group="1"] a[data-episode]'))
+        episode = int(links[-1].get_attribute("data-episode"))
+        links[-1].click()
+        [want] = [r for r in read_records(step_file(run_dir, 3)) if r["episode"] == episode]
+        [turn] = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#episode .turn"))
+        shown = {key: turn.find_element(By.CSS_SELECTOR, f".{key}").text
+                 for key in ("observation", "response", "reward", "advantage")}
+        t = want["turns"][0]
+        assert shown == {"observation": t["observation"], "response": t["response"].strip(),
+                         "reward": f"{t['reward']:.3f}", "advantage": f"{t['advantage']:.3f}"}
+        assert f"episode {episode}" in driver.find_element(By.CSS_SELECTOR, "#episode h2").text
+        assert driver.find_element(By.ID, "message").text == ""
+
+        driver.find_element(By.CSS_SELECTOR, '#steps a[data-kind="eval"][data-step="8"]').click()
+        wait.until(lambda d: d.find_element(By.ID, "step-title").text.startswith("eval step 8"))
+    finally:
+        driver.quit()
+        server.should_exit = True
+        thread.join(30)
+
+
 def test_eval_of_learned_checkpoint(one_turn_run, learn_setup, tmp_path, capsys):
     """``ragen-mega eval`` of the run directory (its final Megatron checkpoint, exported to HF)
     reproduces the run's own final evaluation exactly (same held-out seeds and sampling seeds,

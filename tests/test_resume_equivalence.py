@@ -27,6 +27,7 @@ from conftest import (resumed_step_diffs, start_env_server, stop_env_server,
                       undocumented_scalars)
 from ragen_mega.config import load_run_config
 from ragen_mega.train import train
+from ragen_mega.trajectories import read_records, step_file
 from ragen_mega import checkpoints
 
 DEMO = "examples/bandit_cpu_demo.yaml"
@@ -154,6 +155,7 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     assert [torch.load(ckpt / "actor" / f"step_{s}" / "ragen_state.pt",
                        weights_only=False)["optimizer_steps"] for s in (1, 2, 3)] == [0, 0, 1]
 
+    straight_step3 = read_records(step_file(tmp_path, 3))
     for role in ("actor", "critic"):
         shutil.rmtree(ckpt / role / "step_3")
     (ckpt / "latest_step").write_text("2")
@@ -177,6 +179,11 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     assert got["sync/max_logprob_diff"] < 1e-3
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 3]  # the resumed step 3 is appended; nothing else is rewritten
+    # its trajectory file is written again, not beside the first: the same episodes, texts and
+    # credit, turn by turn
+    assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == [
+        "step_1.jsonl.gz", "step_2.jsonl.gz", "step_3.jsonl.gz"]
+    assert read_records(step_file(tmp_path, 3)) == straight_step3
 
 
 def check_whole_run(history: list[dict], run_dir) -> None:

@@ -20,9 +20,9 @@ def test_filter_keeps_the_most_varied_group():
                turn(2, 1, 1, 0.0, True), turn(3, 1, 1, 2.0, True),       # group 1: std sqrt(2)
                turn(4, 2, 1, 0.0, False), turn(4, 2, 2, 0.5, True),      # group 2: totals 0.5, 0
                turn(5, 2, 1, 0.0, True)]
-    kept, metrics, _ = filter_groups(samples, ratio=0.34, mode="std")
+    kept, metrics, *_ = filter_groups(samples, ratio=0.34, mode="std")
     assert {s.episode_id for s in kept} == {2, 3}
-    kept_rev, _, _ = filter_groups(samples, ratio=0.34, mode="std_rev")
+    kept_rev, *_ = filter_groups(samples, ratio=0.34, mode="std_rev")
     assert {s.episode_id for s in kept_rev} == {0, 1}
     assert metrics["filter/kept_groups"] == 1.0
     assert metrics["filter/in_group_std"] == pytest.approx((0 + 2 ** 0.5 + 0.5 / 2 ** 0.5) / 3)
@@ -33,10 +33,10 @@ def test_filter_counts_kept_groups_per_env_tag():
     samples = [turn(0, 0, 1, 1.0, True, tag="a"), turn(1, 0, 1, 1.0, True, tag="a"),
                turn(2, 1, 1, 0.0, True, tag="a"), turn(3, 1, 1, 3.0 / 2 ** 0.5, True, tag="a"),
                turn(4, 2, 1, 0.0, True, tag="b"), turn(5, 2, 1, 1.0 / 2 ** 0.5, True, tag="b")]
-    kept, metrics, _ = filter_groups(samples, ratio=0.67, mode="std")
+    kept, metrics, *_ = filter_groups(samples, ratio=0.67, mode="std")
     assert {s.group_id for s in kept} == {1, 2}
     assert metrics["filter/a/kept_groups"] == 1.0 and metrics["filter/b/kept_groups"] == 1.0
-    _, one_env, _ = filter_groups([s for s in samples if s.env_tag == "a"], ratio=1.0)
+    _, one_env, *_ = filter_groups([s for s in samples if s.env_tag == "a"], ratio=1.0)
     assert not any(k.count("/") > 1 for k in one_env)  # one env: no per-tag duplicates
 
 
@@ -55,16 +55,18 @@ def test_filter_scores_members_by_entropy_and_length_and_weighs_advantages():
         # group 1: NLL 1.5 and 1.0 -> 1.25 too, but 6 + 7 tokens against group 0's 3 + 4
         with_logprobs(turn(2, 1, 1, 2.0, True), [-1.5] * 6),
         with_logprobs(turn(3, 1, 1, 0.0, True), [-1.0] * 7)]
-    _, metrics, _ = filter_groups(samples, ratio=0.5, metric="entropy", mode="largest")
+    _, metrics, *_ = filter_groups(samples, ratio=0.5, metric="entropy", mode="largest")
     assert metrics["filter/score"] == pytest.approx(1.25)
-    kept, _, _ = filter_groups(samples, ratio=0.5, metric="length", mode="largest")
+    kept, *_ = filter_groups(samples, ratio=0.5, metric="length", mode="largest")
     assert {s.group_id for s in kept} == {1}
-    kept, metrics, weights = filter_groups(samples, ratio=0.5, metric="length", mode="smallest")
+    kept, metrics, weights, scores = filter_groups(samples, ratio=0.5, metric="length",
+                                                   mode="smallest")
     assert {s.group_id for s in kept} == {0} and metrics["filter/chosen_score"] == 3.5
+    assert scores == {0: 3.5, 1: 6.5}  # every group's score, the filtered one's too
     # rewards: group 0 scores 1 and 0 (std 1/sqrt 2), group 1 2 and 0 (std sqrt 2); both kept,
     # each weighed by its std over the larger one, then by sqrt(kept share) = 1
-    kept, _, weights = filter_groups(samples, ratio=1.0, soft_reweight=True,
-                                     loss_scaling="sqrt")
+    kept, _, weights, _ = filter_groups(samples, ratio=1.0, soft_reweight=True,
+                                        loss_scaling="sqrt")
     assert [s.group_id for s in kept] == [0, 0, 0, 1, 1]
     assert weights.tolist() == pytest.approx([0.5] * 3 + [1.0] * 2, abs=1e-5)
 
@@ -174,5 +176,7 @@ def test_a_step_whose_filter_keeps_nothing_moves_no_model():
             turn(2, 1, 1, 0.0, True), turn(3, 1, 1, 0.0, True)]
     metrics = {}
     played = PlayedStep(flat, {}, 0.0, FaultCounters(step=1))
-    assert update_models(cfg, None, 1, played, metrics) == (None, [])
+    update = update_models(cfg, None, 1, played, metrics)
+    assert update.train is None and update.per_turn is None and update.filtered.samples == []
+    assert update.filtered.scores == {0: 0.0, 1: 0.0}  # the trajectory files still see both
     assert metrics["filter/kept_groups"] == 0.0 and metrics["filter/zero_groups"] == 2.0

@@ -76,9 +76,9 @@ def test_stream_filter_keeps_the_high_spread_group():
                sample(5, 1, 1.0, stream=1, cut=True),
                sample(2, 4, 0.5, group=1, stream=2), sample(2, 5, 0.5, group=1, stream=2, cut=True),
                sample(3, 1, 0.5, group=1, stream=3), sample(3, 2, 1.0, group=1, stream=3, cut=True)]
-    kept, metrics, _ = filter_groups(samples, ratio=0.5, mode="std", by_stream=True)
+    kept, metrics, *_ = filter_groups(samples, ratio=0.5, mode="std", by_stream=True)
     assert [s.stream for s in kept] == [2, 2, 3, 3]
     assert metrics["filter/chosen_in_group_std"] == pytest.approx(0.5 ** 0.5 / 2)
     assert metrics["filter/in_group_std"] == pytest.approx(0.5 ** 0.5 / 4)
-    by_episode, _, _ = filter_groups(samples, ratio=0.5, mode="std")
+    by_episode = filter_groups(samples, ratio=0.5, mode="std").samples
     assert {s.group_id for s in by_episode} == {0}

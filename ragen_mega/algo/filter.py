@@ -79,6 +79,8 @@ class GroupSelection(NamedTuple):
     kept_group_ids: torch.Tensor  #: kept group ids, ascending (may be empty: see top_p, min_p)
     metrics: dict[str, torch.Tensor]  #: detached scalars, see :func:`select_groups`
     weights: torch.Tensor  #: [len(kept_group_ids)] the kept groups' advantage multipliers
+    group_ids: torch.Tensor  #: [n_groups] every group id, ascending
+    scores: torch.Tensor  #: [n_groups] each group's score by ``metric`` (float64)
 
 
 GroupMetric = Callable[[MemberValues], torch.Tensor]
@@ -254,7 +256,7 @@ def select_groups(rewards: torch.Tensor, group_ids: torch.Tensor, ratio: float =
         "kept_ratio": torch.tensor(share),
     }
     return GroupSelection(torch.isin(group_ids, kept_group_ids), kept_group_ids, metrics,
-                          weights)
+                          weights, groups, scores)
 
 
 def _check(rewards, group_ids, ratio, mode, strategy, metric, top_p, top_p_mode, min_p,

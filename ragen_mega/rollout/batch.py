@@ -15,7 +15,7 @@ next state.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -25,14 +25,21 @@ from ragen_mega.algo.gigpo import anchor_groups
 from ragen_mega.rollout.sample import Sample, collate
 
 
-def filter_groups(samples: Sequence[Sample], by_stream: bool = False, **settings
-                  ) -> tuple[list[Sample], dict[str, float], torch.Tensor]:
+class Filtered(NamedTuple):
+    """What :func:`filter_groups` kept, and why."""
+    samples: list[Sample]               #: the kept groups' samples, in the played order
+    metrics: dict[str, float]           #: ``filter/*``
+    weights: torch.Tensor               #: [len(samples)] each kept sample's advantage weight
+    scores: dict[int, float]            #: every group's score (the filter's metric), by group id
+
+
+def filter_groups(samples: Sequence[Sample], by_stream: bool = False, **settings) -> Filtered:
     """The rollout filter (StarPO-S by default; ``settings`` are :func:`select_groups`'s, the
-    ``filter`` section): the samples of the kept groups, the filter's metrics, and each kept
-    sample's advantage weight (1 unless ``filter.loss_scaling`` or ``filter.soft_reweight``).
-    The filter ranks all groups together (as RAGEN does); a mixed-env step also reports how
-    many groups of each env tag it kept (``filter/<tag>/kept_groups``), since one env can crowd
-    out another. The kept list may be empty (``top_p``/``min_p`` find no group worth training).
+    ``filter`` section): the samples of the kept groups, the filter's metrics, each kept
+    sample's advantage weight (1 unless ``filter.loss_scaling`` or ``filter.soft_reweight``) and
+    every group's score (the trajectory files record it). The filter ranks all groups together
+    (as RAGEN does); a mixed-env step also reports how many groups of each env tag it kept
+    (``filter/<tag>/kept_groups``), since one env can crowd out another. The kept list may be empty (``top_p``/``min_p`` find no group worth training).
 
     A group member is an episode, scored by its total reward, its turns' mean token NLL
     (``entropy``) and its response tokens (``length``); ``by_stream`` (``rollout.mode:
@@ -62,7 +69,9 @@ def filter_groups(samples: Sequence[Sample], by_stream: bool = False, **settings
             metrics[f"filter/{tag}/kept_groups"] = float(
                 len({s.group_id for s in samples if s.env_tag == tag and s.group_id in weight_of}))
     kept = [s for s in samples if s.group_id in weight_of]
-    return kept, metrics, torch.tensor([weight_of[s.group_id] for s in kept], dtype=torch.float32)
+    return Filtered(kept, metrics,
+                    torch.tensor([weight_of[s.group_id] for s in kept], dtype=torch.float32),
+                    dict(zip(selection.group_ids.tolist(), selection.scores.tolist())))
 
 
 def build_batch(samples: Sequence[Sample], pad_id: int, state_similarity: float | None = None

@@ -18,7 +18,7 @@ from typing import Any
 
 from ragen_mega.agent import AgentConfig, History, PromptBuilder, parse_response
 from ragen_mega.envs import make
-from ragen_mega.rollout.sample import Sample
+from ragen_mega.rollout.sample import Sample, jsonable
 from ragen_mega.rollout.types import (EnvFailed, EnvHandle, EpisodeSpec, GenerateFn, OpenEnvFn,
                                       PromptTooLong)
 
@@ -147,9 +147,12 @@ async def take_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
     gen = await generate(prompt.ids, sampling)
     parsed = parse_response(tokenizer.decode(gen.output_ids, skip_special_tokens=True), agent,
                             finished=gen.finish_reason == "stop")
+    observation, steps = state.obs, []
     reward, all_valid = 0.0, True
     for action in parsed.actions:
         state.obs, r, state.done, info = await env_call(spec, "step", state.env.step, action)
+        steps.append({"action": action, "reward": float(r), "done": bool(state.done),
+                      "info": jsonable(info)})
         reward += float(r)
         state.n_actions += 1
         all_valid &= bool(info.get("action_is_valid"))
@@ -163,15 +166,17 @@ async def take_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
     state.turn += 1
     state.reward += reward
     state.n_format_ok += parsed.format_ok
-    state.n_copied += state.builder.copies_example(parsed.actions)
+    copied = state.builder.copies_example(parsed.actions)
+    state.n_copied += copied
     state.history.record(gen.output_ids, parsed, reward)
     return Sample(
         prompt_ids=prompt.ids, response_ids=list(gen.output_ids),
         rollout_logprobs=list(gen.logprobs), reward=reward, episode_id=spec.episode_id,
         group_id=spec.group_id, turn=state.turn, done=state.done, last=state.over,
         env_tag=spec.env_tag or spec.env_name, seed=spec.seed,
-        info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason},
-        state_key=state_key, routed_experts=gen.routed_experts)
+        info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason, "steps": steps,
+              "example_copy": copied},
+        state_key=state_key, observation=observation, routed_experts=gen.routed_experts)
 
 
 async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, generate: GenerateFn,

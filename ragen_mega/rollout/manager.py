@@ -218,10 +218,11 @@ class RolloutManager:
         count_window_faults(window, faults, self.cfg.rollout.max_env_failure_rate)
         return window, time.perf_counter() - start
 
-    def evaluate(self) -> dict[str, float]:
-        """The held-out evaluation: ``val/*`` metrics and ``time/eval_s``."""
+    def evaluate(self) -> tuple[dict[str, float], list[Sample]]:
+        """The held-out evaluation: ``val/*`` metrics and ``time/eval_s``, and its samples."""
         episodes, seconds = self.episodes(0, evaluate=True)
-        return {**summarize(episodes, "val"), "time/eval_s": seconds}
+        return ({**summarize(episodes, "val"), "time/eval_s": seconds},
+                [s for e in episodes for s in e.samples])
 
     def _sampling(self, temperature: float) -> dict:
         r = self.cfg.rollout

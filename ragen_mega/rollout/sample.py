@@ -37,6 +37,9 @@ class Sample:
     #: the key of the env state this turn acted in (``TextEnv.state_key`` of the observation
     #: it was given): turns of a group with equal keys are GiGPO's anchor states
     state_key: str = ""
+    #: the env's observation this turn acted on, as the env wrote it (the trajectory files and
+    #: viewer show it; "" for a user agent's calls, whose prompts the agent built)
+    observation: str = ""
     #: a mixture of experts' engine: the experts it routed each prompt and response token but
     #: the last to, [prompt + response - 1, layers, top-k] (routing replay, the mismatch metric)
     routed_experts: torch.Tensor | None = None
@@ -58,9 +61,10 @@ class Sample:
         checkpoint holding it loads with ``torch.load(weights_only=True)``; :meth:`from_dict`
         gives an equal Sample back.
 
-        ``info`` (``episode.take_turn``: ``format_ok``, ``finish_reason``) must hold only such
-        values: anything else (an object, an array) raises TypeError naming its key rather than
-        being dropped, which would make a resumed run's samples differ from the saved ones."""
+        ``info`` (``episode.take_turn``: ``format_ok``, ``finish_reason``, ``steps``) must hold
+        only such values: anything else (an object, an array) raises TypeError naming its key
+        rather than being dropped, which would make a resumed run's samples differ from the
+        saved ones."""
         return {"prompt_ids": [int(t) for t in self.prompt_ids],
                 "response_ids": [int(t) for t in self.response_ids],
                 "rollout_logprobs": [float(x) for x in self.rollout_logprobs],
@@ -70,6 +74,7 @@ class Sample:
                 "info": _plain(self.info, "info"), "weight_version": int(self.weight_version),
                 "stream": None if self.stream is None else int(self.stream),
                 "cut": bool(self.cut), "state_key": str(self.state_key),
+                "observation": str(self.observation),
                 "routed_experts": self.routed_experts}
 
     @classmethod
@@ -78,6 +83,25 @@ class Sample:
         after the checkpoint was written) takes its default."""
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def jsonable(value: Any) -> Any:
+    """``value`` as JSON's values (a user env's step info may hold numpy scalars, arrays or
+    objects: numbers become floats or ints, sequences lists, anything else its ``str``), so
+    it can sit in :attr:`Sample.info` and in a trajectory file."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    item = getattr(value, "item", None)   # a numpy or torch scalar
+    if callable(item) and getattr(value, "ndim", 1) == 0:
+        return jsonable(item())
+    tolist = getattr(value, "tolist", None)
+    return jsonable(tolist()) if callable(tolist) else str(value)
 
 
 def _plain(value: Any, where: str) -> Any:
