@@ -16,7 +16,10 @@ softmax), ``--untie`` gives the output layer its own copy of the embeddings, and
 ``--freeze-other-rows`` (with ``--untie``) keeps the output rows of every token but the moves
 where they started: the A/B that separates a 4-way policy from the LM head's, one difference at a
 time. In ``vocab`` mode each step's record has ``move_mass``, the sampled turns' mean probability
-of the four moves.
+of the four moves, and ``--answer-loss all`` takes the loss on every token of the answer the turn
+wrote (`` Up </answer>``, as the engine's stop string leaves it), each episode's tokens averaged:
+the stack's ``episode-mean-token-mean`` over its response tokens, where the default trains the
+move's token alone.
 
 The prompt is the run config's (``agent`` section: ``memory_turns``, ``instructions``), built by
 the stack's own PromptBuilder, or with ``--observation-only`` the env's observation text alone.
@@ -75,10 +78,15 @@ def main() -> None:
     parser.add_argument("--warm-start-lr", type=float, default=3e-4)
     parser.add_argument("--warm-start-prompt-loss", action="store_true",
                         help="the warm start's loss on the prompt's tokens too")
+    parser.add_argument("--answer-loss", choices=("move", "all"), default="move",
+                        help="--softmax vocab: the loss on the move's token, or on every token "
+                             "of the answer as the stack's (each episode's tokens averaged)")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
     if args.freeze_other_rows and not args.untie:
         parser.error("--freeze-other-rows needs --untie (tied, the rows are the input embeddings)")
+    if args.answer_loss == "all" and args.softmax != "vocab":
+        parser.error("--answer-loss all needs --softmax vocab (the answer's tokens are the LM's)")
     cfg = load_run_config(args.config, [])
     torch.manual_seed(cfg.trainer.seed if args.seed is None else args.seed)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -117,6 +125,22 @@ def main() -> None:
     def move_logits(prompts):
         hidden = final_hidden(prompts)
         return hidden @ (model.lm_head.weight if vocab else model.lm_head.weight[move_ids]).T
+
+    def answer_logprobs(pairs):
+        """Each (prompt, answer)'s summed log-probability of the answer's tokens (right-padded
+        rows, one forward)."""
+        width = max(len(p) + len(a) for p, a in pairs)
+        ids = torch.full((len(pairs), width), tok.pad_token_id, device=args.device)
+        targets = torch.zeros((len(pairs), width), dtype=torch.bool, device=args.device)
+        for row, (p, a) in enumerate(pairs):
+            ids[row, :len(p) + len(a)] = torch.tensor(p + a, device=args.device)
+            targets[row, len(p):len(p) + len(a)] = True
+        attention = (torch.arange(width, device=args.device)[None, :]
+                     < torch.tensor([len(p) + len(a) for p, a in pairs],
+                                    device=args.device)[:, None]).long()
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attention).logits[:, :-1], -1)
+        token_logp = logp.gather(-1, ids[:, 1:, None])[..., 0]
+        return (token_logp * targets[:, 1:]).sum(-1)
 
     def map_spread(seeds):
         """Between-board spread of the turn-1 final hidden state, as a share of its norm."""
@@ -161,10 +185,10 @@ def main() -> None:
                     observations[i], reward, done, info = envs[i].step(moves[move])
                     wins[i] = wins[i] or bool(info.get("success"))
                     parsed = ParsedResponse(actions=[moves[move]], format_ok=True)
-                turns[i].append((p, k, reward, state))
+                answer = [k] if move is None else tok.encode(f" {moves[move]} </answer>",
+                                                             add_special_tokens=False)
+                turns[i].append((p, k, reward, state, answer))
                 if not args.observation_only:
-                    answer = [k] if move is None else tok.encode(f" {moves[move]} </answer>",
-                                                                 add_special_tokens=False)
                     histories[i].record(answer, parsed, reward)
                 if not done:
                     still.append(i)
@@ -203,12 +227,17 @@ def main() -> None:
             seeds = [(step + 1) * 1000 + i // size for i in range(batch)]
             wins, turns, move_mass = play(seeds, greedy=False)
             rows = [turn for episode in turns for turn in episode]
-            weights = advantages(turns) * torch.tensor(
-                [1 / len(episode) for episode in turns for _ in episode])
             opt.zero_grad()
-            logp = torch.log_softmax(move_logits([p for p, *_ in rows]), -1)
-            chosen = logp.gather(-1, torch.tensor([[k] for _, k, *_ in rows],
-                                                  device=args.device))[:, 0]
+            if args.answer_loss == "all":
+                weights = advantages(turns) * torch.tensor(
+                    [1 / sum(len(t[4]) for t in episode) for episode in turns for _ in episode])
+                chosen = answer_logprobs([(p, answer) for p, _, _, _, answer in rows])
+            else:
+                weights = advantages(turns) * torch.tensor(
+                    [1 / len(episode) for episode in turns for _ in episode])
+                logp = torch.log_softmax(move_logits([p for p, *_ in rows]), -1)
+                chosen = logp.gather(-1, torch.tensor([[k] for _, k, *_ in rows],
+                                                      device=args.device))[:, 0]
             (-(weights.to(args.device) * chosen).sum() / batch).backward()
             if args.freeze_other_rows:
                 model.lm_head.weight.grad[other_rows] = 0.0
