@@ -509,6 +509,14 @@ class TrainerConfig:
     save_trajectories: bool = True
     #: keep the first this many groups of each step in those files; unset: every group
     trajectory_samples: Optional[int] = bounded(None, ge=1)
+    #: also each step's rollout as trained (token ids, engine log-probs, rewards, metrics) in
+    #: RUN_DIR/trajectories/step_N.rollout.pt, for trainer.replay_rollouts (slime's
+    #: --save-debug-rollout-data)
+    save_rollouts: bool = False
+    #: a run directory whose saved rollouts (trainer.save_rollouts) the steps train on instead of
+    #: playing: no engine starts (slime's --load-debug-rollout-data); to debug a loss on a
+    #: rollout that went wrong, or compare estimators on fixed batches
+    replay_rollouts: Optional[str] = None
 
 
 
@@ -567,6 +575,8 @@ class RunConfig:
                               f"{self.trainer.total_steps} (else the actor never trains), got "
                               f"{self.critic.warmup_steps}")
         self._validate_estimator_needs()
+        if self.trainer.replay_rollouts is not None:
+            self._validate_replay()
         if self.algo.use_rollout_logprobs and self.rollout.temperature != 1.0:
             raise ConfigError("algo.use_rollout_logprobs: needs rollout.temperature=1.0 (engine "
                               "and trainer log-probs are checked equal there only), got "
@@ -637,6 +647,22 @@ class RunConfig:
             raise ConfigError("actor.tis_cap: trainer.async_rollout trains on samples one "
                               "weight version stale and needs the truncated IS correction; "
                               "set actor.tis_cap (slime uses 2)")
+
+    def _validate_replay(self):
+        """What a replayed run rules out: with no engine there is nothing to evaluate, sync or
+        play ahead, and a stream's state is not in the dump."""
+        t = self.trainer
+        for key, value, fix in (("trainer.eval_every", t.eval_every, "0"),
+                                ("trainer.async_rollout", t.async_rollout, "false"),
+                                ("trainer.check_weight_sync", t.check_weight_sync, "false"),
+                                ("trainer.colocate", t.colocate, "false"),
+                                ("rollout.mode", self.rollout.mode != "episodes", "episodes")):
+            if value:
+                raise ConfigError(f"{key}: trainer.replay_rollouts trains on saved rollouts "
+                                  f"with no engine, so set {key}={fix}")
+        if Path(t.replay_rollouts).resolve() == Path(t.run_dir).resolve():
+            raise ConfigError("trainer.replay_rollouts: is trainer.run_dir itself; replay into "
+                              "a run directory of its own")
 
     def _validate_user_agent(self):
         """What an agent of the user's (``rollout.agent``) rules out: its episodes are whole

@@ -51,6 +51,7 @@ from ragen_mega.rollout.collapse_probe import first_turn_probe, valid_thinking_r
 from ragen_mega.rollout.manager import PlayedStep
 from ragen_mega.rollout.metrics import weight_staleness
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
+from ragen_mega.rollout.replay import ReplayedRollouts, save_rollout
 from ragen_mega.run_dir_lock import RunDirInUse, holding_run_dir
 
 if TYPE_CHECKING:
@@ -70,7 +71,11 @@ def train(cfg: RunConfig) -> list[dict[str, float]]:
     run_dir = Path(cfg.trainer.run_dir)
     with holding_run_dir(run_dir):  # before anything is written: one run per run directory
         init_ray(cfg.trainer.ray_address)  # first: ray.init puts its own handler on SIGTERM
-        with preemption.stop_on_signals() as stop, build_run(cfg) as run:
+        replay = cfg.trainer.replay_rollouts
+        with preemption.stop_on_signals() as stop, \
+                build_run(cfg, with_engines=replay is None) as run:
+            if replay is not None:  # the saved rollouts, in place of engines
+                run.rollouts = ReplayedRollouts(replay, run_dir / "faults.jsonl")
             (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
             write_references(cfg, run_dir)
             logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
@@ -157,6 +162,8 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
             metrics.update(probe_collapse(cfg, run, played.samples, step))
     update = update_models(cfg, run, step, played, metrics)
     t2 = time.perf_counter()
+    if cfg.trainer.save_rollouts:
+        save_rollout(cfg.trainer.run_dir, step, played)
     if cfg.trainer.save_trajectories:
         with timed(metrics, "time/trajectories_s"):
             save_step_trajectories(cfg, run, step, played, update)
@@ -173,7 +180,8 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
                     "train/batch_samples": float(len(update.filtered.samples)),
                     "train/batch_tokens": float(tokens),
                     "weight_version": float(step), **played.faults.metrics()})
-    metrics.update(run.engines.take_fault_counts())  # since the previous step's
+    if run.engines is not None:  # none in a replayed run
+        metrics.update(run.engines.take_fault_counts())  # since the previous step's
     return metrics, pending
 
 

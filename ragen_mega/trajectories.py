@@ -46,7 +46,7 @@ import gzip
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, BinaryIO, Callable, Iterable, Sequence
 
 import torch
 
@@ -127,16 +127,23 @@ def _turn(s: Sample, tokenizer, row: int | None, advantages: torch.Tensor | None
 
 
 def write_records(path: Path, records: Sequence[dict[str, Any]]) -> None:
-    """``records`` as gzipped JSON lines at ``path``, whole or not at all: written to a
-    temporary file beside it, flushed to disk, then renamed over ``path`` (a record that cannot
-    be written leaves ``path`` as it was, and no temporary file)."""
+    """``records`` as gzipped JSON lines at ``path``, whole or not at all
+    (:func:`write_whole`)."""
+    def write(raw):
+        with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
+            for record in records:
+                out.write((json.dumps(record) + "\n").encode())
+    write_whole(path, write)
+
+
+def write_whole(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """``write(file)`` into a temporary file beside ``path``, flushed to disk, then renamed over
+    ``path``: a write that fails leaves ``path`` as it was, and no temporary file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         with open(tmp, "wb") as raw:
-            with gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as out:
-                for record in records:
-                    out.write((json.dumps(record) + "\n").encode())
+            write(raw)
             raw.flush()
             os.fsync(raw.fileno())
         os.replace(tmp, path)

@@ -132,12 +132,17 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     tie), and everything the trainer computes from them is deterministic here
     (``algo.use_rollout_logprobs=false``: the trainer recomputes the old log-probs).
 
+    The straight run saves its rollouts (``trainer.save_rollouts``); a third run replays them
+    (``trainer.replay_rollouts``, no engine started) and must make the same three updates to the
+    same weights, exactly: same batches, same start, same trainer.
+
     The tiny random model never answers, so its rollout metrics are constants (reward = format
     penalty, 6 tokens); what checks that the resumed step sampled the same tokens are the
     actor's entropy, loss and grad norm over them (with ``rollout.seeded=false`` they differed,
     entropy by 1e-6, pg_loss and grad norms by 0.5-2%).
     """
-    overrides = tiny_run_overrides(tmp_path, 3) + ["critic.warmup_steps=2"]
+    overrides = tiny_run_overrides(tmp_path, 3) + ["critic.warmup_steps=2",
+                                                   "trainer.save_rollouts=true"]
     straight = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in straight] == [1, 2, 3]
     check_whole_run(straight, tmp_path)
@@ -184,6 +189,23 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == [
         "step_1.jsonl.gz", "step_2.jsonl.gz", "step_3.jsonl.gz"]
     assert read_records(step_file(tmp_path, 3)) == straight_step3
+
+    # the same three steps replayed from the saved rollouts, with no engine: the same updates
+    # (the same batch composition and start weights, so exactly), the same weights after them
+    replay_dir = tmp_path / "replay"
+    replayed = train(load_run_config(DEMO, overrides + [
+        f"trainer.run_dir={replay_dir}", f"trainer.replay_rollouts={tmp_path}",
+        "trainer.check_weight_sync=false", "trainer.save_rollouts=false"]))
+    for want, got in zip(straight, replayed):
+        assert {k for k in want if k.startswith(("actor/", "critic/"))} <= set(got)
+        diffs = {k: (want[k], got[k]) for k in got if k in want and not k.startswith("time/")
+                 and want[k] != got[k]}
+        assert not diffs, json.dumps(diffs, indent=1)
+    assert not any(k.startswith("sync/") for h in replayed for k in h)  # no engine to sync
+    for role in ("actor", "critic"):
+        final = checkpoint_weights(replay_dir / "checkpoints" / role / "step_3")
+        for name, tensor in checkpoint_weights(ckpt / role / "step_3").items():
+            assert torch.equal(final[name], tensor), (role, name)
 
 
 def check_whole_run(history: list[dict], run_dir) -> None:

@@ -332,3 +332,27 @@ def test_cli_runs_the_preflight_before_anything_starts(capsys):
         assert main(argv) == 2
         assert f"ragen-mega {name}: config error: env.kwargs: " in capsys.readouterr().err
     assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.eval_every=5", "trainer.eval_every"),
+    ("trainer.async_rollout=true", "trainer.async_rollout"),
+    ("trainer.check_weight_sync=true", "trainer.check_weight_sync"),
+    ("trainer.colocate=true", "trainer.colocate"),
+    ("rollout.mode=turns rollout.turns_per_step=4", "rollout.mode"),
+    ("trainer.run_dir=runs/old", "trainer.replay_rollouts")])
+def test_a_replayed_run_refuses_what_needs_an_engine(override, key):
+    """``trainer.replay_rollouts`` starts no engine: what would need one is refused by name,
+    and so is replaying into the run directory the rollouts are read from."""
+    base = ["trainer.replay_rollouts=runs/old", "trainer.run_dir=runs/new", "trainer.eval_every=0"]
+    with pytest.raises(ConfigError, match=f"^{key}: "):
+        load_run_config(None, base + override.split())
+    assert load_run_config(None, base).trainer.replay_rollouts == "runs/old"
+
+
+def test_a_missing_saved_rollout_names_the_file(tmp_path):
+    from ragen_mega.rollout.replay import ReplayedRollouts
+
+    with pytest.raises(FileNotFoundError, match=r"step_4\.rollout\.pt does not exist .*"
+                                                r"trainer\.save_rollouts=true"):
+        ReplayedRollouts(tmp_path, tmp_path / "faults.jsonl").rollout(4, 3)

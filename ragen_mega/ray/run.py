@@ -76,7 +76,11 @@ class Run:
         the new ones (``EngineGroup.restart_after_failed_sync``), as often as the step's restart
         allowance lets it. Colocated engines are released at this
         point (after start-up, and after each rollout): they take their weight memory back first
-        and their KV cache only once the weights are in (slime's order)."""
+        and their KV cache only once the weights are in (slime's order). A replayed run
+        (``trainer.replay_rollouts``) has no engine: nothing is sent."""
+        if self.engines is None:
+            self.weight_version = version
+            return {}
         restarted = {**self.engines.take_unsynced(), **self.engines.restart_dead()}
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["weights"])
@@ -102,10 +106,13 @@ class Run:
 
 
 @contextlib.contextmanager
-def build_run(cfg: RunConfig, *, with_trainers: bool = True) -> Iterator[Run]:
+def build_run(cfg: RunConfig, *, with_trainers: bool = True,
+              with_engines: bool = True) -> Iterator[Run]:
     """Start Ray (or join it), place engines, trainers and env workers, connect the weight sync;
     on leaving the block (also when building fails halfway) stop whatever was started.
-    ``with_trainers=False``: engines and env workers only, serving ``model.path`` as it is."""
+    ``with_trainers=False``: engines and env workers only, serving ``model.path`` as it is;
+    ``with_engines=False``: the trainers only (a replayed run: ``run.rollouts`` is then the
+    caller's to set)."""
     from transformers import AutoTokenizer
 
     from ragen_mega.ray.cluster import init_ray
@@ -118,10 +125,13 @@ def build_run(cfg: RunConfig, *, with_trainers: bool = True) -> Iterator[Run]:
 
     resources = plan_resources(cfg, cluster_cpus=ray.cluster_resources().get("CPU", 1),
                                host_cpus=os.cpu_count() or 1, use_gpu=torch.cuda.is_available(),
-                               with_trainers=with_trainers)
+                               with_trainers=with_trainers, with_engines=with_engines)
     run = Run(cfg, model_dir, tokenizer, resources, create_placement_group(resources.placement))
     try:
-        _place(run, with_trainers)
+        if with_engines:
+            _place(run, with_trainers)
+        else:
+            _start_trainers(run)
         yield run
     except BaseException:
         try:  # the error that stopped the run is the one to report, not a teardown's
