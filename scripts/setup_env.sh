@@ -3,7 +3,7 @@
 # torch 2.13.0 CPU, megatron-core 0.16.1, sglang 0.5.23 the CPU way, ray, transformers, envs.
 # Every pip call uses requirements/constraints-cpu.txt, so a CUDA torch is never pulled.
 # Re-running is a no-op (a few seconds) while the requirement files and setup.py are unchanged.
-# GPU clusters install differently: see requirements/gpu.txt and README.md.
+# GPU clusters install differently: see requirements/gpu.txt and docs/cluster.md.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"

@@ -303,9 +303,10 @@ def server_killed_under_first_request(engines, pid: int):
 
 
 def undocumented_scalars(keys, tags: tuple[str, ...] = ()) -> list[str]:
-    """The metric ``keys`` README's table does not name; per-env-tag copies (``rollout/<tag>/``
-    for each of ``tags``, ``val/`` as ``rollout/``, ``pass@k``) count as their generic row."""
-    documented = readme_scalars()
+    """The metric ``keys`` docs/metrics.md's table does not name; per-env-tag copies
+    (``rollout/<tag>/`` for each of ``tags``, ``val/`` as ``rollout/``, ``pass@k``) count as
+    their generic row."""
+    documented = documented_scalars()
     missing = []
     for key in set(keys) - {"step"}:
         generic = re.sub(r"^val/", "rollout/", re.sub(r"pass@\d+", "pass@k", key))
@@ -342,10 +343,9 @@ def resumed_step_diffs(want: dict, got: dict, tol: float = 1e-4, *,
             if not k.startswith("time/") and k != "sync/seconds" and not same(k)}
 
 
-def readme_scalars() -> set[str]:
-    """The scalar names of README.md's "TensorBoard scalars" table (first column)."""
-    text = (Path(__file__).parents[1] / "README.md").read_text()
-    section = text.split("## TensorBoard scalars", 1)[1].split("\n## ", 1)[0]
+def documented_scalars() -> set[str]:
+    """The scalar names of docs/metrics.md's tables (first column)."""
+    section = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
     return {name for line in section.splitlines() if line.startswith("| `")
             for name in re.findall(r"`([^`]+)`", line.split("|")[1])}
 

@@ -77,7 +77,7 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
     for h in straight:
         assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
     assert "time/rollout_wait_s" in straight[1] and "time/rollout_wait_s" not in straight[2]
-    # README's table names the overlapped step's scalars too
+    # docs/metrics.md's table names the overlapped step's scalars too
     assert not undocumented_scalars(straight[1], tags=("bandit",))
 
     ckpt = tmp_path / "checkpoints"

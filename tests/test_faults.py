@@ -21,7 +21,7 @@ import torch
 
 import faulty_envs
 import nan_objective
-from conftest import readme_scalars
+from conftest import documented_scalars
 from ragen_mega.agent import AgentConfig
 from ragen_mega.config import AlgoConfig, load_run_config
 from ragen_mega.config_tree import ConfigError
@@ -255,7 +255,7 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
         (1, "episodes_dropped"), (1, "prompts_too_long"), (2, "updates_skipped")]
     assert (faults[0]["seed"], faults[1]["seed"]) == (1, 2)
     assert "RuntimeError: faulty_bandit: broken reset at seed 1" in faults[0]["reason"]
-    documented = readme_scalars()
+    documented = documented_scalars()
     for key in history[0]:
         generic = re.sub(rf"^rollout/{faulty_envs.NAME}/", "rollout/<tag>/", key)
         assert key == "step" or generic in documented or \

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import readme_scalars
+from conftest import documented_scalars
 from ragen_mega import cli
 from ragen_mega.plot import PANELS, plot_runs
 
@@ -58,9 +58,9 @@ def test_missing_and_empty_metrics_name_the_path(tmp_path, capsys):
 
 
 def test_panels_plot_scalars_the_loop_publishes():
-    """Every curve reads a scalar under the name README's table gives it (held-out ``val/`` names
+    """Every curve reads a scalar under the name docs/metrics.md's table gives it (held-out ``val/`` names
     are the ``rollout/`` ones), so a renamed metric cannot leave a panel silently empty."""
-    documented = readme_scalars()
+    documented = documented_scalars()
     for panel, keys in PANELS.items():
         for key, _ in keys:
             assert re.sub(r"^val/", "rollout/", key) in documented, (panel, key)

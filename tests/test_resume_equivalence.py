@@ -211,7 +211,7 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
 def check_whole_run(history: list[dict], run_dir) -> None:
     """What every synchronous run of the loop must show: engines serving the trainer's weights
     after each sync, trainer and engine log-probs equal (fp32 both sides), verl's scalar names
-    in TensorBoard and every scalar in README's table, one checkpoint per step under one
+    in TensorBoard and every scalar in docs/metrics.md's table, one checkpoint per step under one
     pointer."""
     for h in history:
         # the actor does not move in the critic's warm-up: no time/actor_update_s then

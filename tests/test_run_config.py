@@ -356,3 +356,18 @@ def test_a_missing_saved_rollout_names_the_file(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"step_4\.rollout\.pt does not exist .*"
                                                 r"trainer\.save_rollouts=true"):
         ReplayedRollouts(tmp_path, tmp_path / "faults.jsonl").rollout(4, 3)
+
+
+def test_the_configuration_page_names_every_key():
+    """docs/configuration.md documents every key of every section (its tail is
+    tools/config_reference.py's output: rerun it when a key is added)."""
+    import dataclasses
+
+    from ragen_mega.config import RunConfig
+
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    run = RunConfig()
+    missing = [f"{section.name}.{field.name}" for section in dataclasses.fields(RunConfig)
+               for field in dataclasses.fields(getattr(run, section.name))
+               if f"`{section.name}.{field.name}`" not in page]
+    assert not missing, f"not in docs/configuration.md (run tools/config_reference.py): {missing}"

@@ -16,7 +16,7 @@ import math
 import re
 import shutil
 
-from conftest import readme_scalars, server_killed_under_first_request, server_pids
+from conftest import documented_scalars, server_killed_under_first_request, server_pids
 from ragen_mega.backends.megatron.checkpoint import read_checkpoint_state
 from ragen_mega.config import load_run_config
 from ragen_mega.rollout.manager import RolloutManager
@@ -57,8 +57,8 @@ def test_streamed_steps_then_exact_resume(tiny_run_overrides, tmp_path, private_
     state = read_checkpoint_state(checkpoints.step_dir(tmp_path, "actor", 3))["extra"]["streams"]
     assert state["episodes"] == [0, 0, 4, 4]
     assert [len(r) for r in state["responses"]] == [12, 12, 0, 0]
-    # README's table names every scalar a streamed step writes too
-    documented = readme_scalars()
+    # docs/metrics.md's table names every scalar a streamed step writes too
+    documented = documented_scalars()
     for key in set(straight[0]) - {"step"}:
         generic = re.sub(r"pass@\d+", "pass@k", key)
         generic = re.sub(r"^rollout/(crafter|crafter_short)/", "rollout/<tag>/", generic)
