@@ -187,7 +187,8 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     # its trajectory file is written again, not beside the first: the same episodes, texts and
     # credit, turn by turn
     assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == [
-        "step_1.jsonl.gz", "step_2.jsonl.gz", "step_3.jsonl.gz"]
+        "step_1.jsonl.gz", "step_1.rollout.pt", "step_2.jsonl.gz", "step_2.rollout.pt",
+        "step_3.jsonl.gz", "step_3.rollout.pt"]
     assert read_records(step_file(tmp_path, 3)) == straight_step3
 
     # the same three steps replayed from the saved rollouts, with no engine: the same updates
