@@ -75,15 +75,14 @@ def measure(name, samples, tokenizer):
     from ragen_mega.rollout.replay import rollout_file, save_rollout
     from ragen_mega.view import make_app
 
-    kept = samples
-    advantages = torch.zeros(len(kept), max(len(s.prompt_ids) + len(s.response_ids)
-                                            for s in kept))
+    advantages = torch.zeros(len(samples), max(len(s.prompt_ids) + len(s.response_ids)
+                                               for s in samples))
     with tempfile.TemporaryDirectory() as run_dir:
         start = time.perf_counter()
         records = trajectories.episode_records(
             samples, tokenizer, kind="train", step=1, scores={g: 0.5 for g in
                                                               {s.group_id for s in samples}},
-            kept=kept, advantages=advantages)
+            kept=samples, advantages=advantages)
         trajectories.write_records(trajectories.step_file(run_dir, 1), records)
         write_s = time.perf_counter() - start
         size = trajectories.step_file(run_dir, 1).stat().st_size
@@ -94,7 +93,8 @@ def measure(name, samples, tokenizer):
         assert client.get("/api/train/steps/1").status_code == 200
         open_s = time.perf_counter() - start
         start = time.perf_counter()
-        assert client.get(f"/api/train/steps/1/episodes/{records[0]['episode']}").status_code == 200
+        episode = records[0]["episode"]
+        assert client.get(f"/api/train/steps/1/episodes/{episode}").status_code == 200
         episode_s = time.perf_counter() - start
     print(f"| {name} | {len(records)} | {len(samples)} | {size / 1024:.1f} | "
           f"{dump / 1024:.0f} | {write_s:.2f} | {open_s:.2f} | {episode_s:.2f} |")

@@ -58,8 +58,9 @@ def test_missing_and_empty_metrics_name_the_path(tmp_path, capsys):
 
 
 def test_panels_plot_scalars_the_loop_publishes():
-    """Every curve reads a scalar under the name docs/metrics.md's table gives it (held-out ``val/`` names
-    are the ``rollout/`` ones), so a renamed metric cannot leave a panel silently empty."""
+    """Every curve reads a scalar under the name docs/metrics.md's table gives it (held-out
+    ``val/`` names are the ``rollout/`` ones), so a renamed metric cannot leave a panel silently
+    empty."""
     documented = documented_scalars()
     for panel, keys in PANELS.items():
         for key, _ in keys:

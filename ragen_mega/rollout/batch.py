@@ -39,7 +39,8 @@ def filter_groups(samples: Sequence[Sample], by_stream: bool = False, **settings
     sample's advantage weight (1 unless ``filter.loss_scaling`` or ``filter.soft_reweight``) and
     every group's score (the trajectory files record it). The filter ranks all groups together
     (as RAGEN does); a mixed-env step also reports how many groups of each env tag it kept
-    (``filter/<tag>/kept_groups``), since one env can crowd out another. The kept list may be empty (``top_p``/``min_p`` find no group worth training).
+    (``filter/<tag>/kept_groups``), since one env can crowd out another. The kept list may be
+    empty (``top_p``/``min_p`` find no group worth training).
 
     A group member is an episode, scored by its total reward, its turns' mean token NLL
     (``entropy``) and its response tokens (``length``); ``by_stream`` (``rollout.mode:
