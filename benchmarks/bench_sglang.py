@@ -29,7 +29,7 @@ def bench_generate(client, requests: int, prompt_len: int, new_tokens: int) -> d
     params = {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}
 
     def one_round():
-        futures = [client.submit("generate", p, params) for p in prompts]
+        futures = [client.submit(client.aio.generate(p, params)) for p in prompts]
         return [f.result() for f in futures]
 
     one_round()  # warm-up

@@ -43,7 +43,7 @@ def _gpu_worker(rank, world_size, hf_dir, batch, actor_settings):
 
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
-    from ragen_mega.backends.sglang.weight_sender import engine_payload, pickle_for_receiver
+    from ragen_mega.backends.sglang.payloads import engine_payload, pickle_for_receiver
 
     out = {"backend": dist.get_backend()}
     for name, bf16 in (("fp32", False), ("bf16", True)):

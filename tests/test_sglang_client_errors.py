@@ -231,7 +231,7 @@ def _sender_to_a_silent_peer(fake, update_answer):
     fake.routes["/update_weights_from_distributed"] = [update_answer]
     port = free_port()
     peer = subprocess.Popen([sys.executable, "-c", (
-        "import time; from ragen_mega.backends.sglang.weight_sender import join_update_group, "
+        "import time; from ragen_mega.backends.sglang.update_group import join_update_group, "
         "update_group_store; "
         f"join_update_group(update_group_store('127.0.0.1', {port}, 2, rank=1), 1, 2, 'g', "
         "'gloo'); time.sleep(300)")])
@@ -297,7 +297,7 @@ def test_a_failed_update_is_raised_without_waiting_for_the_other_engines():
 def test_streamed_sync_stops_where_the_tensors_leave_their_layout(fake, stream, problem):
     """With a layout the engines are told a bucket's tensors before they exist; a stream that
     then differs (name, shape, too few, too many) raises at once, naming the tensor, and the
-    sync is not labelled with the new version."""
+    sync is not labelled with the new version; the engines' sessions are closed."""
     import torch
 
     layout = [("w", (4,), torch.float32), ("u", (2,), torch.float32)]
@@ -305,4 +305,5 @@ def test_streamed_sync_stops_where_the_tensors_leave_their_layout(fake, stream, 
         with pytest.raises(ValueError, match=problem):
             sender.send(((name, torch.ones(shape)) for name, shape in stream), version=1,
                         layout=layout)
+        assert fake.calls["/end_weight_update"] == 1  # the session was closed, as unstreamed
         assert "/update_weight_version" not in fake.calls

@@ -21,9 +21,9 @@ import torch
 from ragen_mega.backends.sglang.client import EngineClient, EngineError, dtype_name
 from ragen_mega.backends.sglang.cpu_standins import STANDIN_ROOT
 from ragen_mega.backends.sglang.server import launch_server
-from ragen_mega.backends.sglang.weight_sender import (BucketedWeightSender, engine_payload,
-                                                     flatten_bucket, iter_buckets,
-                                                     pickle_for_receiver)
+from ragen_mega.backends.sglang.payloads import (engine_payload, flatten_bucket,
+                                                 pickle_for_receiver)
+from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender, iter_buckets
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 77], list(range(500, 530))]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
@@ -157,7 +157,7 @@ def test_greedy_and_logprobs_match_transformers(engine, reference):
 
 def test_concurrent_requests_from_threads(engine, reference):
     _, client = engine
-    futures = [client.submit("generate", p, GREEDY) for p in PROMPTS * 3]
+    futures = [client.submit(client.aio.generate(p, GREEDY)) for p in PROMPTS * 3]
     got = [f.result().output_ids for f in futures]
     assert got == [r[0] for r in reference] * 3
 
@@ -284,7 +284,7 @@ def test_flush_pause_continue_and_memory(engine, reference):
     _, client = engine
     client.flush_cache()
     client.pause_generation(mode="retract")
-    held = client.submit("generate", PROMPTS[0], GREEDY)
+    held = client.submit(client.aio.generate(PROMPTS[0], GREEDY))
     time.sleep(1.0)
     assert not held.done()  # a paused engine holds new requests ...
     client.continue_generation()

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from ragen_mega.backends.sglang.weight_sender import engine_payload, pickle_for_receiver
+from ragen_mega.backends.sglang.payloads import engine_payload, pickle_for_receiver
 
 # read the tensor, then let it go, as an engine does once the weights are loaded
 READ = ("import pickle, sys, torch\n"

@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import concurrent.futures
 import contextlib
+import functools
 import json
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Coroutine, Sequence
 
 import aiohttp
 import numpy as np
@@ -411,11 +413,19 @@ class AsyncEngineClient:
             "new_version": str(new_version), "abort_all_requests": abort_all_requests})
 
 
+def _blocking(method):
+    """The synchronous form of ``AsyncEngineClient.<method>``, with its signature and doc."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        return self.submit(method(self.aio, *args, **kwargs)).result()
+    return call
+
+
 class EngineClient:
     """Synchronous wrapper of :class:`AsyncEngineClient` (same methods, same arguments).
 
     It runs the async client on its own event-loop thread, so it works from plain code and from
-    several threads at once; :meth:`submit` starts any call and returns a
+    several threads at once; :meth:`submit` starts a call of :attr:`aio` and returns a
     ``concurrent.futures.Future`` for overlapping work (e.g. a broadcast).
     """
 
@@ -433,18 +443,15 @@ class EngineClient:
     def url(self) -> str:
         return self.aio.url
 
-    def submit(self, method: str, *args, **kwargs):
-        """Start ``AsyncEngineClient.<method>(*args, **kwargs)``; return a Future."""
-        return asyncio.run_coroutine_threadsafe(getattr(self.aio, method)(*args, **kwargs),
-                                                self._loop)
-
-    def _call(self, method: str, *args, **kwargs):
-        return self.submit(method, *args, **kwargs).result()
+    def submit(self, call: Coroutine) -> concurrent.futures.Future:
+        """Run ``call``, a coroutine of :attr:`aio` (``client.aio.flush_cache()``), on this
+        client's loop; return its Future."""
+        return asyncio.run_coroutine_threadsafe(call, self._loop)
 
     def close(self) -> None:
         if self._loop.is_closed():
             return
-        asyncio.run_coroutine_threadsafe(self.aio.close(), self._loop).result()
+        self.submit(self.aio.close()).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
@@ -464,14 +471,20 @@ class EngineClient:
         finally:
             self.end_weight_update()
 
-    def __getattr__(self, name: str):
-        method = getattr(AsyncEngineClient, name, None)
-        if name.startswith("_") or method is None or not callable(method):
-            raise AttributeError(f"EngineClient has no method {name!r}")
-
-        def call(*args, **kwargs):
-            return self._call(name, *args, **kwargs)
-
-        call.__name__ = name
-        call.__doc__ = method.__doc__
-        return call
+    health = _blocking(AsyncEngineClient.health)
+    model_info = _blocking(AsyncEngineClient.model_info)
+    server_info = _blocking(AsyncEngineClient.server_info)
+    generate = _blocking(AsyncEngineClient.generate)
+    flush_cache = _blocking(AsyncEngineClient.flush_cache)
+    pause_generation = _blocking(AsyncEngineClient.pause_generation)
+    continue_generation = _blocking(AsyncEngineClient.continue_generation)
+    release_memory_occupation = _blocking(AsyncEngineClient.release_memory_occupation)
+    resume_memory_occupation = _blocking(AsyncEngineClient.resume_memory_occupation)
+    begin_weight_update = _blocking(AsyncEngineClient.begin_weight_update)
+    end_weight_update = _blocking(AsyncEngineClient.end_weight_update)
+    init_weights_update_group = _blocking(AsyncEngineClient.init_weights_update_group)
+    destroy_weights_update_group = _blocking(AsyncEngineClient.destroy_weights_update_group)
+    update_weights_from_distributed = _blocking(AsyncEngineClient.update_weights_from_distributed)
+    update_weights_from_tensor = _blocking(AsyncEngineClient.update_weights_from_tensor)
+    update_weights_from_disk = _blocking(AsyncEngineClient.update_weights_from_disk)
+    update_weight_version = _blocking(AsyncEngineClient.update_weight_version)

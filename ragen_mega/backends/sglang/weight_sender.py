@@ -12,15 +12,18 @@ larger than a bucket goes alone) so only one bucket is in flight at a time, then
   an error instead of waiting forever.
 * ``mode="tensor"`` (colocated: sender and engine on the same host/GPU): serialized with torch's
   multiprocessing pickler, so only handles (CUDA IPC, or a shared-memory file on CPU) travel
-  over HTTP.
+  over HTTP (:mod:`~ragen_mega.backends.sglang.payloads`).
 
-Each :meth:`BucketedWeightSender.send` is one ``begin_weight_update``/``end_weight_update``
-session per engine, flushes the prefix cache with the last bucket, then labels the engines with
-the new weight version. It is pipelined one bucket deep: while bucket k travels, the next one is
+Both transports take one path (:meth:`BucketedWeightSender.send`): one
+``begin_weight_update``/``end_weight_update`` session per engine around the whole update (closed
+after a failure too, as far as the engines still answer), each bucket started on its transport
+while the next is drawn and finished before the next starts; the last bucket flushes the prefix cache with the last bucket, then labels the engines with
+the new weight version (a failed update labels nothing). It is pipelined one bucket deep: while bucket k travels, the next one is
 drawn from the (lazy) input, e.g. a Megatron export gathering the next shards. Given the input's
 ``layout`` (names, shapes and dtypes known before the tensors, as ``DirectExport.layout``), a
 distributed per-tensor sync goes further and streams: each bucket is announced to the engines
-first, and each tensor goes on the wire the moment it is drawn. Pausing generation around a sync
+first, and each tensor goes on the wire the moment it is drawn. The process group's torch
+internals live in :mod:`~ragen_mega.backends.sglang.update_group`. Pausing generation around a sync
 is the caller's choice (``EngineClient.pause_generation`` / ``continue_generation``).
 
 The design follows slime's ``UpdateWeightFromDistributed`` (buckets, a custom group with the
@@ -28,21 +31,24 @@ trainer at rank 0, HTTP calls overlapped with the broadcast); the code is our ow
 """
 from __future__ import annotations
 
-import io
+import contextlib
 import time
-from collections import deque
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from datetime import timedelta
-from types import SimpleNamespace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed as dist
 
 from ragen_mega.backends.sglang.client import EngineClient, EngineError
+from ragen_mega.backends.sglang.payloads import (engine_payload, flatten_bucket,
+                                                 pickle_for_receiver)
+from ragen_mega.backends.sglang.update_group import (broadcast, join_update_group,
+                                                     leave_update_group, update_group_store)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024 * 1024
+#: how long a failed update waits for the engines to close their sessions: one that died cannot,
+#: and one left in a broken broadcast's receive answers only when that receive fails
+CLOSE_AFTER_FAILURE_S = 5.0
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -72,89 +78,42 @@ def _buckets(named_tensors, bucket_bytes: int):
         yield bucket, True
 
 
-def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]):
-    """``(names, dtypes, shapes, flat_uint8)`` in SGLang's ``flattened_bucket`` layout.
+@dataclass
+class Bucket:
+    """One update's worth of tensors: what the engines are told to expect (``names``,
+    ``dtypes``, ``shapes``, in SGLang's ``load_format``), and the tensors that carry it, drawn
+    lazily when the bucket was planned from a layout. ``flush_cache``: the last bucket."""
 
-    SGLang places tensors back to back without padding and requires each one to start at a
-    multiple of its item size, so tensors are ordered by item size, largest first.
-    """
-    ordered = sorted(bucket, key=lambda nt: -nt[1].element_size())
-    flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in ordered])
-    return ([n for n, _ in ordered], [t.dtype for _, t in ordered],
-            [list(t.shape) for _, t in ordered], flat)
+    names: list[str]
+    dtypes: list[torch.dtype]
+    shapes: list[list[int]]
+    tensors: Iterable[torch.Tensor]
+    load_format: str | None
+    flush_cache: bool
 
-
-def engine_payload(bucket: list[tuple[str, torch.Tensor]], *, flattened: bool = False):
-    """What SGLang's ``update_weights_from_tensor`` unpickles: the ``(name, tensor)`` list, or
-    with ``flattened=True`` SGLang's flattened bucket (one tensor + metadata; the metadata are
-    ``SimpleNamespace`` records, which SGLang's restricted unpickler accepts). Keep it alive
-    until the receivers have loaded it."""
-    if not flattened:
-        return list(bucket)
-    names, dtypes, shapes, flat = flatten_bucket(bucket)
-    metadata, offset = [], 0
-    for name, dtype, shape in zip(names, dtypes, shapes):
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        metadata.append(SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype,
-                                        start_idx=offset, end_idx=offset + nbytes,
-                                        numel=nbytes))
-        offset += nbytes
-    return {"flattened_tensor": flat, "metadata": metadata}
+    @classmethod
+    def of(cls, pairs: list[tuple[str, torch.Tensor]], *, flattened: bool,
+           flush_cache: bool) -> "Bucket":
+        """A bucket of tensors in hand; ``flattened``: as one uint8 tensor."""
+        if flattened:
+            names, dtypes, shapes, flat = flatten_bucket(pairs)
+            return cls(names, dtypes, shapes, [flat], "flattened_bucket", flush_cache)
+        return cls([n for n, _ in pairs], [t.dtype for _, t in pairs],
+                   [list(t.shape) for _, t in pairs], [t for _, t in pairs], None, flush_cache)
 
 
-def pickle_for_receiver(payload) -> bytes:
-    """``payload``'s bytes for ONE receiving process (an engine's TP rank).
+@dataclass
+class _Moved:
+    """What a send has put on its way so far."""
 
-    Tensors are shared, not copied into the bytes: CUDA tensors by IPC handle, CPU tensors by a
-    shared-memory file. On CPU that needs the ``file_system`` sharing strategy (the default
-    ``file_descriptor`` strategy passes fds that the server cannot receive over HTTP, and the
-    server process dies). There each pickling takes one reference on the file and each
-    unpickling in another process gives one back, so the same bytes read by several processes
-    give back more than they took: the file is unlinked under the later readers (three engines:
-    ``unable to open shared memory object ... No such file or directory``). Hence one pickle per
-    receiver.
-    """
-    # `import torch` has already registered torch's tensor reductions with ForkingPickler.
-    from multiprocessing.reduction import ForkingPickler
+    tensors: int = 0
+    buckets: int = 0
+    bytes: int = 0
 
-    tensors = ([payload["flattened_tensor"]] if isinstance(payload, dict)
-               else [t for _, t in payload])
-    if any(t.device.type == "cpu" for t in tensors):
-        torch.multiprocessing.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(payload)
-    return buf.getvalue()
-
-
-def update_group_store(master_addr: str, master_port: int, world_size: int, *, rank: int = 0,
-                       timeout: float = 600.0) -> dist.TCPStore:
-    """The rendezvous store of the weight-update group: rank 0 hosts it, the others connect.
-
-    Rank 0 with ``master_port=0`` lets the OS choose the port while binding (read it back from
-    ``store.port``): a port picked first and bound later can be taken in between by any process
-    on the node (an engine, a Ray worker, an outgoing connection), which fails the rendezvous.
-    """
-    return dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
-                         timeout=timedelta(seconds=timeout), wait_for_workers=False)
-
-
-def join_update_group(store: dist.TCPStore, rank: int, world_size: int, group_name: str,
-                      backend: str, timeout: float = 600.0):
-    """Join the process group that SGLang engines create in ``init_weights_update_group``.
-
-    The sender is rank 0 (it hosts ``store``, see :func:`update_group_store`). The group is
-    separate from the default one, so the trainer keeps its own (e.g. Megatron's)
-    ``torch.distributed`` world; it is built the way SGLang builds its side (same store prefix).
-    """
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore,
-                                                    _new_process_group_helper, _world)
-
-    td = timedelta(seconds=timeout)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend),
-                                      PrefixStore(group_name, store), group_name=group_name,
-                                      timeout=td)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+    def add(self, tensors: int, nbytes: int) -> None:
+        self.tensors += tensors
+        self.buckets += 1
+        self.bytes += nbytes
 
 
 @dataclass
@@ -226,8 +185,9 @@ class BucketedWeightSender:
         store = update_group_store(self.master_addr, self.master_port or 0, world_size,
                                    timeout=self.timeout)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
-        futures = [e.submit("init_weights_update_group", self.master_addr, store.port, offset,
-                            world_size, self.group_name, self.backend, timeout=self.timeout)
+        futures = [e.submit(e.aio.init_weights_update_group(
+                       self.master_addr, store.port, offset, world_size, self.group_name,
+                       self.backend, timeout=self.timeout))
                    for e, offset in zip(self.engines, offsets)]
         # joined on a thread of its own, so that an engine that fails to join (its server died)
         # ends the wait at once instead of after the rendezvous' time-out
@@ -266,7 +226,7 @@ class BucketedWeightSender:
                 e.destroy_weights_update_group(self.group_name)
             except EngineError as err:
                 errors.append(str(err))
-        dist.destroy_process_group(group)
+        leave_update_group(group)
         if errors:
             raise EngineError("destroy_weights_update_group failed: " + "; ".join(errors))
 
@@ -301,135 +261,130 @@ class BucketedWeightSender:
              ) -> SyncStats:
         """Load all ``named_tensors`` into every engine, then set their weight version.
 
-        Pipelined one bucket deep: bucket k is broadcast (or shared) in the background while
-        this thread draws bucket k+1 from ``named_tensors`` (for a Megatron export, that is
-        when the next shards are gathered); bucket k+1 starts once bucket k has landed.
+        One path for both transports: the engines' update sessions are opened, the tensors go
+        bucket by bucket (:meth:`_plan`), each bucket started while the next is drawn and
+        finished before the next is started, the sessions are closed, and only a complete
+        update labels the engines with ``version``.
 
         ``layout`` (distributed mode with per-tensor loading): the ``(name, shape, dtype)`` of
         every tensor ``named_tensors`` will yield, in order, known before they exist (e.g.
-        ``DirectExport.layout``). Then the pipeline goes down to single tensors: each bucket is
-        announced to the engines before its tensors are drawn, and every tensor goes on the
-        wire as soon as it is drawn, so a bucket's export overlaps its own broadcast; at most
-        ``bucket_bytes`` of drawn tensors wait for the wire. A stream that departs from its
-        layout raises ``ValueError`` at once; the engines are then stuck in the announced
-        receive, and the group is unusable (as after a refused update).
+        ``DirectExport.layout``). Then each bucket is announced to the engines before its
+        tensors are drawn, and every tensor goes on the wire as soon as it is drawn, so a
+        bucket's export overlaps its own broadcast. A stream that departs from its layout
+        raises ``ValueError`` at once; the engines are then stuck in the announced receive, and
+        the group is unusable (as after a refused update).
         """
         if self.mode == "distributed" and self.group is None:
             raise RuntimeError("BucketedWeightSender.send: call connect() first "
                                "(or use the sender as a context manager)")
         start = time.perf_counter()
-        for e in self.engines:
-            e.begin_weight_update()
-        if layout is not None and self.mode == "distributed" and self.load_format is None:
-            n_tensors, n_buckets, n_bytes = self._stream(named_tensors, layout)
-        else:
-            n_tensors, n_buckets, n_bytes = self._send_buckets(named_tensors)
+        streamed = layout is not None and self.mode == "distributed" and self.load_format is None
+        moved = _Moved()
+        with self._sessions():
+            finish = None  # of the bucket on its way
+            try:
+                for bucket in (self._planned(named_tensors, layout) if streamed
+                               else self._drawn(named_tensors)):
+                    if finish is not None:  # one bucket on the wire at a time
+                        finish, landed = None, finish
+                        landed()
+                    finish = self._start(bucket, moved)
+                if finish is None:
+                    raise ValueError("BucketedWeightSender.send: named_tensors was empty")
+            finally:
+                if finish is not None:  # also when drawing the next bucket failed: land this
+                    finish()            # one before the error goes up
         for e in self.engines:
             e.update_weight_version(str(version))
-        return SyncStats(version=str(version), num_tensors=n_tensors, num_buckets=n_buckets,
-                         num_bytes=n_bytes, seconds=time.perf_counter() - start)
+        return SyncStats(version=str(version), num_tensors=moved.tensors,
+                         num_buckets=moved.buckets, num_bytes=moved.bytes,
+                         seconds=time.perf_counter() - start)
 
-    def _send_buckets(self, named_tensors) -> tuple[int, int, int]:
-        """:meth:`send` without a layout: bucket k travels while bucket k+1 is drawn."""
-        n_tensors = n_buckets = n_bytes = 0
-        in_flight = None  # finish() of the bucket being sent
+    @contextlib.contextmanager
+    def _sessions(self):
+        """Every engine's weight-update session around one update (SGLang refuses an update
+        outside one). After a failure the sessions are closed as far as the engines answer
+        within :data:`CLOSE_AFTER_FAILURE_S`, and the update's own error is what is raised."""
+        opened = []
         try:
-            for bucket, last in _buckets(named_tensors, self.bucket_bytes):
-                if in_flight is not None:  # one bucket on the wire at a time
-                    in_flight, finish = None, in_flight
-                    finish()
-                # the prefix cache is flushed only with the last bucket
-                in_flight = self._start_bucket(bucket, flush_cache=last)
-                n_buckets += 1
-                n_tensors += len(bucket)
-                n_bytes += sum(t.nbytes for _, t in bucket)
-            if in_flight is None:
-                raise ValueError("BucketedWeightSender.send: named_tensors was empty")
-            in_flight, finish = None, in_flight
-            finish()
-        finally:
-            try:
-                if in_flight is not None:  # drawing the next bucket failed: land this one first
-                    in_flight()
-            finally:
-                for e in self.engines:
-                    e.end_weight_update()
-        return n_tensors, n_buckets, n_bytes
+            for e in self.engines:
+                e.begin_weight_update()
+                opened.append(e)
+            yield
+        except BaseException:
+            wait([e.submit(e.aio.end_weight_update()) for e in opened],
+                 timeout=CLOSE_AFTER_FAILURE_S)
+            raise
+        for e in opened:
+            e.end_weight_update()
 
-    def _stream(self, named_tensors, layout) -> tuple[int, int, int]:
-        """:meth:`send` with a layout: announce each bucket, then broadcast tensor by tensor."""
+    def _drawn(self, named_tensors) -> Iterator[Bucket]:
+        """Buckets of tensors in hand: bucket k+1 is drawn while bucket k is on the wire."""
+        flattened = self.mode == "distributed" and self.load_format == "flattened_bucket"
+        for pairs, last in _buckets(named_tensors, self.bucket_bytes):  # (the shared-memory
+            yield Bucket.of(pairs, flattened=flattened, flush_cache=last)  # payload flattens its own)
+
+    def _planned(self, named_tensors, layout) -> Iterator[Bucket]:
+        """Buckets cut from ``layout``, whose tensors are drawn from ``named_tensors`` only as
+        the bucket goes on the wire (each checked against its layout entry)."""
         if not layout:
             raise ValueError("BucketedWeightSender.send: layout was empty")
         metas = ((name, torch.empty(tuple(shape), dtype=dtype, device="meta"))
                  for name, shape, dtype in layout)
-        buckets = list(iter_buckets(metas, self.bucket_bytes))
+        planned = list(iter_buckets(metas, self.bucket_bytes))
         stream = iter(named_tensors)
-        on_wire: deque = deque()  # (work, tensor): broadcasts not known to be complete
-        wire_bytes = n_bytes = 0
-        announced: list = []  # the HTTP calls of the bucket being received
-        for i, bucket in enumerate(buckets):
-            _answered(announced)  # an engine takes bucket k+1's request only after bucket k
-            announced = [e.submit("update_weights_from_distributed", [n for n, _ in bucket],
-                                  [t.dtype for _, t in bucket], [list(t.shape) for _, t in bucket],
-                                  self.group_name, flush_cache=i == len(buckets) - 1,
-                                  load_format=None, timeout=self.timeout)
-                         for e in self.engines]
-            for name, meta in bucket:
-                tensor = _expect(next(stream, None), name, meta)
-                while on_wire and wire_bytes > self.bucket_bytes:
-                    work, sent = on_wire.popleft()
-                    self._await_broadcast([work], announced)
-                    wire_bytes -= sent.nbytes
-                on_wire.append((dist.broadcast(tensor, group=self.group, group_src=0,
-                                               async_op=True), tensor))
-                wire_bytes += tensor.nbytes
-                n_bytes += tensor.nbytes
-        extra = next(stream, None)
-        if extra is not None:
-            raise ValueError(f"BucketedWeightSender.send: the tensors go on past their layout "
-                             f"({len(layout)} entries): {extra[0]!r} was not announced")
-        self._await_broadcast([w for w, _ in on_wire], announced)
-        _answered(announced)
-        for e in self.engines:
-            e.end_weight_update()
-        return len(layout), len(buckets), n_bytes
-    def _start_bucket(self, bucket, *, flush_cache: bool):
-        """Start sending one bucket; return ``finish()``, which waits until every engine has
-        it (and raises :class:`EngineError` if one refused or the time ran out)."""
+
+        def drawn(pairs, last: bool):
+            for name, meta in pairs:
+                yield _expect(next(stream, None), name, meta)
+            extra = next(stream, None) if last else None
+            if extra is not None:  # found before the last bucket is awaited
+                raise ValueError(f"BucketedWeightSender.send: the tensors go on past their "
+                                 f"layout ({len(layout)} entries): {extra[0]!r} was not "
+                                 f"announced")
+
+        for i, pairs in enumerate(planned):
+            last = i == len(planned) - 1
+            yield Bucket([n for n, _ in pairs], [t.dtype for _, t in pairs],
+                         [list(t.shape) for _, t in pairs], drawn(pairs, last), None,
+                         flush_cache=last)
+
+    def _start(self, bucket: Bucket, moved: "_Moved") -> Callable[[], None]:
+        """Start sending ``bucket`` to every engine; return ``finish()``, which waits until
+        every engine has loaded it (and raises :class:`EngineError` if one refused or the time
+        ran out)."""
         if self.mode == "distributed":
-            return self._start_broadcast(bucket, flush_cache)
-        return self._start_share(bucket, flush_cache)
+            return self._start_broadcast(bucket, moved)
+        return self._start_share(bucket, moved)
 
-    def _start_broadcast(self, bucket, flush_cache: bool):
-        flattened = self.load_format == "flattened_bucket"
-        if flattened:
-            names, dtypes, shapes, flat = flatten_bucket(bucket)
-            tensors = [flat]
-        else:
-            names = [n for n, _ in bucket]
-            dtypes = [t.dtype for _, t in bucket]
-            shapes = [list(t.shape) for _, t in bucket]
-            tensors = [t for _, t in bucket]
-        futures = [e.submit("update_weights_from_distributed", names, dtypes, shapes,
-                            self.group_name, flush_cache=flush_cache,
-                            load_format=self.load_format, timeout=self.timeout)
+    def _start_broadcast(self, bucket: Bucket, moved: "_Moved") -> Callable[[], None]:
+        """Announce the bucket (each engine allocates it and waits in the receive), then put
+        each tensor on the wire as it comes."""
+        answers = [e.submit(e.aio.update_weights_from_distributed(
+                       bucket.names, bucket.dtypes, bucket.shapes, self.group_name,
+                       flush_cache=bucket.flush_cache, load_format=bucket.load_format,
+                       timeout=self.timeout))
                    for e in self.engines]
-        works = [dist.broadcast(t, group=self.group, group_src=0, async_op=True)
-                 for t in tensors]
+        sent, works = [], []  # the tensors live until their broadcast ends
+        for tensor in bucket.tensors:
+            sent.append(tensor)
+            works.append(broadcast(tensor, self.group))
+        moved.add(len(bucket.names), sum(t.nbytes for t in sent))
 
-        def finish(_keep_alive=tensors) -> None:  # the tensors live until their broadcast ends
-            self._await_broadcast(works, futures)
-            _answered(futures)
+        def finish() -> None:
+            self._await_broadcast(works, answers)
+            _answered(answers)
+            sent.clear()
 
         return finish
 
-    def _await_broadcast(self, works, futures) -> None:
+    def _await_broadcast(self, works, answers) -> None:
         """Wait until the broadcasts ``works`` are done; fail at once if an engine refused its
-        update (``futures``: it never receives, so the broadcast would hang) or after
+        update (``answers``: it never receives, so the broadcast would hang) or after
         ``timeout``."""
         deadline = time.monotonic() + self.timeout
         while not all(w.is_completed() for w in works):
-            failed = [f for f in futures if f.done() and f.exception() is not None]
+            failed = [f for f in answers if f.done() and f.exception() is not None]
             if failed:
                 raise EngineError(
                     f"weight broadcast abandoned, the process group {self.group_name!r} is "
@@ -442,17 +397,19 @@ class BucketedWeightSender:
         for w in works:
             w.wait()
 
-    def _start_share(self, bucket, flush_cache: bool):
-        flattened = self.load_format == "flattened_bucket"
-        payload = engine_payload(bucket, flattened=flattened)
-        futures = [e.submit("update_weights_from_tensor",
-                            [pickle_for_receiver(payload) for _ in range(tp)],
-                            load_format=self.load_format, flush_cache=flush_cache,
-                            timeout=self.timeout)
+    def _start_share(self, bucket: Bucket, moved: "_Moved") -> Callable[[], None]:
+        """Hand every engine TP rank its own pickle of the bucket's shared-memory handles."""
+        pairs = list(zip(bucket.names, bucket.tensors))
+        payload = engine_payload(pairs, flattened=self.load_format == "flattened_bucket")
+        answers = [e.submit(e.aio.update_weights_from_tensor(
+                       [pickle_for_receiver(payload) for _ in range(tp)],
+                       load_format=self.load_format, flush_cache=bucket.flush_cache,
+                       timeout=self.timeout))
                    for e, tp in zip(self.engines, self._tp_sizes())]
+        moved.add(len(pairs), sum(t.nbytes for _, t in pairs))
 
         def finish(_keep_alive=payload) -> None:  # the tensors' shared memory lives until here
-            _answered(futures)
+            _answered(answers)
 
         return finish
 
