@@ -106,9 +106,8 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     history = []
     #: trainer.async_rollout: the next step's rollout, played while this step trained (and
     #: saved with the step's checkpoint, so a resumed run trains on exactly these samples)
-    start, saved_streams, pending = checkpoints.resume(cfg, run.actor, run.critic)
-    if cfg.rollout.mode == "turns":
-        run.rollouts.open_streams(saved_streams)
+    start, saved_rollout, pending = checkpoints.resume(cfg, run.actor, run.critic)
+    run.rollouts.load_state_dict(saved_rollout)
     run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
     if start == 0 and t.eval_every:  # step 0: the start weights, the base of every curve
         metrics = evaluate(cfg, run, 0)
@@ -127,11 +126,9 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         last = step == t.total_steps
         if failed is None and (last or stop.requested or
                                (t.save_every and step % t.save_every == 0)):
-            streams = run.rollouts.streams
             with timed(metrics, "time/save_s"):
                 checkpoints.save(cfg, step, run.actor, run.critic,
-                                 streams=None if streams is None else streams.state_dict(),
-                                 pending=pending)
+                                 streams=run.rollouts.state_dict(), pending=pending)
         logger.log(step, metrics)
         history.append({"step": step, **metrics})
         append_metrics(run_dir, step, metrics)
@@ -181,7 +178,7 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
                     "train/batch_tokens": float(tokens),
                     "weight_version": float(step), **played.faults.metrics()})
     if run.engines is not None:  # none in a replayed run
-        metrics.update(run.engines.take_fault_counts())  # since the previous step's
+        metrics.update(run.engines.supervisor.take_fault_counts())  # since the previous step's
     return metrics, pending
 
 
@@ -325,7 +322,7 @@ def join_rollout(next_rollout: Future, metrics: dict[str, float]) -> PlayedStep 
     An engine restarted under it has served the checkpoint it loaded since, so the rollout is
     dropped (None: the next step plays it again, after this step's sync, which also gives that
     engine the trainer's weights, on the thread that holds the trainer: ``Run.sync_weights``)."""
-    from ragen_mega.ray.engine_group import ResyncDeferred
+    from ragen_mega.ray.engine_supervisor import ResyncDeferred
 
     start = time.perf_counter()
     try:

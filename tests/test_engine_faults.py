@@ -15,6 +15,7 @@ the tiny-model loop (real Ray, Megatron, SGLang):
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -26,7 +27,6 @@ import pytest
 
 from conftest import server_killed_under_first_request, server_pids
 from ragen_mega.config import load_run_config
-from ragen_mega.ray.engine_group import EngineGroup
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
 from ragen_mega import checkpoints
@@ -118,13 +118,15 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
         assert not _alive(first_pid)
 
         os.kill(server_pids(tmp_path)[-1], signal.SIGKILL)
-        rollouts.engines.max_restarts_per_step = 1  # and this step has had one
+        supervisor = rollouts.engines.supervisor
+        supervisor.max_restarts_per_step = 1  # and this step has had one
         with pytest.raises(RuntimeError, match=r"engine 0's SGLang server died \(log .*engine_0"
                                                r"\.log\) .*\(rollout\.max_engine_restarts_per_"
                                                r"step=1\)"):
             real_rollout(rollouts, step)
-        rollouts.engines.max_restarts_per_step = 4
+        supervisor.max_restarts_per_step = 4
         seen["after_error"], seconds = real_rollout(rollouts, step, faults=faults)
+        supervisor.listeners.append(killed_in_the_sync)
         return seen["after_error"], seconds
 
     real_update = train_module.update_models
@@ -136,34 +138,20 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
             _kill(pid)
         return out
 
-    real_restart_dead = EngineGroup.restart_dead
-    checks = []
-
-    def killed_after_the_check(engines):
-        """Step 2's sync (the run's third): the server dies after the check for dead engines,
-        so the sync's own requests meet it dead."""
-        restarted = real_restart_dead(engines)
-        checks.append(restarted)
-        if len(checks) == 3:
+    def killed_in_the_sync(recovery):
+        """Step 2's sync: the server dies after the check for dead engines, so the sync's own
+        requests meet it dead; then the first server restarted for the broken sync dies before
+        it joins the new weight-update group: the sync fails again and is made again into yet
+        another."""
+        if recovery.reason == "check" and "killed_in_sync" not in seen:
             seen["killed_in_sync"] = pid = server_pids(tmp_path)[-1]
             _kill(pid)
-        return restarted
-
-    real_restart_after = EngineGroup.restart_after_failed_sync
-
-    def killed_before_it_joins(engines, error):
-        """The first server restarted after the failed sync dies before it joins the new
-        weight-update group: the sync fails again and is made again into yet another."""
-        restarted = real_restart_after(engines, error)
-        if "killed_before_join" not in seen:
+        elif recovery.broken_sync and "killed_before_join" not in seen:
             seen["killed_before_join"] = pid = server_pids(tmp_path)[-1]
             _kill(pid)
-        return restarted
 
-    monkeypatch.setattr(EngineGroup, "restart_after_failed_sync", killed_before_it_joins)
     monkeypatch.setattr(RolloutManager, "episodes", faulted_rollout)
     monkeypatch.setattr(train_module, "update_models", killed_after_update)
-    monkeypatch.setattr(EngineGroup, "restart_dead", killed_after_the_check)
     overrides = tiny_run_overrides(tmp_path, total_steps=2) + [
         "trainer.save_every=0", "rollout.max_engine_restarts_per_step=4"]
     history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
@@ -188,6 +176,11 @@ def test_dead_engine_is_restarted_resynced_and_its_episodes_replayed(
     assert len(pids) == 6 and len(set(pids)) == 6
     assert (pids[0], pids[1], pids[3], pids[4]) == (
         seen["killed_in_train"], seen["killed"], seen["killed_in_sync"], seen["killed_before_join"])
+    # each restart is described in the run's fault log, naming the dead engine and its log
+    described = [json.loads(line) for line in (tmp_path / "faults.jsonl").read_text().splitlines()]
+    restarts = [d for d in described if d["fault"] == "engine_restarted"]
+    assert len(restarts) == 5 and all(d["dead"] == [0] == d["restarted"] for d in restarts)
+    assert restarts[-1]["logs"][0].endswith("logs/engine_0.log")
 
 
 STARTER = """

@@ -73,24 +73,24 @@ class Run:
         rollout (not given weights from its thread) waits here: both join the weight-update
         group, so this one sync gives them the weights. An engine that dies during the sync fails
         it on every trainer rank; then every engine is restarted and the sync is made again into
-        the new ones (``EngineGroup.restart_after_failed_sync``), as often as the step's restart
-        allowance lets it. Colocated engines are released at this
+        the new ones (``EngineSupervisor.recover(error, broken_sync=True)``), as often as the
+        step's restart allowance lets it. Colocated engines are released at this
         point (after start-up, and after each rollout): they take their weight memory back first
         and their KV cache only once the weights are in (slime's order). A replayed run
         (``trainer.replay_rollouts``) has no engine: nothing is sent."""
         if self.engines is None:
             self.weight_version = version
             return {}
-        restarted = {**self.engines.take_unsynced(), **self.engines.restart_dead()}
+        supervisor = self.engines.supervisor
+        restarted = {**supervisor.take_unsynced(), **supervisor.recover(None)}
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["weights"])
         while True:  # ends with a sync, or an error: no engine dead, or too many restarts
             try:
-                metrics = (self.actor.replace_engines(restarted, version) if restarted
-                           else self.actor.sync_weights(version))
+                metrics = self.actor.sync_weights(version, new_engines=restarted)
                 break
             except Exception as error:  # noqa: BLE001 - re-raised unless an engine died
-                restarted = self.engines.restart_after_failed_sync(error)
+                restarted = supervisor.recover(error, broken_sync=True)
                 if self.cfg.trainer.colocate:
                     self.engines.resume_memory(["weights"])
         self.weight_version = version
@@ -100,9 +100,10 @@ class Run:
 
     def resync_engines(self, urls: dict[int, str]) -> None:
         """Engines ``urls`` (index -> url) were restarted: the actor's weight-update channel
-        takes them in and the weights the engines serve go out again (``EngineGroup.resync``;
-        called on the thread that holds the trainer, never from an overlapped rollout's)."""
-        self.actor.replace_engines(urls, self.weight_version)
+        takes them in and the weights the engines serve go out again (the engines'
+        ``resync``; called on the thread that holds the trainer, never from an overlapped
+        rollout's)."""
+        self.actor.sync_weights(self.weight_version, new_engines=urls)
 
 
 @contextlib.contextmanager
@@ -171,7 +172,9 @@ def _place(run: Run, with_trainers: bool) -> None:
                               mem_fraction=cfg.rollout.mem_fraction,
                               max_restarts_per_step=cfg.rollout.max_engine_restarts_per_step,
                               ep=cfg.rollout.engine_ep,
-                              routed_experts=_routing_shape(run.model_dir))
+                              routed_experts=_routing_shape(run.model_dir),
+                              resync=run.resync_engines if with_trainers else None,
+                              fault_log=Path(t.run_dir) / "faults.jsonl")
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)
@@ -189,7 +192,6 @@ def _place(run: Run, with_trainers: bool) -> None:
     run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
                               mode="tensor" if t.colocate else "distributed",
                               bucket_bytes=t.sync_bucket_mb << 20, api_key=run.engines.api_key)
-    run.engines.resync = run.resync_engines
 
 
 def _start_trainers(run: Run) -> None:

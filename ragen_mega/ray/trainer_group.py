@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import socket
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -117,38 +117,34 @@ class TrainerWorker:
         if mode == "distributed":
             self.sender.connect()
 
-    def sync_weights(self, version: int, *, before: Callable[[], None] | None = None
+    def sync_weights(self, version: int, new_engines: dict[int, str] | None = None
                      ) -> dict[str, float]:
-        """Push the current weights into the engines (collective over every rank).
+        """Push the current weights into the engines as ``version`` (collective over every
+        rank).
 
         Only rank 0 (the sender) receives full tensors: the other ranks send their shards
         straight to it, up to a bucket ahead, and rank 0 puts each tensor on the wire to the
         engines as soon as it is whole (the sender streams along ``DirectExport.layout``).
-        ``before``: what rank 0 does first; it and a failed send are raised on rank 0 once the
-        export has run to its end on every rank (``send_export``)."""
+        ``new_engines`` (index -> url): engines that were restarted; rank 0's channel first
+        takes them in place of the old ones (the others receive the same values again). That,
+        or a failed send (a new engine that fails to join), is raised on rank 0 once the export
+        has run to its end on every rank (``send_export``)."""
         if self.sync_bucket_bytes is None:
             raise RuntimeError("sync_weights: call connect_engines first")
+        from ragen_mega.backends.sglang.client import EngineClient
         from ragen_mega.backends.sglang.weight_sender import send_export
 
+        def take_them_in() -> None:
+            self.sender.replace_engines({i: EngineClient(u, api_key=self.engine_key)
+                                         for i, u in sorted(new_engines.items())})
+
         export = self.trainer.weight_export(dst=0, prefetch_bytes=self.sync_bucket_bytes)
-        stats = send_export(export, self.sender, version, before=before)
+        stats = send_export(export, self.sender, version,
+                            before=take_them_in if new_engines and self.rank == 0 else None)
         if stats is None:  # not the sending rank
             return {}
         return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes),
                 "sync/buckets": float(stats.num_buckets)}
-
-    def replace_engines(self, urls: dict[int, str], version: int) -> dict[str, float]:
-        """Engines ``urls`` (index -> new url) were restarted: rank 0's channel takes them in
-        place of the old ones, then every rank syncs the current weights as ``version`` again,
-        so the new engines have them (the others receive the same values again). A new engine
-        that fails to join fails the sync, on rank 0, once the other ranks are through it."""
-        def take_them_in() -> None:
-            from ragen_mega.backends.sglang.client import EngineClient
-
-            self.sender.replace_engines({i: EngineClient(u, api_key=self.engine_key)
-                                         for i, u in sorted(urls.items())})
-
-        return self.sync_weights(version, before=take_them_in if self.rank == 0 else None)
 
     def close(self) -> None:
         """Tear down the weight-update channel (its process group and HTTP sessions)."""
@@ -221,11 +217,9 @@ class TrainerGroup:
                         bucket_bytes: int, api_key: str | None) -> None:
         self.group.call("connect_engines", urls, engine_tp_sizes, mode, bucket_bytes, api_key)
 
-    def sync_weights(self, version: int) -> dict[str, float]:
-        return self._first("sync_weights", version)
-
-    def replace_engines(self, urls: dict[int, str], version: int) -> dict[str, float]:
-        return self._first("replace_engines", urls, version)
+    def sync_weights(self, version: int, new_engines: dict[int, str] | None = None
+                     ) -> dict[str, float]:
+        return self._first("sync_weights", version, new_engines)
 
     def kill(self) -> None:
         """Close the weight-update channel, then end every rank. A rank that failed to start

@@ -4,7 +4,7 @@ It owns everything between "the engines serve weights version k" and "here are t
 samples": the step's episode specs and seeds (``rollout/episode.py``), episodes mode (every
 episode of the step played to its end, all at once) or the env streams' window
 (``rollout.mode: turns``, ``rollout/streams.py``), seeded sampling (``rollout/seeding.py``), the
-replay of what a restarted engine cut short (``ray/engine_group.py`` restarts it), the fault
+replay of what a restarted engine cut short (``ray/engine_supervisor.py`` restarts it), the fault
 counters, playing the next step in the background while this one trains
 (``trainer.async_rollout``), and the held-out evaluation. The training loop (``train.py``) and
 ``ragen-mega eval`` both play through it, and it is the seam a test uses to inject a fault.
@@ -19,12 +19,13 @@ import contextlib
 import dataclasses
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ragen_mega.agent.parse import STOP_STRINGS
-from ragen_mega.rollout.types import EngineRestarted, GenerateFn, OpenEnvFn
+from ragen_mega.rollout.types import EngineRestarted, EpisodeSpec, GenerateFn, OpenEnvFn
 from ragen_mega.rollout.seeding import mix_specs, train_parts, train_step_specs, val_parts
 from ragen_mega.rollout.episode import Episode, run_episode
 from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
@@ -83,13 +84,14 @@ class PlayedStep:
 
 class RolloutManager:
     """Plays a run's rollouts: ``engines`` (an :class:`~ragen_mega.ray.engine_group.EngineGroup`:
-    ``generate``, ``run``, ``replaying``, ``count_retried``) serve the policy; ``open_env`` opens
-    each episode's env in an env worker (None: in this process)."""
+    ``generate``, ``run``, and its ``supervisor``, which restarts dead engines and counts the
+    episodes played again) serve the policy; ``open_env`` opens each episode's env in an env
+    worker (None: in this process)."""
 
     def __init__(self, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, engines: EngineGroup,
                  open_env: OpenEnvFn | None = None):
         self.cfg, self.tokenizer, self.engines, self.open_env = cfg, tokenizer, engines, open_env
-        self.streams: EnvStreams | None = None   # rollout.mode=turns, after open_streams
+        self.streams: EnvStreams | None = None   # rollout.mode=turns, after load_state_dict
         r = cfg.rollout
         #: rollout.agent: the user's agent, and the gateway its episodes call the engines through
         self.agent = None if r.agent is None else load_agent(r.agent)
@@ -100,8 +102,11 @@ class RolloutManager:
         """A fresh step's fault counters, describing each fault in ``RUN_DIR/faults.jsonl``."""
         return FaultCounters(step, Path(self.cfg.trainer.run_dir) / "faults.jsonl")
 
-    def open_streams(self, saved: dict | None) -> None:
-        """``rollout.mode=turns``: the run's env streams, where the checkpoint left them."""
+    def load_state_dict(self, saved: dict | None) -> None:
+        """Where a checkpoint left the rollout (None: a fresh start). ``rollout.mode=turns``
+        opens the run's env streams there; episodes mode keeps nothing between steps."""
+        if self.cfg.rollout.mode != "turns":
+            return
         env, r = self.cfg.env, self.cfg.rollout
         self.streams = EnvStreams(train_parts(env), group_size=env.group_size, seed=env.seed,
                                   turns_per_step=r.turns_per_step, tokenizer=self.tokenizer,
@@ -110,6 +115,11 @@ class RolloutManager:
                                   open_env=self.open_env)
         if saved is not None:
             self.streams.load_state_dict(saved)
+
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps of the rollout: the env streams' state (turns mode), or None
+        (episodes mode)."""
+        return None if self.streams is None else self.streams.state_dict()
 
     def rollout(self, step: int, weight_version: int) -> PlayedStep:
         """Step ``step``'s rollout (episodes mode, or the streams' window) with the weights the
@@ -137,7 +147,7 @@ class RolloutManager:
 
         def work():
             try:
-                with self.engines.resyncs_deferred():  # no trainer call from this thread
+                with self.engines.supervisor.deferred():  # no trainer call from this thread
                     future.set_result(self.rollout(step, weight_version))
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
                 future.set_exception(e)
@@ -174,8 +184,7 @@ class RolloutManager:
                     sampling=self._sampling(temperature), max_turns=env.max_turns,
                     env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
             return play
-        played = (episode_or_drop(spec, self.engines.replaying(attempt(spec), self.open_env))
-                  for spec in specs)
+        played = (episode_or_drop(spec, self._replaying(attempt(spec))) for spec in specs)
 
         async def play_all():
             async with (self.gateway.serving() if self.gateway else contextlib.nullcontext()):
@@ -207,7 +216,7 @@ class RolloutManager:
                         lambda stream: self._generate("stream", step, stream), sampling,
                         weight_version=weight_version)
                 except EngineRestarted:
-                    self.engines.count_retried(len(self.streams.streams))
+                    self.engines.supervisor.count_retried(len(self.streams.streams))
                     await self.streams.restore(start_state)
                 except Exception:
                     await self.streams.restore(start_state)
@@ -217,6 +226,26 @@ class RolloutManager:
         window = self.engines.run(play_window())
         count_window_faults(window, faults, self.cfg.rollout.max_env_failure_rate)
         return window, time.perf_counter() - start
+
+    async def _replaying(self, play: Callable[[OpenEnvFn | None], Awaitable[Episode]]
+                         ) -> Episode:
+        """``await play(open_env)`` (one episode, its generate function made afresh each call),
+        again from the start whenever an engine it used died and was restarted. The envs the
+        abandoned attempt opened are closed first (the replay opens them anew; an env in the
+        driver is simply dropped)."""
+        while True:
+            opened: list = []
+
+            async def open_kept(spec: EpisodeSpec):
+                opened.append(await self.open_env(spec))
+                return opened[-1]
+
+            try:
+                return await play(None if self.open_env is None else open_kept)
+            except EngineRestarted:
+                self.engines.supervisor.count_retried(1)
+                for env in opened:
+                    await env.close()
 
     def evaluate(self) -> tuple[dict[str, float], list[Sample]]:
         """The held-out evaluation: ``val/*`` metrics and ``time/eval_s``, and its samples."""

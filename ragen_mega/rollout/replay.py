@@ -34,10 +34,14 @@ class ReplayedRollouts:
     """The rollouts a replayed run trains on: each step's, read from ``source`` (a run
     directory written with ``trainer.save_rollouts``), in place of a :class:`RolloutManager`."""
 
-    streams = None   # a dump holds episodes-mode steps only (config.py checks)
-
     def __init__(self, source: str | Path, faults_log: Path):
         self.source, self.faults_log = Path(source), faults_log
+
+    def load_state_dict(self, saved: None) -> None:
+        """Nothing to restore: a dump holds episodes-mode steps only (config.py checks)."""
+
+    def state_dict(self) -> None:
+        return None
 
     def rollout(self, step: int, weight_version: int) -> PlayedStep:
         """Step ``step``'s saved rollout, its samples stamped as they were played;
