@@ -41,7 +41,9 @@ class Loop:
     def __init__(self, signals: dict[int, list[int]]):
         self.signals, self.trained = signals, []
         self.actor, self.critic = RecordingTrainer(), RecordingTrainer()
-        self.rollouts = SimpleNamespace(rollout=lambda step, version: step, streams=None)
+        self.rollouts = SimpleNamespace(rollout=lambda step, version: step,  # episodes mode
+                                        load_state_dict=lambda saved: None,
+                                        state_dict=lambda: None)
         self.weight_version = 0
 
     def train_step(self, step):
