@@ -390,7 +390,8 @@ class AsyncEngineClient:
                                          weight_version: str | None = None,
                                          timeout: float | None = None) -> None:
         """Colocated update: one serialized payload per engine TP rank (see
-        ``weight_sender.engine_payload`` and ``pickle_for_receiver``); tensors travel by shared memory, not HTTP."""
+        ``payloads.engine_payload`` and ``pickle_for_receiver``); tensors travel by shared
+        memory, not HTTP."""
         payloads = [base64.b64encode(p).decode("ascii") if isinstance(p, (bytes, bytearray))
                     else p for p in serialized_named_tensors]
         await self._control("/update_weights_from_tensor", {

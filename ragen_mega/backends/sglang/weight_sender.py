@@ -16,15 +16,15 @@ larger than a bucket goes alone) so only one bucket is in flight at a time, then
 
 Both transports take one path (:meth:`BucketedWeightSender.send`): one
 ``begin_weight_update``/``end_weight_update`` session per engine around the whole update (closed
-after a failure too, as far as the engines still answer), each bucket started on its transport
-while the next is drawn and finished before the next starts; the last bucket flushes the prefix cache with the last bucket, then labels the engines with
-the new weight version (a failed update labels nothing). It is pipelined one bucket deep: while bucket k travels, the next one is
-drawn from the (lazy) input, e.g. a Megatron export gathering the next shards. Given the input's
+after a failure too, as far as the engines still answer); each bucket is started on its
+transport while the next is drawn from the (lazy) input, e.g. a Megatron export gathering the
+next shards, and finished before the next starts; the last bucket flushes the prefix cache, and
+only a complete update labels the engines with the new weight version. Given the input's
 ``layout`` (names, shapes and dtypes known before the tensors, as ``DirectExport.layout``), a
 distributed per-tensor sync goes further and streams: each bucket is announced to the engines
 first, and each tensor goes on the wire the moment it is drawn. The process group's torch
-internals live in :mod:`~ragen_mega.backends.sglang.update_group`. Pausing generation around a sync
-is the caller's choice (``EngineClient.pause_generation`` / ``continue_generation``).
+internals live in :mod:`~ragen_mega.backends.sglang.update_group`. Pausing generation around a
+sync is the caller's choice (``EngineClient.pause_generation`` / ``continue_generation``).
 
 The design follows slime's ``UpdateWeightFromDistributed`` (buckets, a custom group with the
 trainer at rank 0, HTTP calls overlapped with the broadcast); the code is our own.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
@@ -262,9 +262,9 @@ class BucketedWeightSender:
         """Load all ``named_tensors`` into every engine, then set their weight version.
 
         One path for both transports: the engines' update sessions are opened, the tensors go
-        bucket by bucket (:meth:`_plan`), each bucket started while the next is drawn and
-        finished before the next is started, the sessions are closed, and only a complete
-        update labels the engines with ``version``.
+        bucket by bucket (:meth:`_drawn`, or :meth:`_planned` from a layout), each bucket
+        started while the next is drawn and finished before the next is started, the sessions
+        are closed, and only a complete update labels the engines with ``version``.
 
         ``layout`` (distributed mode with per-tensor loading): the ``(name, shape, dtype)`` of
         every tensor ``named_tensors`` will yield, in order, known before they exist (e.g.
@@ -320,9 +320,11 @@ class BucketedWeightSender:
 
     def _drawn(self, named_tensors) -> Iterator[Bucket]:
         """Buckets of tensors in hand: bucket k+1 is drawn while bucket k is on the wire."""
+        # the broadcast sends a flattened bucket as one tensor; the shared-memory payload
+        # flattens its own (engine_payload)
         flattened = self.mode == "distributed" and self.load_format == "flattened_bucket"
-        for pairs, last in _buckets(named_tensors, self.bucket_bytes):  # (the shared-memory
-            yield Bucket.of(pairs, flattened=flattened, flush_cache=last)  # payload flattens its own)
+        for pairs, last in _buckets(named_tensors, self.bucket_bytes):
+            yield Bucket.of(pairs, flattened=flattened, flush_cache=last)
 
     def _planned(self, named_tensors, layout) -> Iterator[Bucket]:
         """Buckets cut from ``layout``, whose tensors are drawn from ``named_tensors`` only as
@@ -345,9 +347,8 @@ class BucketedWeightSender:
 
         for i, pairs in enumerate(planned):
             last = i == len(planned) - 1
-            yield Bucket([n for n, _ in pairs], [t.dtype for _, t in pairs],
-                         [list(t.shape) for _, t in pairs], drawn(pairs, last), None,
-                         flush_cache=last)
+            announced = Bucket.of(pairs, flattened=False, flush_cache=last)  # meta tensors
+            yield replace(announced, tensors=drawn(pairs, last))
 
     def _start(self, bucket: Bucket, moved: "_Moved") -> Callable[[], None]:
         """Start sending ``bucket`` to every engine; return ``finish()``, which waits until
