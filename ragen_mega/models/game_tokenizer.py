@@ -1,19 +1,31 @@
-"""A byte-level BPE tokenizer made for the project's text games, for small models trained from
-scratch by RL (``ragen-mega prepare-model textgame-small``).
+"""A tokenizer made for the project's text games, for small models trained from scratch by RL
+(``ragen-mega prepare-model textgame-small``): its tokens are the games' phrases.
 
 Why not SmolLM2's tokenizer: a model of about a million weights with a 49 152-row vocabulary
-spends nearly all its compute in the embedding and the LM head. Trained on the games' own
-prompts, the vocabulary is 896 entries (every word of the prompts is one token), and RAGEN's
-FrozenLake ``grid_coord`` prompt is 367 tokens (SmolLM2: 391) with an LM head 55 times smaller.
+spends nearly all its compute in the embedding and the LM head.
+
+Why phrases, not words: the pre-tokenizer splits the text at line ends and after each
+coordinate item (``"),"``), and nowhere else, so byte-level BPE over the games' prompts learns
+whole lines and items as tokens: ``Player: (1, 0)``, ``Goal: (3, 2)``, ``_OO_`` (a board row),
+`` Up </answer>`` (a whole answer). RAGEN's FrozenLake ``grid_coord`` observation is then 23
+tokens where a word-level BPE takes 100, and each fact of the board is one token that a layer of
+attention can pick out by what it is. With words, the player's row is a digit token that means
+"player" only through the tokens four places before it, and a two-layer model trained from
+scratch must first learn to read that from reward: on 4x4 maps it took 400-900 steps of 64
+episodes to pass the best fixed answer, when at all (docs/results.md, "A small model from
+scratch"), and with phrases it passed it within 200.
 
 Byte-level: the 256 bytes are in the vocabulary, so any text encodes (no unknown token) and
 ``decode(encode(text)) == text``; an env the corpus never saw still works, only with longer
 prompts. The chat template is ChatML (``<|im_start|>role ... <|im_end|>``, as SmolLM2 and Qwen
 write it), so the agent's prompts, SFT and the gateway use it as they use any chat model's.
+The model that carries it must be of a type whose tokenizer transformers loads from
+``tokenizer.json`` as written (Qwen3: yes; Qwen2: transformers 5 swaps in Qwen2's own word
+pre-tokenizer), which ``tests/test_textgame_model.py`` checks.
 
 The corpus is rendered by the agent's own :class:`~ragen_mega.agent.prompt.PromptBuilder` (with
 SmolLM2's chat template, only the message texts are kept) over seeded random episodes of the
-games, so it holds exactly the words the prompts use. Deterministic: the same corpus gives the
+games, so it holds exactly the phrases the prompts use. Deterministic: the same corpus gives the
 same vocabulary and merges on every machine.
 """
 from __future__ import annotations
@@ -86,15 +98,19 @@ def corpus(reference_tokenizer, episodes: int = 48, max_turns: int = 4) -> Itera
                     yield message["content"]
 
 
-def train_tokenizer(texts: Iterator[str], vocab_size: int = 1024):
-    """A ``PreTrainedTokenizerFast``: byte-level BPE over ``texts``, at most ``vocab_size``
-    entries counting the bytes and :data:`SPECIAL_TOKENS` (fewer when the corpus runs out of
-    merges), ChatML template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def train_tokenizer(texts: Iterator[str], vocab_size: int = 4096):
+    """A ``PreTrainedTokenizerFast``: byte-level BPE over ``texts`` split into phrases (the
+    module docstring), at most ``vocab_size`` entries counting the bytes and
+    :data:`SPECIAL_TOKENS` (fewer when the corpus runs out of merges: the games' corpus has
+    about 2 400), ChatML template."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(r"\n"), behavior="isolated"),
+        pre_tokenizers.Split(Regex(r"\),"), behavior="merged_with_previous"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -106,7 +122,7 @@ def train_tokenizer(texts: Iterator[str], vocab_size: int = 1024):
         clean_up_tokenization_spaces=False)
 
 
-def build_game_tokenizer(out_dir: str | Path, reference_tokenizer, vocab_size: int = 1024):
+def build_game_tokenizer(out_dir: str | Path, reference_tokenizer, vocab_size: int = 4096):
     """Train the text-game tokenizer and save it to ``out_dir``; returns it."""
     tok = train_tokenizer(corpus(reference_tokenizer), vocab_size)
     tok.save_pretrained(out_dir)

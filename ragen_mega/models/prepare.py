@@ -160,17 +160,23 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embedd
 
 #: ``model.path`` / ``prepare-model`` name of :func:`prepare_textgame_small`
 TEXTGAME_SMALL = "textgame-small"
+#: which build of the preset the cache holds: 2 = Qwen3 with the phrase tokenizer (1 was a Qwen2
+#: with a word-level one)
+TEXTGAME_SMALL_BUILD = "v2"
 
 
 def prepare_textgame_small(out_dir: str | Path | None = None, seed: int = 0) -> Path:
-    """Write ``textgame-small``, a model for RL from scratch on the text games: Qwen2, hidden
-    128, 2 layers, 4 heads (2 KV heads), MLP 512, tied embeddings, 0.6M weights; the tokenizer
-    of :mod:`ragen_mega.models.game_tokenizer` (896 tokens). On one CPU thread it trains at
-    about 8 000 tokens/s (4 layers: 5 000; hidden 64: 6 000, its matrices too small to run
-    fast). Weights are transformers' own initialisation (normal, std 0.02) under ``seed``; the
-    model knows nothing, not even the answer format, until ``ragen-mega sft``'s format warm
-    start teaches it."""
-    out_dir = Path(out_dir) if out_dir else cache_dir() / "models" / TEXTGAME_SMALL
+    """Write ``textgame-small``, a model for RL from scratch on the text games: Qwen3, hidden
+    128, 2 layers, 4 heads (2 KV heads), MLP 512, tied embeddings, 0.9M weights; the tokenizer
+    of :mod:`ragen_mega.models.game_tokenizer` (the games' phrases, about 2 400 tokens). Qwen3
+    rather than Qwen2 because transformers loads a Qwen3 model's tokenizer as written, where it
+    gives a Qwen2 model Qwen2's word pre-tokenizer. Weights are transformers' own initialisation
+    (normal, std 0.02) under ``seed``; the model knows nothing, not even the answer format,
+    until ``ragen-mega sft``'s format warm start teaches it. The default directory is named by
+    :data:`TEXTGAME_SMALL_BUILD`, so a copy prepared by an older build is never served in its
+    place."""
+    out_dir = Path(out_dir) if out_dir else (cache_dir() / "models"
+                                             / f"{TEXTGAME_SMALL}-{TEXTGAME_SMALL_BUILD}")
 
     def build(tmp: Path) -> None:
         import torch
@@ -179,7 +185,7 @@ def prepare_textgame_small(out_dir: str | Path | None = None, seed: int = 0) -> 
         from ragen_mega.models.game_tokenizer import build_game_tokenizer
 
         tok = build_game_tokenizer(tmp, AutoTokenizer.from_pretrained(prepare_smollm2()))
-        cfg = model_config("qwen2", tok, hidden_size=128, num_layers=2, num_heads=4,
+        cfg = model_config("qwen3", tok, hidden_size=128, num_layers=2, num_heads=4,
                            num_kv_heads=2, intermediate_size=512, tie_word_embeddings=True,
                            max_position_embeddings=4096)
         torch.manual_seed(seed)
