@@ -1,6 +1,6 @@
 """The ``textgame-small`` preset (``ragen-mega prepare-model textgame-small``): a small Qwen3 for
-RL from scratch with a tokenizer made for the games' prompts (their phrases are its tokens). Its SFT warm start, Megatron
-(TP 2) and SGLang serving are tested in ``test_learn.py``
+RL from scratch with a tokenizer made for the games' prompts (their phrases are its tokens). Its
+SFT warm start, Megatron (TP 2) and SGLang serving are tested in ``test_learn.py``
 (``test_sft_warm_start_lowers_heldout_loss_and_serves``)."""
 from __future__ import annotations
 

@@ -12,6 +12,7 @@ from ragen_mega.algo.filter import GROUP_METRICS, STRATEGIES
 from ragen_mega.config_tree import ConfigError, bounded
 from ragen_mega.user_code import is_code_path
 
+
 def builtin_estimators():
     """(name, spec) of the registered estimators named by a word, not a user's code path."""
     return [(n, e) for n, e in sorted(ESTIMATORS.items()) if not is_code_path(n)]

@@ -167,7 +167,7 @@ TEXTGAME_SMALL_BUILD = "v2"
 
 def prepare_textgame_small(out_dir: str | Path | None = None, seed: int = 0) -> Path:
     """Write ``textgame-small``, a model for RL from scratch on the text games: Qwen3, hidden
-    128, 2 layers, 4 heads (2 KV heads), MLP 512, tied embeddings, 0.9M weights; the tokenizer
+    128, 2 layers, 4 heads (2 KV heads), MLP 512, tied embeddings, 0.8M weights; the tokenizer
     of :mod:`ragen_mega.models.game_tokenizer` (the games' phrases, about 2 400 tokens). Qwen3
     rather than Qwen2 because transformers loads a Qwen3 model's tokenizer as written, where it
     gives a Qwen2 model Qwen2's word pre-tokenizer. Weights are transformers' own initialisation

@@ -7,6 +7,7 @@ from typing import Literal, Optional
 
 from ragen_mega.config_tree import ConfigError, bounded
 
+
 @dataclasses.dataclass
 class RolloutConfig:
     temperature: float = bounded(1.0, ge=0)  # sampling temperature of training rollouts
