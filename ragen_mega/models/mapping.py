@@ -399,6 +399,22 @@ def merge_tp(global_name: str, shards: Sequence[torch.Tensor], spec: ModelSpec,
     return _merge(_rule_for(global_name, spec, role)[0], shards)
 
 
+def hf_to_shard(global_name: str, hf_tensors: Sequence[torch.Tensor], spec: ModelSpec,
+                tp_rank: int, tp_size: int, role: str = "actor") -> torch.Tensor:
+    """TP rank ``tp_rank``'s shard of one Megatron parameter from its HF tensors (in the rule's
+    order): the layout a LoRA adapter reads off a fused linear (``backends/megatron/lora.py``
+    feeds it row and column indices)."""
+    rule = _rule_for(global_name, spec, role)[0]
+    return _split(rule, _hf_to_full(rule, hf_tensors, spec, tp_size), tp_rank, tp_size)
+
+
+def layer_linear_rules(spec: ModelSpec, role: str = "actor") -> list[Rule]:
+    """A dense layer's TP-split linears (attention's qkv and output projection, the MLP's fc1
+    and fc2): what a LoRA adapter may wrap. Experts are not among them."""
+    return [r for r in rules(spec, role) if r.place == "layer" and r.tp_dim is not None
+            and r.expert is None and r.megatron.endswith(".weight")]
+
+
 def full_shape(global_name: str, shard_shape: Sequence[int], spec: ModelSpec, tp_size: int,
                role: str = "actor") -> tuple[int, ...]:
     """Shape of the full (TP=1 layout) Megatron tensor whose TP shards have ``shard_shape``."""

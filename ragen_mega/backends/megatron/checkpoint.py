@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ragen_mega.backends.megatron import lora
 from ragen_mega.backends.megatron.parallel import local_device
 
 STATE_FILE = "ragen_state.pt"
@@ -79,13 +80,18 @@ def model_signature(model) -> dict:
     sig["share_embeddings_and_output_weights"] = bool(
         getattr(first, "share_embeddings_and_output_weights", False))
     sig["role"] = getattr(first, "ragen_role", None)
+    settings = lora.settings_of(first)
+    if settings is not None:  # absent for full weights, as in checkpoints from before LoRA
+        sig["lora"] = settings.signature()
     return sig
 
 
 def _model_sharded_state_dict(model) -> dict:
     # One sub-dict per virtual-pipeline chunk: dict keys inside a chunk are local layer names
-    # (they would collide across chunks), while the ShardedTensor keys are global.
-    return {f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(_chunks(model))}
+    # (they would collide across chunks), while the ShardedTensor keys are global. A LoRA
+    # model's checkpoint holds its adapters only (their keys are global HF names).
+    return {f"chunk{i}": lora.sharded_state_dict(c) if lora.settings_of(c) else
+            c.sharded_state_dict() for i, c in enumerate(_chunks(model))}
 
 
 def _inner_optimizers(optimizer):
@@ -348,7 +354,10 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCh
                                                           metadata=_OPTIMIZER_METADATA)
     loaded = dist_checkpointing.load(state, str(ckpt_dir / "dist"))
     for i, chunk in enumerate(_chunks(model)):
-        chunk.load_state_dict(loaded["model"][f"chunk{i}"])
+        if lora.settings_of(chunk):
+            lora.load_state_dict(chunk, loaded["model"][f"chunk{i}"])
+        else:
+            chunk.load_state_dict(loaded["model"][f"chunk{i}"])
     if never_stepped:
         for opt in _inner_optimizers(optimizer):
             opt.state.clear()

@@ -10,6 +10,8 @@ from ragen_mega.algo.losses import AggMode, KlKind
 from ragen_mega.config_tree import ConfigError, bounded, check_declared
 from ragen_mega.models.hf_config import LocalAttention
 
+#: the HF linears (PEFT target_modules names) that LoRA adapters can wrap
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 
 
@@ -87,6 +89,38 @@ class ModelTrainingConfig:
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """The ``actor.lora`` section: low-rank adapters on the policy's linears, PEFT's settings
+    (``backends/megatron/lora.py``). ``rank: 0`` trains every weight. With a rank, only the
+    adapters get gradients and Adam state, checkpoints hold the adapters, and the base weights
+    stay those of ``model.path``."""
+    rank: int = bounded(0, ge=0, note="0: no adapters, every weight trained")  # PEFT's r
+    alpha: float = bounded(16.0, gt=0)     # the adapters' output is scaled by alpha / rank
+    dropout: float = bounded(0.0, ge=0, lt=1)  # on the adapters' input, in training passes only
+    #: HF module names (PEFT's target_modules); Megatron's fused qkv and gate/up linears carry
+    #: one adapter pair per HF module, as PEFT does
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+
+    def validate(self):
+        check_declared(self)
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown:
+            raise ConfigError(f"target_modules: {unknown} are not among the linears adapters "
+                              f"can wrap {list(LORA_TARGETS)}")
+        if self.rank and not self.target_modules:
+            raise ConfigError("target_modules: empty; name at least one linear or set rank: 0")
+        return self
+
+    def settings(self):
+        """The trainer's ``LoraSettings``; None for ``rank: 0``."""
+        if not self.rank:
+            return None
+        from ragen_mega.backends.megatron.lora import LoraSettings
+
+        return LoraSettings(self.rank, self.alpha, self.dropout, tuple(self.target_modules))
+
+
+@dataclasses.dataclass
 class ActorConfig(ModelTrainingConfig):
     """The ``actor`` section: the policy's training settings plus StarPO-S's policy loss
     (clip 0.2 / 0.28, dual-clip 3, no entropy bonus, no KL)."""
@@ -110,6 +144,7 @@ class ActorConfig(ModelTrainingConfig):
     #: routing the engine sampled with. Whether or not it is on, actor/routing_mismatch logs
     #: the share of (token, layer) routings where the two disagree.
     routing_replay: bool = False
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # low-rank adapters
 
 
 @dataclasses.dataclass

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ragen_mega.backends.megatron import lora
 from ragen_mega.backends.megatron.chunk import unwrap
 from ragen_mega.backends.megatron.parallel import parallel_info
 from ragen_mega.backends.megatron.transformer_config import (block_spec, layer_spec,
@@ -289,12 +290,17 @@ def _broadcast_hf(hf_tensors: dict | None, name: str, spec: ModelSpec, role: str
 
 
 def _owned_params(chunks) -> dict[str, torch.Tensor]:
-    """Global Megatron name -> this rank's (detached) parameter, over all its chunks."""
+    """Global Megatron name -> this rank's (detached) parameter, over all its chunks. A LoRA
+    model's adapted weights are merged (``lora.merged_weights``: base + s * B A, copies that
+    live as long as the export) and its adapters are not parameters of the HF model."""
     out = {}
     for model in map(unwrap, chunks):
+        merged = lora.merged_weights(model)
         for local_name, p in _local_params(model).items():
+            if lora.is_adapter(local_name):
+                continue
             out[mapping.to_global(local_name, model.ragen_layers.start,
-                                  model.ragen_experts.start)] = p.detach()
+                                  model.ragen_experts.start)] = merged.get(local_name, p.detach())
     return out
 
 

@@ -53,6 +53,7 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
                                                   make_forward_step, run_schedule,
                                                   split_microbatches)
 from ragen_mega.backends.megatron.chunk import unwrap
+from ragen_mega.backends.megatron.lora import LoraSettings, apply_lora
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
                                                 load_hf_checkpoint)
 from ragen_mega.backends.megatron.parallel import local_device
@@ -177,7 +178,9 @@ class MegatronTrainer:
         self.skipped_in_row = 0
         self.objective = objective if objective is not None else OBJECTIVES[role](config)
         self.dtype = torch.bfloat16 if config.bf16 else torch.float32
-        self.model = self._wrap_ddp(self._load(role))
+        lora_config = getattr(config, "lora", None)  # actor.lora: a critic trains every weight
+        self.lora = lora_config.validate().settings() if lora_config is not None else None
+        self.model = self._wrap_ddp(self._load(role, self.lora, seed))
         self.optimizer, self.scheduler = self._build_optimizer()
         self.ref_model = None
         if self.objective.needs_reference:
@@ -187,11 +190,17 @@ class MegatronTrainer:
                 chunk.eval()
 
     # ------------------------------------------------------------------ construction
-    def _load(self, role: str) -> list:
+    def _load(self, role: str, lora: LoraSettings | None = None, seed: int = 0) -> list:
+        """The role's model chunks with the HF weights, and ``lora``'s adapters (seeded by
+        ``seed``) on the local layer spec: TransformerEngine's fuses the norm into the linears
+        whose input the adapters read."""
         chunks = build_model(self.hf_dir, role=role, dtype=self.dtype,
+                             use_te=False if lora else None,
                              local_attention=self.config.local_attention,
                              config_overrides=self._moe_settings())
         load_hf_checkpoint(chunks, self.hf_dir)
+        if lora is not None:
+            apply_lora(chunks, lora, seed)
         return chunks
 
     def _moe_settings(self) -> dict:

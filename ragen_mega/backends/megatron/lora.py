@@ -1,0 +1,375 @@
+"""LoRA adapters on megatron-core's tensor-parallel linears: only the adapters train.
+
+``apply_lora(chunks, settings, seed)`` hangs a :class:`LoraLinear` (``.lora``) on each targeted
+linear of a model chunk whose base weights are already loaded, registers a forward hook that
+adds ``s * B(A(dropout(x)))`` to the linear's output (``s = alpha / rank``, PEFT's scaling), and
+freezes every other parameter: Megatron's DDP then keeps gradient buffers, and Adam state, for
+the adapters alone.
+
+Targets are HF module names (``q_proj`` ... ``down_proj``, PEFT's), one adapter pair (A, B) per
+HF module as PEFT makes them, although Megatron fuses q/k/v into ``linear_qkv`` and gate/up into
+``linear_fc1``. Which output rows (or input columns) of a fused shard belong to which HF module
+is read off the one HF <-> Megatron mapping: the mapping is fed each HF module's row indices
+(``mapping.hf_to_shard``) and returns the shard's rows in Megatron order, so the adapters follow
+the grouped-KV qkv layout and the ``[gate_r; up_r]`` halves without a second description of
+them.
+
+TP splits (each rank holds what its base shard needs, Megatron's own pattern for a low-rank
+pair):
+- column-parallel (qkv, fc1): A [r, in] whole on every rank, B by output rows as the base
+  weight. ``h = A x`` is replicated; its gradient is a sum over the ranks' output slices, so
+  ``h`` passes ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward)
+  and A's gradient is whole and equal on every rank.
+- row-parallel (o_proj, fc2): A by input columns as the base weight, B [out, r] whole. The
+  partial ``A_r x_r`` are summed over the ranks (``reduce_from_tensor_model_parallel_region``)
+  before B, which is r values a token instead of the output's hidden.
+Pipeline stages hold the adapters of their own layers; data parallelism and the distributed
+optimizer see ordinary trainable parameters.
+
+Initialisation is PEFT's (A uniform in +-1/sqrt(in), B zero), drawn whole per HF module from a
+generator seeded by the run's seed and the module's name, then sliced: every TP x PP layout
+starts from the same adapters.
+
+The merged weight ``W = W_base + s * B A`` (:func:`merged_weights`) is what an export or a full
+weight sync sends: computed afresh from the frozen base each time, in fp32, so nothing drifts.
+Checkpoints hold the adapters only (:func:`sharded_state_dict`), under their HF names with
+whole shapes, so they reshard across TP x PP like the base checkpoints do.
+
+Not supported (``check_supported`` says so before anything is built): mixtures of experts
+(their MLPs are experts; sequence parallelism comes with them) and TransformerEngine's layer
+spec (its linears take the norm's input: LoRA builds the local spec).
+"""
+from __future__ import annotations
+
+import dataclasses
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ragen_mega.models import mapping
+from ragen_mega.models.hf_config import ModelSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+    """What the trainer needs of ``actor.lora`` (the config section validates it)."""
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: tuple[str, ...]
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def signature(self) -> dict:
+        """What a checkpoint's adapters must agree on to load (dropout may change)."""
+        return {"rank": self.rank, "alpha": float(self.alpha),
+                "target_modules": sorted(self.target_modules)}
+
+
+def check_supported(spec: ModelSpec) -> None:
+    if spec.is_moe:
+        raise ValueError("lora: mixtures of experts are not supported yet (their MLPs are "
+                         "experts, trained under sequence parallelism); train all weights "
+                         "(lora.rank: 0)")
+
+
+def _module_name(hf_weight_name: str) -> str:
+    """``model.layers.3.self_attn.q_proj.weight`` -> ``model.layers.3.self_attn.q_proj``."""
+    return hf_weight_name[: -len(".weight")]
+
+
+def _short(hf_weight_name: str) -> str:
+    return _module_name(hf_weight_name).rsplit(".", 1)[1]
+
+
+def _init_a(name: str, rank: int, fan_in: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    bound = 1.0 / fan_in ** 0.5   # kaiming_uniform(a=sqrt(5)), PEFT's init of lora_A
+    return (torch.rand(rank, fan_in, generator=gen, dtype=torch.float64) * 2 - 1) * bound
+
+
+class LoraLinear(nn.Module):
+    """The adapters of one Megatron linear (global name ``weight_name``), this TP rank's part.
+
+    ``A[p]`` / ``B[p]`` per targeted HF module ``p`` (its short name: ``q_proj``); ``hf_names[p]``
+    its full HF module name; ``rows[p]`` (column-parallel) the slice of its HF output rows this
+    rank holds, ``cols`` (row-parallel) the slice of HF input columns; ``order`` maps the
+    shard's output rows (Megatron order) to the concatenated per-module outputs, untargeted
+    rows to a trailing zero."""
+
+    def __init__(self, weight_name: str, layer: int, spec: ModelSpec, settings: LoraSettings,
+                 tp_rank: int, tp: int, seed: int, dtype: torch.dtype, device):
+        super().__init__()
+        rule = mapping._rule_for(weight_name, spec, "actor")[0]
+        hf = [n.format(i=layer) for n in rule.hf]
+        shapes = [mapping.hf_shape(n, spec) for n in hf]
+        self.column = rule.tp_dim == 0
+        self.settings, self.tp = settings, tp
+        self.hf_names = {_short(n): _module_name(n) for n in hf
+                         if _short(n) in settings.target_modules}
+        self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
+        self.rows: dict[str, slice] = {}
+        r = settings.rank
+        if self.column:
+            starts = [sum(s[0] for s in shapes[:i]) for i in range(len(shapes))]
+            index = [torch.arange(st, st + s[0]).unsqueeze(1) for st, s in zip(starts, shapes)]
+            held = mapping.hf_to_shard(weight_name, index, spec, tp_rank, tp)[:, 0]
+            taken, offset = {}, 0
+            for n, st, s in zip(hf, starts, shapes):
+                mine = held[(held >= st) & (held < st + s[0])] - st
+                short = _short(n)
+                if short not in self.hf_names:
+                    continue
+                lo, hi = int(mine.min()), int(mine.max()) + 1
+                if hi - lo != len(mine):
+                    raise AssertionError(f"{n}: rows of TP rank {tp_rank} are not contiguous")
+                self.rows[short] = slice(lo, hi)
+                taken.update({st + lo + j: offset + j for j in range(hi - lo)})
+                offset += hi - lo
+                a = _init_a(self.hf_names[short], r, s[1], seed)
+                self.A[short] = nn.Parameter(a.to(dtype=dtype, device=device))
+                self.B[short] = nn.Parameter(torch.zeros(hi - lo, r, dtype=dtype, device=device))
+            self.register_buffer("order", torch.tensor([taken.get(int(i), offset) for i in held],
+                                                       device=device), persistent=False)
+        else:
+            (n,), (shape,) = hf, shapes
+            index = torch.arange(shape[1]).unsqueeze(0)
+            cols = mapping.hf_to_shard(weight_name, [index], spec, tp_rank, tp)[0]
+            self.cols = slice(int(cols[0]), int(cols[-1]) + 1)
+            short = _short(n)
+            a = _init_a(self.hf_names[short], r, shape[1], seed)[:, self.cols]
+            self.A[short] = nn.Parameter(a.to(dtype=dtype, device=device).contiguous())
+            self.B[short] = nn.Parameter(torch.zeros(shape[0], r, dtype=dtype, device=device))
+
+    def delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``s * B A dropout(x)`` in the layout of the linear's output shard."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region)
+
+        p = self.settings.dropout
+        if p and self.training and torch.is_grad_enabled():   # training passes only
+            x = F.dropout(x, p)
+        if not self.column:
+            (short,) = self.A
+            h = F.linear(x, self.A[short])
+            if self.tp > 1:
+                h = reduce_from_tensor_model_parallel_region(h)
+            return F.linear(h, self.B[short]) * self.settings.scaling
+        parts = []
+        for short in self.A:
+            h = F.linear(x, self.A[short])
+            if self.tp > 1:
+                h = copy_to_tensor_model_parallel_region(h)
+            parts.append(F.linear(h, self.B[short]))
+        parts.append(x.new_zeros(*x.shape[:-1], 1))
+        return torch.cat(parts, dim=-1).index_select(-1, self.order) * self.settings.scaling
+
+    def merged(self, base: torch.Tensor) -> torch.Tensor:
+        """``base + s * B A`` for this rank's shard of the weight, computed in fp32."""
+        if not self.column:
+            (short,) = self.A
+            delta = self.B[short].float() @ self.A[short].float()
+        else:
+            rows = [self.B[s].float() @ self.A[s].float() for s in self.A]
+            rows.append(base.new_zeros(1, base.shape[1], dtype=torch.float32))
+            delta = torch.cat(rows).index_select(0, self.order)
+        return (base.float() + self.settings.scaling * delta).to(base.dtype)
+
+
+def _hook(module, args, output):
+    out, bias = output
+    return out + module.lora.delta(args[0]), bias
+
+
+def apply_lora(chunks, settings: LoraSettings, seed: int) -> None:
+    """Adapters on every targeted linear of ``chunks`` (bare GPTModels or their wrappers, base
+    weights loaded), every other parameter frozen. Call before wrapping them in DDP."""
+    from megatron.core import parallel_state as mpu
+
+    from ragen_mega.backends.megatron.chunk import unwrap
+
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    for chunk in chunks:
+        model = unwrap(chunk)
+        spec = model.ragen_spec
+        check_supported(spec)
+        model.requires_grad_(False)
+        rules = [r for r in mapping.layer_linear_rules(spec)
+                 if any(_short(n) in settings.target_modules for n in r.hf)]
+        for layer in model.ragen_layers:
+            for rule in rules:
+                name = rule.megatron.format(i=layer)
+                local = mapping.to_local(name, model.ragen_layers.start)
+                linear = model.get_submodule(local[: -len(".weight")])
+                base = linear.weight
+                linear.lora = LoraLinear(name, layer, spec, settings, tp_rank, tp, seed,
+                                         base.dtype, base.device)
+                linear.register_forward_hook(_hook)
+        model.ragen_lora = settings
+
+
+def settings_of(chunk) -> LoraSettings | None:
+    from ragen_mega.backends.megatron.chunk import unwrap
+
+    return getattr(unwrap(chunk), "ragen_lora", None)
+
+
+def is_adapter(param_name: str) -> bool:
+    return ".lora." in param_name
+
+
+def adapters(model: nn.Module):
+    """(the linear's local parameter name, its LoraLinear) of a bare chunk."""
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLinear):
+            yield name[: -len(".lora")] + ".weight", module
+
+
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Local parameter name -> merged shard of every adapted weight of a bare chunk."""
+    with torch.no_grad():
+        return {name: lora.merged(model.get_submodule(name[: -len(".weight")]).weight)
+                for name, lora in adapters(model)}
+
+
+def adapter_tensors(model: nn.Module):
+    """(key, this rank's parameter, TP axis) for every adapter matrix of a bare chunk. The key
+    is PEFT's name without its ``base_model.model.`` prefix
+    (``model.layers.3.self_attn.q_proj.lora_A.weight``: global layer index, whole shape); the
+    TP axis is the one the parameter is this rank's slice along (None: whole on every rank)."""
+    for _, lora in adapters(model):
+        for short, hf in lora.hf_names.items():
+            yield f"{hf}.lora_A.weight", lora.A[short], None if lora.column else 1
+            yield f"{hf}.lora_B.weight", lora.B[short], 0 if lora.column else None
+
+
+def sharded_state_dict(model: nn.Module) -> dict:
+    """A bare chunk's adapters as megatron ``ShardedTensor``s under their HF keys (what a LoRA
+    checkpoint holds instead of the model: the base stays the HF directory's)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    out = {}
+    for key, param, axis in adapter_tensors(model):
+        if axis is None:   # replicas on the other TP and DP ranks: one of them writes
+            out[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(0, tp_rank, dp_rank))
+        else:
+            out[key] = ShardedTensor.from_rank_offsets(key, param, (axis, tp_rank, tp),
+                                                       replica_id=(0, 0, dp_rank))
+    return out
+
+
+def load_state_dict(model: nn.Module, loaded: dict) -> None:
+    """Copy a loaded :func:`sharded_state_dict` into the chunk's adapters."""
+    with torch.no_grad():
+        for key, param, _ in adapter_tensors(model):
+            param.copy_(loaded[key])
+
+
+def _slice(tensor: torch.Tensor, axis: int | None, tp_rank: int, tp: int) -> torch.Tensor:
+    return tensor if axis is None else tensor.chunk(tp, dim=axis)[tp_rank]
+
+
+def load_adapters(chunks, tensors) -> None:
+    """Set the adapters of ``chunks`` from whole tensors under :func:`adapter_tensors`' keys
+    (a PEFT adapter's, its ``base_model.model.`` prefix dropped): each rank takes its slice.
+    Every adapter must be there with its shape; extra keys (another stage's layers) are
+    ignored."""
+    from megatron.core import parallel_state as mpu
+
+    from ragen_mega.backends.megatron.chunk import unwrap
+
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for model in map(unwrap, chunks):
+            for key, param, axis in adapter_tensors(model):
+                if key not in tensors:
+                    raise KeyError(f"adapter {key} is missing")
+                part = _slice(tensors[key], axis, tp_rank, tp)
+                if part.shape != param.shape:
+                    raise ValueError(f"adapter {key}: shape {tuple(tensors[key].shape)} gives "
+                                     f"this rank {tuple(part.shape)}, the model has "
+                                     f"{tuple(param.shape)} (rank or model differ)")
+                param.copy_(part)
+
+
+def gather_adapters(chunks) -> dict[str, torch.Tensor]:
+    """Every adapter of the whole model as whole tensors, on every rank (collective over the
+    TP and PP groups; small: rank x (in + out) values per linear)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from ragen_mega.backends.megatron.chunk import unwrap
+
+    tp, tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
+    mine = {}
+    for model in map(unwrap, chunks):
+        for key, param, axis in adapter_tensors(model):
+            tensor = param.detach().clone()   # a copy: never a view of the live parameter
+            if axis is not None and tp > 1:
+                parts = [torch.empty_like(tensor) for _ in range(tp)]
+                dist.all_gather(parts, tensor, group=tp_group)
+                tensor = torch.cat(parts, dim=axis)
+            mine[key] = tensor.cpu()
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return mine
+    stages = [None] * mpu.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, mine, group=mpu.get_pipeline_model_parallel_group())
+    return {k: v for stage in stages for k, v in stage.items()}
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def write_peft_adapter(out_dir, tensors: dict[str, torch.Tensor], settings: LoraSettings,
+                       base_model: str, dtype: torch.dtype | None = None) -> None:
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) that
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads onto the HF base model."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({PEFT_PREFIX + k: (v.to(dtype) if dtype else v).contiguous()
+               for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+              "target_modules": sorted(settings.target_modules), "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "modules_to_save": None, "inference_mode": True}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_peft_adapter(adapter_dir) -> tuple[dict[str, torch.Tensor], LoraSettings]:
+    """A PEFT LoRA adapter directory's tensors (keys as :func:`adapter_tensors` names them)
+    and settings; what it cannot express here is refused, naming the field."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    for field, allowed in (("peft_type", ("LORA",)), ("bias", ("none",)),
+                           ("use_rslora", (False, None)), ("use_dora", (False, None)),
+                           ("fan_in_fan_out", (False, None))):
+        if config.get(field, allowed[0]) not in allowed:
+            raise ValueError(f"{adapter_dir}/adapter_config.json: {field} is "
+                             f"{config[field]!r}; only {allowed[0]!r} is supported")
+    targets = config["target_modules"]
+    targets = [targets] if isinstance(targets, str) else targets
+    settings = LoraSettings(int(config["r"]), float(config["lora_alpha"]),
+                            float(config.get("lora_dropout", 0.0)), tuple(sorted(targets)))
+    raw = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    tensors = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
+               for k, v in raw.items()}
+    return tensors, settings
