@@ -267,19 +267,24 @@ def test_eval_garbage_pointer_names_the_file_and_what_it_holds(tmp_path, capsys,
 
 def credit_overrides(tiny_run_overrides, model, run_dir, estimator: str) -> list[str]:
     """The two-turn run: each turn's prompt shows only its own observation (the marker word the
-    letter model reads)."""
+    letter model reads). ``grpo-lora``: critic-free, the actor trains LoRA adapters of rank 8
+    on every linear and the LM head (the letter model tells A from B in its head alone: see
+    ``make_letter_model``); the engines get the merged weights each step."""
     extra = (["algo.adv_estimator=gae", "critic.enable=true"] if estimator == "gae" else
              ["algo.adv_estimator=grpo", "critic.enable=false"])
+    if estimator == "grpo-lora":
+        extra += ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules="
+                  "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]
     return learn_overrides(tiny_run_overrides, model, run_dir, "door_then_pay", 6,
                            "env.max_turns=2", "agent.memory_turns=0",
                            "algo.use_rollout_logprobs=true", *extra)
 
 
-@pytest.mark.parametrize("estimator", ["gae", "grpo"])
+@pytest.mark.parametrize("estimator", ["gae", "grpo-lora"])
 def test_learn_credit_across_turns(estimator, learn_setup, tiny_run_overrides, tmp_path):
     """Two turns that need different letters (door A, then B to be paid; only the last turn
     pays): the paid rate rises, with a critic (turn-level GAE, the bi-level estimator) and
-    critic-free (GRPO on the episode's reward)."""
+    critic-free (GRPO on the episode's reward) training LoRA adapters only."""
     overrides = credit_overrides(tiny_run_overrides, learn_setup, tmp_path, estimator)
     history = train(load_run_config(DEMO, overrides))
     # memory_turns=0: the prompts do not grow by prefix, so no episode is packed and every

@@ -408,11 +408,14 @@ def hf_to_shard(global_name: str, hf_tensors: Sequence[torch.Tensor], spec: Mode
     return _split(rule, _hf_to_full(rule, hf_tensors, spec, tp_size), tp_rank, tp_size)
 
 
-def layer_linear_rules(spec: ModelSpec, role: str = "actor") -> list[Rule]:
-    """A dense layer's TP-split linears (attention's qkv and output projection, the MLP's fc1
-    and fc2): what a LoRA adapter may wrap. Experts are not among them."""
-    return [r for r in rules(spec, role) if r.place == "layer" and r.tp_dim is not None
-            and r.expert is None and r.megatron.endswith(".weight")]
+def adaptable_rules(spec: ModelSpec) -> list[Rule]:
+    """The actor's linears a LoRA adapter may wrap: a dense layer's TP-split ones (attention's
+    qkv and output projection, the MLP's fc1 and fc2) and an untied LM head. Experts and the
+    embedding are not among them."""
+    layer = [r for r in rules(spec, "actor") if r.place == "layer" and r.tp_dim is not None
+             and r.expert is None and r.megatron.endswith(".weight")]
+    head = [r for r in rules(spec, "actor") if r.place == "head" and r.vocab and r.export]
+    return layer + ([] if spec.tie_word_embeddings else head)
 
 
 def full_shape(global_name: str, shard_shape: Sequence[int], spec: ModelSpec, tp_size: int,

@@ -11,7 +11,8 @@ from ragen_mega.config_tree import ConfigError, bounded, check_declared
 from ragen_mega.models.hf_config import LocalAttention
 
 #: the HF linears (PEFT target_modules names) that LoRA adapters can wrap
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                "lm_head")
 LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 
 
@@ -98,8 +99,9 @@ class LoraConfig:
     alpha: float = bounded(16.0, gt=0)     # the adapters' output is scaled by alpha / rank
     dropout: float = bounded(0.0, ge=0, lt=1)  # on the adapters' input, in training passes only
     #: HF module names (PEFT's target_modules); Megatron's fused qkv and gate/up linears carry
-    #: one adapter pair per HF module, as PEFT does
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS))
+    #: one adapter pair per HF module, as PEFT does. Default: every linear of every layer;
+    #: ``lm_head`` (an untied head only) may be added
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS[:7]))
 
     def validate(self):
         check_declared(self)

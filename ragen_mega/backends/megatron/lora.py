@@ -70,11 +70,14 @@ class LoraSettings:
                 "target_modules": sorted(self.target_modules)}
 
 
-def check_supported(spec: ModelSpec) -> None:
+def check_supported(spec: ModelSpec, settings: LoraSettings) -> None:
     if spec.is_moe:
         raise ValueError("lora: mixtures of experts are not supported yet (their MLPs are "
                          "experts, trained under sequence parallelism); train all weights "
                          "(lora.rank: 0)")
+    if "lm_head" in settings.target_modules and spec.tie_word_embeddings:
+        raise ValueError("lora.target_modules: lm_head of a model with tied embeddings (the "
+                         "head is the input embedding, which adapters do not wrap); leave it out")
 
 
 def _module_name(hf_weight_name: str) -> str:
@@ -83,7 +86,7 @@ def _module_name(hf_weight_name: str) -> str:
 
 
 def _short(hf_weight_name: str) -> str:
-    return _module_name(hf_weight_name).rsplit(".", 1)[1]
+    return _module_name(hf_weight_name).rsplit(".", 1)[-1]
 
 
 def _init_a(name: str, rank: int, fan_in: int, seed: int) -> torch.Tensor:
@@ -99,7 +102,11 @@ class LoraLinear(nn.Module):
     its full HF module name; ``rows[p]`` (column-parallel) the slice of its HF output rows this
     rank holds, ``cols`` (row-parallel) the slice of HF input columns; ``order`` maps the
     shard's output rows (Megatron order) to the concatenated per-module outputs, untargeted
-    rows to a trailing zero."""
+    rows (and the LM head's vocabulary padding) to a trailing zero.
+
+    The LM head's B is whole on every rank ([vocab, r]: its TP shards would be uneven where the
+    vocabulary is padded): each rank reads its rows through ``copy_to_tensor_model_parallel_
+    region``, so B's gradient is summed over the ranks and equal on all of them."""
 
     def __init__(self, weight_name: str, layer: int, spec: ModelSpec, settings: LoraSettings,
                  tp_rank: int, tp: int, seed: int, dtype: torch.dtype, device):
@@ -107,7 +114,7 @@ class LoraLinear(nn.Module):
         rule = mapping._rule_for(weight_name, spec, "actor")[0]
         hf = [n.format(i=layer) for n in rule.hf]
         shapes = [mapping.hf_shape(n, spec) for n in hf]
-        self.column = rule.tp_dim == 0
+        self.column, self.whole_b = rule.tp_dim == 0, rule.vocab
         self.settings, self.tp = settings, tp
         self.hf_names = {_short(n): _module_name(n) for n in hf
                          if _short(n) in settings.target_modules}
@@ -116,8 +123,9 @@ class LoraLinear(nn.Module):
         r = settings.rank
         if self.column:
             starts = [sum(s[0] for s in shapes[:i]) for i in range(len(shapes))]
-            index = [torch.arange(st, st + s[0]).unsqueeze(1) for st, s in zip(starts, shapes)]
-            held = mapping.hf_to_shard(weight_name, index, spec, tp_rank, tp)[:, 0]
+            # 1-based, so the vocabulary's padding rows (zeros) read as -1: no module's
+            index = [torch.arange(st, st + s[0]).unsqueeze(1) + 1 for st, s in zip(starts, shapes)]
+            held = mapping.hf_to_shard(weight_name, index, spec, tp_rank, tp)[:, 0] - 1
             taken, offset = {}, 0
             for n, st, s in zip(hf, starts, shapes):
                 mine = held[(held >= st) & (held < st + s[0])] - st
@@ -132,7 +140,8 @@ class LoraLinear(nn.Module):
                 offset += hi - lo
                 a = _init_a(self.hf_names[short], r, s[1], seed)
                 self.A[short] = nn.Parameter(a.to(dtype=dtype, device=device))
-                self.B[short] = nn.Parameter(torch.zeros(hi - lo, r, dtype=dtype, device=device))
+                rows = s[0] if self.whole_b else hi - lo
+                self.B[short] = nn.Parameter(torch.zeros(rows, r, dtype=dtype, device=device))
             self.register_buffer("order", torch.tensor([taken.get(int(i), offset) for i in held],
                                                        device=device), persistent=False)
         else:
@@ -164,9 +173,18 @@ class LoraLinear(nn.Module):
             h = F.linear(x, self.A[short])
             if self.tp > 1:
                 h = copy_to_tensor_model_parallel_region(h)
-            parts.append(F.linear(h, self.B[short]))
+            parts.append(F.linear(h, self._b(short)))
         parts.append(x.new_zeros(*x.shape[:-1], 1))
         return torch.cat(parts, dim=-1).index_select(-1, self.order) * self.settings.scaling
+
+    def _b(self, short: str) -> torch.Tensor:
+        """This rank's rows of ``B[short]`` (all of it but the LM head's)."""
+        if not self.whole_b:
+            return self.B[short]
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        b = copy_to_tensor_model_parallel_region(self.B[short]) if self.tp > 1 else self.B[short]
+        return b[self.rows[short]]
 
     def merged(self, base: torch.Tensor) -> torch.Tensor:
         """``base + s * B A`` for this rank's shard of the weight, computed in fp32."""
@@ -174,7 +192,7 @@ class LoraLinear(nn.Module):
             (short,) = self.A
             delta = self.B[short].float() @ self.A[short].float()
         else:
-            rows = [self.B[s].float() @ self.A[s].float() for s in self.A]
+            rows = [self._b(s).float() @ self.A[s].float() for s in self.A]
             rows.append(base.new_zeros(1, base.shape[1], dtype=torch.float32))
             delta = torch.cat(rows).index_select(0, self.order)
         return (base.float() + self.settings.scaling * delta).to(base.dtype)
@@ -196,19 +214,21 @@ def apply_lora(chunks, settings: LoraSettings, seed: int) -> None:
     for chunk in chunks:
         model = unwrap(chunk)
         spec = model.ragen_spec
-        check_supported(spec)
+        check_supported(spec, settings)
         model.requires_grad_(False)
-        rules = [r for r in mapping.layer_linear_rules(spec)
+        rules = [r for r in mapping.adaptable_rules(spec)
                  if any(_short(n) in settings.target_modules for n in r.hf)]
-        for layer in model.ragen_layers:
-            for rule in rules:
-                name = rule.megatron.format(i=layer)
-                local = mapping.to_local(name, model.ragen_layers.start)
-                linear = model.get_submodule(local[: -len(".weight")])
-                base = linear.weight
-                linear.lora = LoraLinear(name, layer, spec, settings, tp_rank, tp, seed,
-                                         base.dtype, base.device)
-                linear.register_forward_hook(_hook)
+        wrapped = [(r.megatron.format(i=i), i) for i in model.ragen_layers
+                   for r in rules if r.place == "layer"]
+        if model.post_process:
+            wrapped += [(r.megatron, None) for r in rules if r.place == "head"]
+        for name, layer in wrapped:
+            local = mapping.to_local(name, model.ragen_layers.start)
+            linear = model.get_submodule(local[: -len(".weight")])
+            base = linear.weight
+            linear.lora = LoraLinear(name, layer, spec, settings, tp_rank, tp, seed,
+                                     base.dtype, base.device)
+            linear.register_forward_hook(_hook)
         model.ragen_lora = settings
 
 
@@ -244,7 +264,8 @@ def adapter_tensors(model: nn.Module):
     for _, lora in adapters(model):
         for short, hf in lora.hf_names.items():
             yield f"{hf}.lora_A.weight", lora.A[short], None if lora.column else 1
-            yield f"{hf}.lora_B.weight", lora.B[short], 0 if lora.column else None
+            yield (f"{hf}.lora_B.weight", lora.B[short],
+                   0 if lora.column and not lora.whole_b else None)
 
 
 def sharded_state_dict(model: nn.Module) -> dict:
