@@ -269,12 +269,14 @@ def credit_overrides(tiny_run_overrides, model, run_dir, estimator: str) -> list
     """The two-turn run: each turn's prompt shows only its own observation (the marker word the
     letter model reads). ``grpo-lora``: critic-free, the actor trains LoRA adapters of rank 8
     on every linear and the LM head (the letter model tells A from B in its head alone: see
-    ``make_letter_model``); the engines get the merged weights each step."""
+    ``make_letter_model``); each sync sends the adapters alone, and the engines' log-probs are
+    checked against the trainer's after it."""
     extra = (["algo.adv_estimator=gae", "critic.enable=true"] if estimator == "gae" else
              ["algo.adv_estimator=grpo", "critic.enable=false"])
     if estimator == "grpo-lora":
         extra += ["actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.target_modules="
-                  "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]"]
+                  "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]",
+                  "trainer.check_weight_sync=true"]
     return learn_overrides(tiny_run_overrides, model, run_dir, "door_then_pay", 6,
                            "env.max_turns=2", "agent.memory_turns=0",
                            "algo.use_rollout_logprobs=true", *extra)
@@ -293,6 +295,8 @@ def test_learn_credit_across_turns(estimator, learn_setup, tiny_run_overrides, t
     success = curve(history)
     print(f"credit ({estimator}): paid (door A, then B) by step", success)
     assert_learns(success, 0.25)
+    if estimator == "grpo-lora":   # the engines merged the adapters into what they serve
+        assert all(h["sync/max_logprob_diff"] < 1e-3 for h in history), history
 
 
 SMALL_MODEL_DEMO = "examples/frozen_lake_small_model_cpu.yaml"

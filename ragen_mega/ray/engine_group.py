@@ -85,7 +85,8 @@ class EngineGroup:
     ``ep``: SGLang's ``--ep-size`` (a mixture of experts' experts split over the engine's TP
     ranks). ``routed_experts`` (a mixture of experts: its ``(layers, top-k, experts)``): the
     servers record, and every generation returns, the experts each token was routed to
-    (routing replay).
+    (routing replay). ``lora_targets`` (a LoRA run whose syncs send adapters): the servers keep
+    those modules' base weights and merge the adapters in (``backends/sglang/lora_merge.py``).
     ``resync({engine: url})``: loads the current weights into restarted engines (None: the
     engines serve ``model_path`` as it is, so a new server already has them). :attr:`supervisor`
     finds, restarts and resyncs dead engines, and describes each restart in ``fault_log``."""
@@ -97,7 +98,7 @@ class EngineGroup:
                  max_restarts_per_step: int = 0, ep: int = 1,
                  routed_experts: tuple[int, int, int] | None = None,
                  resync: Callable[[dict[int, str]], Any] | None = None,
-                 fault_log: str | Path | None = None):
+                 fault_log: str | Path | None = None, lora_targets: tuple[str, ...] = ()):
         from ragen_mega.backends.sglang.client import AsyncEngineClient
         from ragen_mega.ray.devices import bundle_gpu_ids
 
@@ -111,6 +112,7 @@ class EngineGroup:
                                                 seeded_sampling=seeded_sampling,
                                                 memory_saver=memory_saver,
                                                 api_key=self.api_key,
+                                                lora_targets=lora_targets,
                                                 extra_args=_server_args(ep, routed_experts))))
         self.urls = self.group.call("url", timeout_s=startup_timeout)
         self.tp_sizes = [tp] * len(self.urls)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -106,6 +107,20 @@ class Run:
         self.actor.sync_weights(self.weight_version, new_engines=urls)
 
 
+def _lora_targets(cfg: RunConfig) -> tuple[str, ...]:
+    """The modules whose adapters the engines merge (``actor.lora``); none for a full-weight
+    run, or one whose syncs send merged weights (said in the log: a sync then moves the whole
+    model)."""
+    lora = cfg.actor.lora
+    if not lora.rank:
+        return ()
+    if lora.sync == "merged":
+        print("ragen-mega: actor.lora.sync=merged: every weight sync sends the merged weights "
+              "whole, not the adapters alone", file=sys.stderr, flush=True)
+        return ()
+    return tuple(lora.target_modules)
+
+
 @contextlib.contextmanager
 def build_run(cfg: RunConfig, *, with_trainers: bool = True,
               with_engines: bool = True) -> Iterator[Run]:
@@ -174,7 +189,8 @@ def _place(run: Run, with_trainers: bool) -> None:
                               ep=cfg.rollout.engine_ep,
                               routed_experts=_routing_shape(run.model_dir),
                               resync=run.resync_engines if with_trainers else None,
-                              fault_log=Path(t.run_dir) / "faults.jsonl")
+                              fault_log=Path(t.run_dir) / "faults.jsonl",
+                              lora_targets=_lora_targets(cfg) if with_trainers else ())
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)

@@ -102,6 +102,10 @@ class LoraConfig:
     #: one adapter pair per HF module, as PEFT does. Default: every linear of every layer;
     #: ``lm_head`` (an untied head only) may be added
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS[:7]))
+    #: what a weight sync sends the engines: "adapters" (the engines' plugin merges them into
+    #: the base weights it kept: backends/sglang/lora_merge.py), or "merged" (every adapted
+    #: weight whole, as a full-weight run sends: for engines started without that plugin)
+    sync: Literal["adapters", "merged"] = "adapters"
 
     def validate(self):
         check_declared(self)

@@ -42,6 +42,7 @@ spec (its linears take the norm's input: LoRA builds the local spec).
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 
 import torch
@@ -394,3 +395,37 @@ def read_peft_adapter(adapter_dir) -> tuple[dict[str, torch.Tensor], LoraSetting
     tensors = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
                for k, v in raw.items()}
     return tensors, settings
+
+
+class AdapterExport:
+    """The adapter-only weight sync's export (``MegatronTrainer.weight_export`` with LoRA):
+    what ``DirectExport`` is for full weights, in the same protocol. Constructing it is the
+    collective (:func:`gather_adapters` over TP and PP: every rank takes part); iterating it
+    yields, on ``dst`` only, the scaling (``lora_merge.SCALING_NAME``, one fp32 value) and then
+    every adapter under PEFT's keys, each module's A then B, so the engine's plugin
+    (``backends/sglang/lora_merge.py``) merges them into ``W_base + s * B A``. ``layout``
+    (on ``dst``): the names, shapes and dtypes it will yield, for the streamed send."""
+
+    def __init__(self, chunks, dst: int):
+        import torch.distributed as dist
+
+        from ragen_mega.backends.sglang.lora_merge import SCALING_NAME
+
+        tensors = gather_adapters(chunks)
+        self.items = None
+        self.layout = None
+        if dist.get_rank() != dst:
+            return
+        scaling = torch.tensor([settings_of(chunks[0]).scaling], dtype=torch.float32)
+        self.items = [(SCALING_NAME, scaling), *sorted(tensors.items(), key=_module_order)]
+        self.layout = [(n, tuple(t.shape), t.dtype) for n, t in self.items]
+
+    def __iter__(self):
+        return iter(self.items or ())
+
+
+def _module_order(item) -> tuple:
+    """Layers in order, each module's lora_A before its lora_B."""
+    name = item[0]
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return (int(match.group(1)) if match else 1 << 30, name)

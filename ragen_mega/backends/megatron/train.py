@@ -53,7 +53,7 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
                                                   make_forward_step, run_schedule,
                                                   split_microbatches)
 from ragen_mega.backends.megatron.chunk import unwrap
-from ragen_mega.backends.megatron.lora import LoraSettings, apply_lora
+from ragen_mega.backends.megatron.lora import AdapterExport, LoraSettings, apply_lora
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
                                                 load_hf_checkpoint)
 from ragen_mega.backends.megatron.parallel import local_device
@@ -449,7 +449,11 @@ class MegatronTrainer:
         """The whole model as (HF name, full tensor), on every rank (collective)."""
         return export_hf_state(self.model)
 
-    def weight_export(self, dst: int, prefetch_bytes: int) -> DirectExport:
+    def weight_export(self, dst: int, prefetch_bytes: int) -> DirectExport | AdapterExport:
         """The weight-sync export: only global rank ``dst`` receives the HF tensors (collective:
-        every rank iterates it to the end; see :class:`DirectExport`)."""
+        every rank iterates it to the end; see :class:`DirectExport`). With LoRA and
+        ``lora.sync: adapters`` the adapters alone (:class:`AdapterExport`); with ``merged``
+        the merged weights whole."""
+        if self.lora is not None and self.config.lora.sync == "adapters":
+            return AdapterExport(self.model, dst=dst)
         return DirectExport(self.model, dst=dst, prefetch_bytes=prefetch_bytes)

@@ -48,6 +48,7 @@ from typing import Mapping, Sequence
 from ragen_mega.backends.parent_death import die_with_parent
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
 from ragen_mega.backends.sglang.engine_key import KEY_ENV
+from ragen_mega.backends.sglang.lora_merge import TARGETS_ENV as LORA_TARGETS_ENV
 from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
 logger = logging.getLogger(__name__)
@@ -253,13 +254,15 @@ def _core_list(cores: list[int]) -> str:
 def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
               cpu_threads: int | None = None, seeded_sampling: bool = False,
               gpu_ids: Sequence[str | int] | None = None,
-              api_key: str | None = None) -> dict[str, str]:
+              api_key: str | None = None,
+              lora_targets: Sequence[str] = ()) -> dict[str, str]:
     """The server's environment: a copy of ``base`` plus ``CUDA_VISIBLE_DEVICES`` for
-    ``gpu_ids``, the engine key for the ``engine_key.py`` plugin, and on CPU the engine switch,
-    thread count, stand-in/plugin paths and, for ``tp > 1``, each rank's cores (see
-    :func:`launch_server`)."""
+    ``gpu_ids``, the engine key for the ``engine_key.py`` plugin, the adapted modules for the
+    ``lora_merge.py`` plugin, and on CPU the engine switch, thread count, stand-in/plugin paths
+    and, for ``tp > 1``, each rank's cores (see :func:`launch_server`)."""
     child_env = dict(base)
     child_env.pop(KEY_ENV, None)  # a key is this server's own, never inherited
+    child_env.pop(LORA_TARGETS_ENV, None)
     # idle connections outlive the client's own keep-alive: the client always closes first, so
     # a reused connection is never one the server closed meanwhile (a weight-update call, never
     # retried, failed on such a race under load)
@@ -283,6 +286,9 @@ def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
     if api_key:
         child_env[KEY_ENV] = api_key
         plugins += ("ragen_mega_engine_key",)
+    if lora_targets:
+        child_env[LORA_TARGETS_ENV] = ",".join(lora_targets)
+        plugins += ("ragen_mega_lora_merge",)
     if plugins:
         allowed = allow_plugins(child_env.get("SGLANG_PLUGINS"), plugins)
         if allowed:
@@ -303,7 +309,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
                   cpu_threads: int | None = None,
                   seeded_sampling: bool = False, memory_saver: bool = False,
                   gpu_ids: Sequence[str | int] | None = None,
-                  api_key: str | None = None) -> EngineServer:
+                  api_key: str | None = None,
+                  lora_targets: Sequence[str] = ()) -> EngineServer:
     """Start an SGLang server for the HF checkpoint at ``model_path``; return its handle.
 
     ``port=None`` picks a free port; ``device="auto"`` is ``cuda`` when CUDA is available, else
@@ -325,7 +332,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     ``api_key``: every request but ``/health*`` must carry it (``Authorization: Bearer``; the
     :class:`~ragen_mega.backends.sglang.client.AsyncEngineClient` of the same key does); it
     reaches the server through its environment, never its command line or log
-    (``engine_key.py``).
+    (``engine_key.py``). ``lora_targets`` (a LoRA run's adapted HF modules): the server keeps
+    their base weights and merges the adapters each sync sends (``lora_merge.py``).
     With ``wait=True`` (default) this returns once the server is healthy, or raises
     :class:`EngineStartupError` (after stopping the process group) with the log tail. A port
     that :func:`free_port` picked can be taken by another process before the server binds it
@@ -342,7 +350,7 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         raise ValueError(f"launch_server: gpu_ids {list(gpu_ids)} must name exactly tp={tp} GPUs")
     child_env = build_env(os.environ if env is None else env, device=device, tp=tp,
                           cpu_threads=cpu_threads, seeded_sampling=seeded_sampling,
-                          gpu_ids=gpu_ids, api_key=api_key)
+                          gpu_ids=gpu_ids, api_key=api_key, lora_targets=lora_targets)
     attempts_left = LAUNCH_ATTEMPTS if port is None and wait else 1
     while True:
         chosen = port or free_port(host)

@@ -1,0 +1,119 @@
+"""LoRA's adapter-only weight sync into real SGLang engines (``backends/sglang/lora_merge.py``).
+
+A Megatron trainer with adapters on every linear and the LM head takes two steps (B, then A,
+moves), then syncs: the adapters alone into an engine started with the merge plugin, the merged
+weights whole into a plain engine, as a full-weight run would. Both engines must then give the
+same greedy tokens and log-probs, those of the trainer; a second round (after another step)
+shows the plugin merges onto the base it kept, not onto the last merge; and an engine started
+afresh with the plugin and given only the adapters serves the same.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragen_mega.backends.megatron.launch import run_workers
+from ragen_mega.backends.sglang.server import launch_server
+
+PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 77], list(range(500, 520))]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+
+
+def _observe(trainer, clients) -> dict:
+    engines = [[(o.output_ids, o.output_logprobs) for o in c.generate(PROMPTS, GREEDY)]
+               for c in clients]
+    seqs = [p + ids for p, (ids, _) in zip(PROMPTS, engines[0])]
+    width = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    lp = trainer.compute_logprobs({"input_ids": ids, "attention_mask": mask,
+                                   "loss_mask": torch.zeros(ids.shape)})
+    return {"engines": engines, "batch": (ids, mask),
+            "trainer": [lp[i, len(p):len(p) + 8].tolist() for i, p in enumerate(PROMPTS)]}
+
+
+def _step(trainer, observed, sign):
+    ids, mask = observed["batch"]
+    loss_mask = mask.clone().float()
+    for i, p in enumerate(PROMPTS):
+        loss_mask[i, :len(p)] = 0
+    old = trainer.compute_logprobs({"input_ids": ids, "attention_mask": mask,
+                                    "loss_mask": loss_mask})
+    adv = torch.full(ids.shape, -sign)
+    adv[0] = sign
+    return trainer.train({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
+                          "old_logprobs": old, "advantages": adv * loss_mask})
+
+
+def _worker(rank, world, hf_dir, adapter_url, merged_url, fresh_url):
+    from ragen_mega.backends.megatron.config import ActorConfig, LoraConfig
+    from ragen_mega.backends.megatron.model import DirectExport
+    from ragen_mega.backends.megatron.train import MegatronTrainer
+    from ragen_mega.backends.sglang.client import EngineClient
+    from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender, send_export
+
+    trainer = MegatronTrainer(ActorConfig(lr=2e-2, micro_batch_size=3,
+                                          lora=LoraConfig(rank=4, alpha=8.0,
+                                                          target_modules=list(TARGETS))), hf_dir)
+    adapter, merged = EngineClient(adapter_url, timeout=120), EngineClient(merged_url, timeout=120)
+    senders = {u: BucketedWeightSender([EngineClient(u, timeout=120)], mode="distributed",
+                                       backend="gloo", bucket_bytes=1 << 20,
+                                       group_name=f"sync_{i}")
+               for i, u in enumerate((adapter_url, merged_url))}
+    for s in senders.values():
+        s.connect()
+    report = {"start": _observe(trainer, [adapter, merged])}
+    last = report["start"]
+    for version, sign in ((1, 1.0), (2, -1.0)):
+        _step(trainer, last, sign)
+        last = _observe(trainer, [adapter, merged])
+        _step(trainer, last, sign)   # two steps: B moves in the first, A too in the second
+        report[f"stale_{version}"] = _observe(trainer, [adapter, merged])
+        adapters = trainer.weight_export(dst=0, prefetch_bytes=1 << 20)
+        report[f"adapter_stats_{version}"] = send_export(adapters, senders[adapter_url], version)
+        full = DirectExport(trainer.model, dst=0, prefetch_bytes=1 << 20)
+        report[f"merged_stats_{version}"] = send_export(full, senders[merged_url], version)
+        report[f"v{version}"] = last = _observe(trainer, [adapter, merged])
+    fresh = EngineClient(fresh_url, timeout=120)   # a restarted engine: base from disk
+    with BucketedWeightSender([EngineClient(fresh_url, timeout=120)], mode="distributed",
+                              backend="gloo", bucket_bytes=1 << 20,
+                              group_name="sync_fresh") as sender:
+        sender.connect()
+        send_export(trainer.weight_export(dst=0, prefetch_bytes=1 << 20), sender, 3)
+        report["fresh"] = _observe(trainer, [fresh, merged])
+    for s in senders.values():
+        s.close()
+    for report_item in report.values():
+        if isinstance(report_item, dict):
+            report_item.pop("batch", None)
+    return report
+
+
+def _diff(a, b) -> float:
+    return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+
+
+@pytest.mark.slow
+def test_adapter_only_sync_serves_the_merged_weights(tiny_model):
+    hf_dir = tiny_model("qwen2", tied=False)
+    kwargs = dict(dtype="float32", startup_timeout=600, cpu_threads=1)
+    with launch_server(hf_dir, lora_targets=TARGETS, **kwargs) as adapter_engine, \
+            launch_server(hf_dir, **kwargs) as merged_engine, \
+            launch_server(hf_dir, lora_targets=TARGETS, **kwargs) as fresh_engine:
+        [report] = run_workers(_worker, 1, str(hf_dir), adapter_engine.url, merged_engine.url,
+                               fresh_engine.url, timeout=900)
+        log = adapter_engine.log_file.read_text()
+    assert "lora_merge: base weights of 15 adapted modules kept" in log  # 2 layers x 7 + head
+    for version in (1, 2):
+        stale, synced = report[f"stale_{version}"], report[f"v{version}"]
+        (stale_ids, stale_lp), _ = [list(zip(*e)) for e in stale["engines"]]
+        assert _diff(stale_lp, stale["trainer"]) > 1e-2   # trained away from what they serve
+        (a_ids, a_lp), (m_ids, m_lp) = [list(zip(*e)) for e in synced["engines"]]
+        assert a_ids == m_ids
+        assert _diff(a_lp, m_lp) < 1e-5, _diff(a_lp, m_lp)
+        assert _diff(a_lp, synced["trainer"]) < 1e-4
+        sent, full = report[f"adapter_stats_{version}"], report[f"merged_stats_{version}"]
+        assert sent.num_bytes * 20 < full.num_bytes, (sent.num_bytes, full.num_bytes)
+    (f_ids, f_lp), (m_ids, m_lp) = [list(zip(*e)) for e in report["fresh"]["engines"]]
+    assert f_ids == m_ids and _diff(f_lp, m_lp) < 1e-5
