@@ -182,9 +182,10 @@ def test_megatron_moe_matches_transformers(moe_dirs, tmp_path):
         assert_grads_close(results[arch, "grads"], want, arch)
 
 
-def test_expert_parallel_layouts_the_run_cannot_take_are_config_errors(moe_dirs, tiny_model):
-    """Loading checks EP against the data-parallel ranks it splits and the micro-batching;
-    the start-up check reads the model and names the expert count EP must divide."""
+def test_layouts_and_adapters_the_run_cannot_take_are_config_errors(moe_dirs, tiny_model):
+    """Loading checks EP against the data-parallel ranks it splits and the micro-batching, and
+    LoRA's targets against the linears adapters wrap; the start-up check reads the model and
+    names the expert count EP must divide, and refuses adapters on experts or a tied head."""
     from ragen_mega.config import load_run_config
     from ragen_mega.config_tree import ConfigError
     from ragen_mega.preflight import preflight
@@ -195,7 +196,9 @@ def test_expert_parallel_layouts_the_run_cannot_take_are_config_errors(moe_dirs,
             (["trainer.data_parallel=2", "critic.ep=2", "critic.max_tokens_per_micro_batch=64"],
              "critic.max_tokens_per_micro_batch: with ep > 1 every expert-parallel rank"),
             (["rollout.engine_ep=2"], "rollout.engine_ep: SGLang's expert parallelism splits "
-                                      "an engine's TP ranks, so it must divide engine_tp=1")):
+                                      "an engine's TP ranks, so it must divide engine_tp=1"),
+            (["actor.lora.rank=8", "actor.lora.target_modules=[q_proj,qkv_proj]"],
+             r"actor.lora.target_modules: \['qkv_proj'\] are not among the linears")):
         with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
             load_run_config(None, overrides)
     for path, overrides, needle in (
@@ -208,7 +211,12 @@ def test_expert_parallel_layouts_the_run_cannot_take_are_config_errors(moe_dirs,
              "rollout.engine_ep: expert parallel size 3 does not divide num_experts=4"),
             (tiny_model("qwen2"), ["actor.routing_replay=true"],
              "actor.routing_replay: replays the experts a mixture of experts routed each token "
-             "to; model_type=qwen2 has none")):
+             "to; model_type=qwen2 has none"),
+            (moe_dirs["qwen3_moe"], ["actor.lora.rank=8"],
+             "actor.lora: mixtures of experts are not supported yet"),
+            (tiny_model("qwen2", tied=True), ["actor.lora.rank=8",
+                                              "actor.lora.target_modules=[q_proj,lm_head]"],
+             "actor.lora.target_modules: lm_head of a model with tied embeddings")):
         cfg = load_run_config(None, [f"model.path={path}", *overrides])
         with pytest.raises(ConfigError, match=needle):
             preflight(cfg)
