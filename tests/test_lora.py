@@ -130,13 +130,13 @@ def _inner(optimizer):
 
 
 # ---------------------------------------------------------------------- the PEFT reference
-def _peft_model(hf_dir, adapters=None):
+def _peft_model(hf_dir, adapters=None, targets=TARGETS):
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     model = get_peft_model(base, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
-                                            target_modules=list(TARGETS),
+                                            target_modules=list(targets),
                                             init_lora_weights=False))
     if adapters is not None:
         set_peft_model_state_dict(model, {"base_model.model." + k: v for k, v in adapters.items()})
@@ -273,3 +273,34 @@ def test_peft_export_loads_in_peft_and_gives_the_trainers_logprobs(results, mode
     lp = results["ranks"][0]["step"]["lp2"][:, 1:]
     valid = mask[:, 1:].bool()
     assert torch.allclose(lp[valid], ref[valid], atol=2e-5, rtol=0), (lp - ref)[valid].abs().max()
+
+
+def test_convert_writes_the_checkpoints_adapters_for_peft_and_merged_into_the_base(
+        results, model_dir, tmp_path):
+    """``ragen-mega convert megatron-to-peft`` gives the adapters the trainer saved, bit for
+    bit; ``megatron-to-hf`` merges them into the base the run trained from (found through the
+    checkpoint) as PEFT's ``merge_and_unload`` does."""
+    from safetensors.torch import load_file
+
+    from ragen_mega.backends.megatron import convert
+    from ragen_mega.backends.megatron.lora import read_peft_adapter
+
+    step_1 = str(results["ckpt"] / "step_1")
+    assert convert.main(["megatron-to-peft", "--megatron-dir", step_1,
+                         "--out-dir", str(tmp_path / "peft")]) == 0
+    tensors, settings = read_peft_adapter(tmp_path / "peft")
+    saved = results["ranks"][0]["step"]["step1"]
+    assert set(tensors) == set(saved)
+    assert all(torch.equal(tensors[k], saved[k]) for k in saved)
+    assert (settings.rank, settings.alpha, settings.target_modules) == (
+        RANK, ALPHA, tuple(sorted(TARGETS[:7])))   # the trainer's: LoraConfig's default
+    assert convert.main(["megatron-to-hf", "--megatron-dir", step_1,
+                         "--out-dir", str(tmp_path / "merged")]) == 0
+    merged = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    reference = _peft_model(model_dir, saved, TARGETS[:7]).merge_and_unload().state_dict()
+    assert set(merged) == set(reference)
+    for name, ref in reference.items():
+        assert torch.allclose(merged[name], ref, atol=1e-6, rtol=1e-6), name
+    assert convert.main(["megatron-to-hf", "--megatron-dir", step_1, "--out-dir",
+                         str(tmp_path / "merged")]) == 1   # not empty: refused, kept whole
+    assert set(load_file(str(tmp_path / "merged" / "model.safetensors"))) == set(reference)

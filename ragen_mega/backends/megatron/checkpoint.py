@@ -7,10 +7,16 @@ Layout of ``<root>``::
 
     step_12/            a complete checkpoint (only ever appears by one atomic rename)
       dist/             megatron dist_checkpointing, torch_dist format (global tensor keys)
-      ragen_state.pt    step, optimizer step count, scheduler state, user ``extra``, signature:
-                        plain values and tensors only, read with ``weights_only=True``
+      ragen_state.pt    step, optimizer step count, scheduler state, user ``extra``, signature
+                        (a LoRA model's: its rank, alpha and targets, and ``lora_base``, the
+                        base model's directory): plain values and tensors only, read with
+                        ``weights_only=True``
       hf/               config.json + tokenizer files of the model (so export needs no HF dir)
     .tmp-step_13/       a save in progress, or one that was killed: never looks complete
+
+A LoRA model (``lora.py``) saves its adapters (and their Adam state) only, under their HF names
+(``model.layers.3.self_attn.q_proj.lora_A.weight``); its base weights stay those of the HF
+directory it was built from.
 
 Why torch_dist: tensors are stored under their *global* names and shapes, so a checkpoint
 written at one TP x PP (x VPP) layout loads at any other. The optimizer state follows the model
@@ -215,11 +221,13 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
     error = None
     if _rank() == 0:
         try:
-            torch.save({"format_version": FORMAT_VERSION, "step": int(step),
-                        "optimizer_steps": opt_steps, "has_optimizer": optimizer is not None,
-                        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                        "signature": signature, "extra": extra or {}},
-                       tmp / STATE_FILE)
+            state = {"format_version": FORMAT_VERSION, "step": int(step),
+                     "optimizer_steps": opt_steps, "has_optimizer": optimizer is not None,
+                     "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                     "signature": signature, "extra": extra or {}}
+            if "lora" in signature and hf_dir is not None:  # where the base weights are
+                state["lora_base"] = str(Path(hf_dir).resolve())
+            torch.save(state, tmp / STATE_FILE)
             if hf_dir is not None:
                 (tmp / "hf").mkdir()
                 for name in _HF_SIDE_FILES:

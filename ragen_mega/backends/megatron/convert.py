@@ -5,6 +5,7 @@ CLI::
     ragen-mega convert hf-to-megatron --hf-dir A --out-dir B [--tp N] [--pp M] [--ep E]
     ragen-mega convert megatron-to-hf --megatron-dir B --out-dir C [--hf-dir A] [--tp N] [--pp M]
                                       [--ep E]
+    ragen-mega convert megatron-to-peft --megatron-dir B --out-dir C
     python -m ragen_mega.backends.megatron.convert hf-to-megatron ...
 
 Both directions launch their own worker processes (``launch.run_workers``, one per TP x PP x EP
@@ -15,6 +16,10 @@ loads at any TP x PP x EP; it keeps a copy of config.json and the tokenizer). ``
 of the export only choose how many processes share the work. The HF output is written to a temp dir and
 renamed into place: safetensors in the dtype of the source config (vocab padding removed),
 config.json, tokenizer files — loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+A LoRA checkpoint (``actor.lora``: adapters only) goes to HF merged into its base model (the
+one the run trained from, or ``--hf-dir``), or, with ``megatron-to-peft``, as a PEFT adapter
+directory, read in this process without Megatron.
 """
 from __future__ import annotations
 
@@ -150,11 +155,16 @@ class _ShardWriter:
             json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2))
 
 
-def _export_worker(rank, world_size, ckpt_dir, src_hf, tmp_out, role):
-    from ragen_mega.backends.megatron.model import build_model, chunk_spec, export_hf_state
+def _export_worker(rank, world_size, ckpt_dir, src_hf, tmp_out, role, lora_settings=None):
+    from ragen_mega.backends.megatron.lora import apply_lora
+    from ragen_mega.backends.megatron.model import (build_model, chunk_spec, export_hf_state,
+                                                    load_hf_checkpoint)
     from ragen_mega.models.mapping import expected_hf_shapes
 
-    chunks = build_model(src_hf, role=role)
+    chunks = build_model(src_hf, role=role, use_te=False if lora_settings else None)
+    if lora_settings is not None:  # the base from src_hf, the adapters from the checkpoint
+        load_hf_checkpoint(chunks, src_hf)
+        apply_lora(chunks, lora_settings, seed=0)
     ckpt.load_checkpoint(ckpt_dir, chunks)
     spec, _ = chunk_spec(chunks)
     writer = _ShardWriter(Path(tmp_out), _target_dtype(Path(src_hf))) if rank == 0 else None
@@ -170,32 +180,110 @@ def _export_worker(rank, world_size, ckpt_dir, src_hf, tmp_out, role):
     return None
 
 
-def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
-                   ep: int = 1) -> Path:
-    """Write a Megatron checkpoint (a ``step_N`` dir, or the newest under a root) as an HF dir.
+def _lora_settings(state: dict):
+    """A LoRA checkpoint's ``LoraSettings`` (from its signature; dropout plays no part in an
+    export), or None for full weights."""
+    from ragen_mega.backends.megatron.lora import LoraSettings
 
-    ``hf_dir`` supplies config.json and the tokenizer; default: the copy inside the checkpoint.
-    """
-    ckpt_dir = _resolve_checkpoint(Path(megatron_dir).resolve())
-    src_hf = Path(hf_dir).resolve() if hf_dir else ckpt.checkpoint_hf_dir(ckpt_dir)
-    _check_layout(src_hf, tp, pp, ep)
-    role = ckpt.read_checkpoint_state(ckpt_dir)["signature"].get("role") or "actor"
+    sig = state["signature"].get("lora")
+    if sig is None:
+        return None
+    return LoraSettings(int(sig["rank"]), float(sig["alpha"]), 0.0,
+                        tuple(sig["target_modules"]))
+
+
+def _lora_base(ckpt_dir: Path, state: dict, hf_dir) -> Path:
+    """The base model a LoRA checkpoint's adapters go onto: ``hf_dir``, else the directory the
+    run trained from; it must hold the weights."""
+    base = Path(hf_dir).resolve() if hf_dir else Path(state.get("lora_base", ""))
+    if not hf_dir and not state.get("lora_base"):
+        raise ValueError(f"{ckpt_dir} holds LoRA adapters only and does not say its base "
+                         "model: pass --hf-dir BASE (the model.path it trained from)")
+    if not any(base.glob("*.safetensors")):
+        raise FileNotFoundError(f"{ckpt_dir} holds LoRA adapters only; their base model {base} "
+                                "has no *.safetensors weights (pass --hf-dir BASE)")
+    return base
+
+
+def _fresh_out_dir(out_dir) -> tuple[Path, Path]:
+    """(out_dir, its temp twin): the output is written to the temp dir and renamed into place."""
     out_dir = Path(out_dir).resolve()
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty")
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    return out_dir, tmp
+
+
+def _commit(tmp: Path, out_dir: Path) -> None:
+    if out_dir.exists():
+        out_dir.rmdir()
+    os.rename(tmp, out_dir)
+
+
+def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
+                   ep: int = 1) -> Path:
+    """Write a Megatron checkpoint (a ``step_N`` dir, or the newest under a root) as an HF dir.
+
+    ``hf_dir`` supplies config.json and the tokenizer; default: the copy inside the checkpoint.
+    A LoRA checkpoint is merged into its base (``hf_dir``, else the directory the run trained
+    from): the output is the full model with ``W_base + s * B A``.
+    """
+    ckpt_dir = _resolve_checkpoint(Path(megatron_dir).resolve())
+    state = ckpt.read_checkpoint_state(ckpt_dir)
+    lora = _lora_settings(state)
+    if lora is not None:
+        src_hf = _lora_base(ckpt_dir, state, hf_dir)
+    else:
+        src_hf = Path(hf_dir).resolve() if hf_dir else ckpt.checkpoint_hf_dir(ckpt_dir)
+    _check_layout(src_hf, tp, pp, ep)
+    role = state["signature"].get("role") or "actor"
+    out_dir, tmp = _fresh_out_dir(out_dir)
     try:
         world = tp * pp * ep
-        run_workers(_export_worker, world, str(ckpt_dir), str(src_hf), str(tmp), role, tp=tp,
-                    pp=pp, ep=ep, timeout=24 * 3600, threads_per_worker=_threads(world))
+        run_workers(_export_worker, world, str(ckpt_dir), str(src_hf), str(tmp), role, lora,
+                    tp=tp, pp=pp, ep=ep, timeout=24 * 3600, threads_per_worker=_threads(world))
         for item in src_hf.iterdir():  # config, generation config, tokenizer, chat template
             if item.is_file() and not any(item.match(p) for p in _WEIGHT_FILES):
                 shutil.copy2(item, tmp / item.name)
-        if out_dir.exists():
-            out_dir.rmdir()
-        os.rename(tmp, out_dir)
+        _commit(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def read_adapters(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's adapters, whole, read in this process (no model, no process group:
+    torch_dist stores each under its HF name and whole shape)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import load as dcp_load
+
+    reader = FileSystemReader(str(ckpt_dir / "dist"))
+    meta = reader.read_metadata().state_dict_metadata
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+               if k.endswith((".lora_A.weight", ".lora_B.weight"))
+               and not k.startswith("optimizer.")}
+    dcp_load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
+
+
+def megatron_to_peft(megatron_dir, out_dir) -> Path:
+    """Write a LoRA checkpoint's adapters as a PEFT adapter directory (``adapter_config.json``
+    + ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
+    base model."""
+    from ragen_mega.backends.megatron.lora import write_peft_adapter
+
+    ckpt_dir = _resolve_checkpoint(Path(megatron_dir).resolve())
+    state = ckpt.read_checkpoint_state(ckpt_dir)
+    lora = _lora_settings(state)
+    if lora is None:
+        raise ValueError(f"{ckpt_dir} holds full weights, not LoRA adapters: export it with "
+                         "megatron-to-hf")
+    out_dir, tmp = _fresh_out_dir(out_dir)
+    try:
+        write_peft_adapter(tmp, read_adapters(ckpt_dir), lora, state.get("lora_base", ""))
+        _commit(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
@@ -223,6 +311,11 @@ def build_parser(prog: str = "ragen-mega convert") -> argparse.ArgumentParser:
     exp.add_argument("--pp", type=int, default=1, help="processes sharing the export (PP)")
     exp.add_argument("--ep", type=int, default=1,
                      help="processes sharing the experts of the export (EP)")
+    peft = sub.add_parser("megatron-to-peft",
+                          help="a LoRA checkpoint's adapters -> PEFT adapter dir")
+    peft.add_argument("--megatron-dir", required=True,
+                      help="a step_N checkpoint dir, or a root (its newest complete checkpoint)")
+    peft.add_argument("--out-dir", required=True)
     return parser
 
 
@@ -233,6 +326,8 @@ def main(argv=None) -> int:
         if args.direction == "hf-to-megatron":
             path = hf_to_megatron(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp,
                                   ep=args.ep)
+        elif args.direction == "megatron-to-peft":
+            path = megatron_to_peft(args.megatron_dir, args.out_dir)
         else:
             path = megatron_to_hf(args.megatron_dir, args.out_dir, hf_dir=args.hf_dir,
                                   tp=args.tp, pp=args.pp, ep=args.ep)
