@@ -366,8 +366,16 @@ def test_the_configuration_page_names_every_key():
     from ragen_mega.config import RunConfig
 
     page = (pathlib.Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+
+    def keys(path, section):   # every key, those of nested sections (actor.lora.rank) too
+        for field in dataclasses.fields(section):
+            child = getattr(section, field.name)
+            yield f"{path}.{field.name}"
+            if dataclasses.is_dataclass(child):
+                yield from keys(f"{path}.{field.name}", child)
+
     run = RunConfig()
-    missing = [f"{section.name}.{field.name}" for section in dataclasses.fields(RunConfig)
-               for field in dataclasses.fields(getattr(run, section.name))
-               if f"`{section.name}.{field.name}`" not in page]
+    missing = [key for section in dataclasses.fields(RunConfig)
+               for key in keys(section.name, getattr(run, section.name))
+               if f"`{key}`" not in page]
     assert not missing, f"not in docs/configuration.md (run tools/config_reference.py): {missing}"
