@@ -437,6 +437,11 @@ def shard_pieces(global_name: str, shard: torch.Tensor, spec: ModelSpec, tp_size
     return _shard_pieces(_rule_for(global_name, spec, role)[0], shard, tp_size)
 
 
+def rule_of(global_name: str, spec: ModelSpec, role: str = "actor") -> Rule:
+    """The rule of one global Megatron parameter name (its HF names, fusion, TP split)."""
+    return _rule_for(global_name, spec, role)[0]
+
+
 def is_tp_split(global_name: str, spec: ModelSpec, role: str = "actor") -> bool:
     """Whether TP ranks hold different slices of this parameter (False: replicated)."""
     return _rule_for(global_name, spec, role)[0].tp_dim is not None

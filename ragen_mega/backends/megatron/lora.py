@@ -109,11 +109,11 @@ class LoraLinear(nn.Module):
     vocabulary is padded): each rank reads its rows through ``copy_to_tensor_model_parallel_
     region``, so B's gradient is summed over the ranks and equal on all of them."""
 
-    def __init__(self, weight_name: str, layer: int, spec: ModelSpec, settings: LoraSettings,
+    def __init__(self, weight_name: str, spec: ModelSpec, settings: LoraSettings,
                  tp_rank: int, tp: int, seed: int, dtype: torch.dtype, device):
         super().__init__()
-        rule = mapping._rule_for(weight_name, spec, "actor")[0]
-        hf = [n.format(i=layer) for n in rule.hf]
+        rule = mapping.rule_of(weight_name, spec)
+        hf = list(mapping.hf_names(weight_name, spec))
         shapes = [mapping.hf_shape(n, spec) for n in hf]
         self.column, self.whole_b = rule.tp_dim == 0, rule.vocab
         self.settings, self.tp = settings, tp
@@ -219,16 +219,16 @@ def apply_lora(chunks, settings: LoraSettings, seed: int) -> None:
         model.requires_grad_(False)
         rules = [r for r in mapping.adaptable_rules(spec)
                  if any(_short(n) in settings.target_modules for n in r.hf)]
-        wrapped = [(r.megatron.format(i=i), i) for i in model.ragen_layers
+        wrapped = [r.megatron.format(i=i) for i in model.ragen_layers
                    for r in rules if r.place == "layer"]
         if model.post_process:
-            wrapped += [(r.megatron, None) for r in rules if r.place == "head"]
-        for name, layer in wrapped:
+            wrapped += [r.megatron for r in rules if r.place == "head"]
+        for name in wrapped:
             local = mapping.to_local(name, model.ragen_layers.start)
             linear = model.get_submodule(local[: -len(".weight")])
             base = linear.weight
-            linear.lora = LoraLinear(name, layer, spec, settings, tp_rank, tp, seed,
-                                     base.dtype, base.device)
+            linear.lora = LoraLinear(name, spec, settings, tp_rank, tp, seed, base.dtype,
+                                     base.device)
             linear.register_forward_hook(_hook)
         model.ragen_lora = settings
 
