@@ -14,7 +14,8 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
 - the model (``model.path``'s config.json) splits over the actor's and the critic's parallel
   layout (TP divides the heads and MLP widths, PP the layers, EP the experts) and over the
   engines' expert parallelism; routing replay has experts to replay; LoRA adapters
-  (``actor.lora``) fit the model (no experts; ``lm_head`` only untied).
+  (``actor.lora``, ``critic.lora``) fit the model (no experts; ``lm_head`` only on an actor's
+  untied head).
 
 ``ragen-mega train``, ``eval`` and ``sft`` run it right after loading the config.
 """
@@ -95,14 +96,15 @@ def check_model_layout(cfg: RunConfig) -> None:
     if cfg.actor.routing_replay and not spec.is_moe:
         raise ConfigError(f"actor.routing_replay: replays the experts a mixture of experts "
                           f"routed each token to; model_type={spec.arch} has none")
-    lora = cfg.actor.lora.settings()
-    if lora is not None:
-        from ragen_mega.backends.megatron.lora import check_supported
+    from ragen_mega.backends.megatron.lora import check_supported
 
-        try:
-            check_supported(spec, lora)
-        except ValueError as e:
-            raise ConfigError(f"actor.{e}") from e
+    for role in ("actor", "critic") if cfg.critic.enable else ("actor",):
+        lora = getattr(cfg, role).lora.settings()
+        if lora is not None:
+            try:
+                check_supported(spec, lora, role)
+            except ValueError as e:
+                raise ConfigError(f"{role}.{e}") from e
 
 
 def env_builds(cfg: RunConfig) -> list[tuple[str, str, dict]]:

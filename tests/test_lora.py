@@ -6,7 +6,7 @@ merged export equals PEFT's ``merge_and_unload``. Then the trainer (DP 2 with th
 optimizer): a step moves only the adapters (base weights bit-identical, Adam state for adapters
 only), a checkpoint holds the adapters alone, resuming from it repeats the next step bit for
 bit, it loads at TP 2 too, and its PEFT export loads in ``peft`` and gives the trainer's
-log-probs.
+log-probs; the KL term's reference is the base (the adapters switched off, no second model).
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
     from megatron.core import parallel_state as mpu
 
     from ragen_mega.backends.megatron import lora
-    from ragen_mega.backends.megatron.config import ActorConfig, LoraConfig
+    from ragen_mega.backends.megatron.config import ActorConfig, CriticConfig, LoraConfig
     from ragen_mega.backends.megatron.forward import (forward_logprobs, make_forward_step,
                                                       run_schedule, split_microbatches)
     from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
@@ -74,7 +74,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
 
     def trainer(tp, distributed):
         init_parallel(rank, world, None, tp=tp, pp=1)
-        config = ActorConfig(tp=tp, lr=1e-2, micro_batch_size=2, grad_clip=1.0,
+        config = ActorConfig(tp=tp, lr=1e-2, micro_batch_size=2, grad_clip=1.0, kl_coef=0.01,
                              use_distributed_optimizer=distributed,
                              lora=LoraConfig(rank=RANK, alpha=ALPHA))
         return MegatronTrainer(config, hf_dir, total_steps=10, seed=3)
@@ -104,6 +104,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
     a.train(train)
     out["step"]["step2"] = lora.gather_adapters(a.model)
     out["step"]["lp2"] = a.compute_logprobs(batch)
+    out["step"]["ref_lp"] = a.compute_ref_logprobs(batch)   # the base, adapters off
     if rank == 0:
         lora.write_peft_adapter(peft_dir, out["step"]["step2"], a.lora, str(hf_dir))
     del a
@@ -120,6 +121,32 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
     c.load_checkpoint(path, optimizer=False)
     out["tp2_load"] = lora.gather_adapters(c.model)
     del c
+    gc.collect()
+
+    def critic():   # DP 2, adapters on every linear, the value head trained whole
+        init_parallel(rank, world, None, tp=1, pp=1)
+        return MegatronTrainer(CriticConfig(lr=1e-2, micro_batch_size=2, value_clip=None,
+                                            lora=LoraConfig(rank=RANK, alpha=ALPHA)),
+                               hf_dir, role="critic")
+
+    d = critic()
+    before = base_weights(d)
+    values0 = d.compute_values(batch)
+    losses = [d.train({**batch, "old_values": values0})["vf_loss"] for _ in range(4)]
+    after = base_weights(d)
+    head = [n for n in before if n.endswith("output_layer.weight")]
+    out["critic"] = dict(
+        losses=losses, head=head, head_moved=not torch.equal(before[head[0]], after[head[0]]),
+        base_same=all(torch.equal(before[n], after[n]) for n in before if n not in head),
+        trainable=sorted(n for c in d.model for n, p in c.named_parameters() if p.requires_grad))
+    path = d.save_checkpoint(f"{ckpt_root}_critic", 4)
+    values = d.compute_values(batch)
+    del d
+    gc.collect()
+    e = critic()
+    e.load_checkpoint(path)
+    out["critic"]["resumed_values_equal"] = torch.equal(e.compute_values(batch), values)
+    del e
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     return out
@@ -260,7 +287,8 @@ def test_checkpoint_holds_adapters_and_resumes_bit_identically(results):
             assert torch.equal(out["tp2_load"][key], value), (rank, key)
 
 
-def test_peft_export_loads_in_peft_and_gives_the_trainers_logprobs(results, model_dir):
+def test_peft_export_gives_the_trainers_logprobs_and_the_reference_is_the_base(results,
+                                                                              model_dir):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -273,6 +301,13 @@ def test_peft_export_loads_in_peft_and_gives_the_trainers_logprobs(results, mode
     lp = results["ranks"][0]["step"]["lp2"][:, 1:]
     valid = mask[:, 1:].bool()
     assert torch.allclose(lp[valid], ref[valid], atol=2e-5, rtol=0), (lp - ref)[valid].abs().max()
+    # the KL term's reference: the trainer's own base with the adapters off, transformers' base
+    with torch.no_grad():
+        base_lp = _row_logprobs(
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), ids, mask)
+    ref_lp = results["ranks"][0]["step"]["ref_lp"][:, 1:]
+    assert torch.allclose(ref_lp[valid], base_lp[valid], atol=2e-5, rtol=0)
+    assert not torch.allclose(lp[valid], base_lp[valid], atol=1e-3)
 
 
 def test_convert_writes_the_checkpoints_adapters_for_peft_and_merged_into_the_base(
@@ -304,3 +339,16 @@ def test_convert_writes_the_checkpoints_adapters_for_peft_and_merged_into_the_ba
     assert convert.main(["megatron-to-hf", "--megatron-dir", step_1, "--out-dir",
                          str(tmp_path / "merged")]) == 1   # not empty: refused, kept whole
     assert set(load_file(str(tmp_path / "merged" / "model.safetensors"))) == set(reference)
+
+
+def test_a_critic_trains_adapters_and_its_value_head_and_resumes_them(results):
+    """``critic.lora``: the value head (a fresh zero head) trains whole beside the adapters, the
+    base stays frozen, the value loss falls, and the checkpoint (adapters and head) gives the
+    same values when loaded."""
+    for out in results["ranks"]:
+        critic = out["critic"]
+        assert len(critic["head"]) == 1 and critic["head_moved"] and critic["base_same"]
+        assert all(".lora." in n or n.endswith("output_layer.weight")
+                   for n in critic["trainable"])
+        assert critic["losses"][-1] < 0.7 * critic["losses"][0], critic["losses"]
+        assert critic["resumed_values_equal"]

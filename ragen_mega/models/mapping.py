@@ -408,13 +408,13 @@ def hf_to_shard(global_name: str, hf_tensors: Sequence[torch.Tensor], spec: Mode
     return _split(rule, _hf_to_full(rule, hf_tensors, spec, tp_size), tp_rank, tp_size)
 
 
-def adaptable_rules(spec: ModelSpec) -> list[Rule]:
-    """The actor's linears a LoRA adapter may wrap: a dense layer's TP-split ones (attention's
-    qkv and output projection, the MLP's fc1 and fc2) and an untied LM head. Experts and the
-    embedding are not among them."""
-    layer = [r for r in rules(spec, "actor") if r.place == "layer" and r.tp_dim is not None
+def adaptable_rules(spec: ModelSpec, role: str = "actor") -> list[Rule]:
+    """The linears a LoRA adapter may wrap: a dense layer's TP-split ones (attention's qkv and
+    output projection, the MLP's fc1 and fc2) and an actor's untied LM head. Experts, the
+    embedding and a critic's value head are not among them."""
+    layer = [r for r in rules(spec, role) if r.place == "layer" and r.tp_dim is not None
              and r.expert is None and r.megatron.endswith(".weight")]
-    head = [r for r in rules(spec, "actor") if r.place == "head" and r.vocab and r.export]
+    head = [r for r in rules(spec, role) if r.place == "head" and r.vocab and r.export]
     return layer + ([] if spec.tie_word_embeddings else head)
 
 

@@ -17,6 +17,44 @@ LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 
 
 @dataclasses.dataclass
+class LoraConfig:
+    """The ``actor.lora`` / ``critic.lora`` sections: low-rank adapters on the model's linears,
+    PEFT's settings (``backends/megatron/lora.py``). ``rank: 0`` trains every weight. With a
+    rank, only the adapters (and a critic's value head) get gradients and Adam state,
+    checkpoints hold those, and the base weights stay those of ``model.path``. ``sync`` is the
+    actor's (the critic is never synced)."""
+    rank: int = bounded(0, ge=0, note="0: no adapters, every weight trained")  # PEFT's r
+    alpha: float = bounded(16.0, gt=0)     # the adapters' output is scaled by alpha / rank
+    dropout: float = bounded(0.0, ge=0, lt=1)  # on the adapters' input, in training passes only
+    #: HF module names (PEFT's target_modules); Megatron's fused qkv and gate/up linears carry
+    #: one adapter pair per HF module, as PEFT does. Default: every linear of every layer;
+    #: ``lm_head`` (an untied head only) may be added
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS[:7]))
+    #: what a weight sync sends the engines: "adapters" (the engines' plugin merges them into
+    #: the base weights it kept: backends/sglang/lora_merge.py), or "merged" (every adapted
+    #: weight whole, as a full-weight run sends: for engines started without that plugin)
+    sync: Literal["adapters", "merged"] = "adapters"
+
+    def validate(self):
+        check_declared(self)
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown:
+            raise ConfigError(f"target_modules: {unknown} are not among the linears adapters "
+                              f"can wrap {list(LORA_TARGETS)}")
+        if self.rank and not self.target_modules:
+            raise ConfigError("target_modules: empty; name at least one linear or set rank: 0")
+        return self
+
+    def settings(self):
+        """The trainer's ``LoraSettings``; None for ``rank: 0``."""
+        if not self.rank:
+            return None
+        from ragen_mega.backends.megatron.lora import LoraSettings
+
+        return LoraSettings(self.rank, self.alpha, self.dropout, tuple(self.target_modules))
+
+
+@dataclasses.dataclass
 class ModelTrainingConfig:
     """Megatron settings every trained model has (the ``actor`` and ``critic`` sections share
     them): parallel layout, optimizer, LR schedule, loss aggregation. ``validate`` raises
@@ -72,6 +110,8 @@ class ModelTrainingConfig:
     #: runs anywhere). Same weights and mapping either way; the optimizer state of a checkpoint
     #: belongs to the layout it was saved with
     moe_grouped_gemm: bool = False
+    #: low-rank adapters (the critic's value head is trained whole beside them)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
 
     def validate(self):
         """The declared bounds and choices too (``config_tree.check_declared``): the Megatron
@@ -87,43 +127,6 @@ class ModelTrainingConfig:
         if not 0 <= self.min_lr <= self.lr:
             raise ConfigError(f"min_lr: must be in [0, lr={self.lr}], got {self.min_lr!r}")
         return self
-
-
-@dataclasses.dataclass
-class LoraConfig:
-    """The ``actor.lora`` section: low-rank adapters on the policy's linears, PEFT's settings
-    (``backends/megatron/lora.py``). ``rank: 0`` trains every weight. With a rank, only the
-    adapters get gradients and Adam state, checkpoints hold the adapters, and the base weights
-    stay those of ``model.path``."""
-    rank: int = bounded(0, ge=0, note="0: no adapters, every weight trained")  # PEFT's r
-    alpha: float = bounded(16.0, gt=0)     # the adapters' output is scaled by alpha / rank
-    dropout: float = bounded(0.0, ge=0, lt=1)  # on the adapters' input, in training passes only
-    #: HF module names (PEFT's target_modules); Megatron's fused qkv and gate/up linears carry
-    #: one adapter pair per HF module, as PEFT does. Default: every linear of every layer;
-    #: ``lm_head`` (an untied head only) may be added
-    target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS[:7]))
-    #: what a weight sync sends the engines: "adapters" (the engines' plugin merges them into
-    #: the base weights it kept: backends/sglang/lora_merge.py), or "merged" (every adapted
-    #: weight whole, as a full-weight run sends: for engines started without that plugin)
-    sync: Literal["adapters", "merged"] = "adapters"
-
-    def validate(self):
-        check_declared(self)
-        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
-        if unknown:
-            raise ConfigError(f"target_modules: {unknown} are not among the linears adapters "
-                              f"can wrap {list(LORA_TARGETS)}")
-        if self.rank and not self.target_modules:
-            raise ConfigError("target_modules: empty; name at least one linear or set rank: 0")
-        return self
-
-    def settings(self):
-        """The trainer's ``LoraSettings``; None for ``rank: 0``."""
-        if not self.rank:
-            return None
-        from ragen_mega.backends.megatron.lora import LoraSettings
-
-        return LoraSettings(self.rank, self.alpha, self.dropout, tuple(self.target_modules))
 
 
 @dataclasses.dataclass
@@ -150,7 +153,6 @@ class ActorConfig(ModelTrainingConfig):
     #: routing the engine sampled with. Whether or not it is on, actor/routing_mismatch logs
     #: the share of (token, layer) routings where the two disagree.
     routing_replay: bool = False
-    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)  # low-rank adapters
 
 
 @dataclasses.dataclass

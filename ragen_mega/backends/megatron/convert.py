@@ -280,6 +280,9 @@ def megatron_to_peft(megatron_dir, out_dir) -> Path:
     if lora is None:
         raise ValueError(f"{ckpt_dir} holds full weights, not LoRA adapters: export it with "
                          "megatron-to-hf")
+    if state["signature"].get("role") == "critic":
+        raise ValueError(f"{ckpt_dir} is a critic's: its value head is no PEFT adapter; export "
+                         "it merged with megatron-to-hf")
     out_dir, tmp = _fresh_out_dir(out_dir)
     try:
         write_peft_adapter(tmp, read_adapters(ckpt_dir), lora, state.get("lora_base", ""))

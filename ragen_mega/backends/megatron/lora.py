@@ -41,6 +41,7 @@ spec (its linears take the norm's input: LoRA builds the local spec).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import zlib
@@ -71,7 +72,10 @@ class LoraSettings:
                 "target_modules": sorted(self.target_modules)}
 
 
-def check_supported(spec: ModelSpec, settings: LoraSettings) -> None:
+def check_supported(spec: ModelSpec, settings: LoraSettings, role: str = "actor") -> None:
+    if role == "critic" and "lm_head" in settings.target_modules:
+        raise ValueError("lora.target_modules: a critic has no lm_head (its head is the value "
+                         "head, trained whole); leave it out")
     if spec.is_moe:
         raise ValueError("lora: mixtures of experts are not supported yet (their MLPs are "
                          "experts, trained under sequence parallelism); train all weights "
@@ -112,10 +116,10 @@ class LoraLinear(nn.Module):
     def __init__(self, weight_name: str, spec: ModelSpec, settings: LoraSettings,
                  tp_rank: int, tp: int, seed: int, dtype: torch.dtype, device):
         super().__init__()
-        rule = mapping.rule_of(weight_name, spec)
+        rule = mapping.rule_of(weight_name, spec)   # the layers' rules are the actor's
         hf = list(mapping.hf_names(weight_name, spec))
         shapes = [mapping.hf_shape(n, spec) for n in hf]
-        self.column, self.whole_b = rule.tp_dim == 0, rule.vocab
+        self.column, self.whole_b, self.enabled = rule.tp_dim == 0, rule.vocab, True
         self.settings, self.tp = settings, tp
         self.hf_names = {_short(n): _module_name(n) for n in hf
                          if _short(n) in settings.target_modules}
@@ -200,8 +204,26 @@ class LoraLinear(nn.Module):
 
 
 def _hook(module, args, output):
+    if not module.lora.enabled:
+        return output
     out, bias = output
     return out + module.lora.delta(args[0]), bias
+
+
+@contextlib.contextmanager
+def adapters_off(chunks):
+    """The base model inside the block: every adapter's output is left out (the reference
+    policy of a KL term, without a second copy of the weights)."""
+    from ragen_mega.backends.megatron.chunk import unwrap
+
+    loras = [lora for chunk in chunks for _, lora in adapters(unwrap(chunk))]
+    for lora in loras:
+        lora.enabled = False
+    try:
+        yield
+    finally:
+        for lora in loras:
+            lora.enabled = True
 
 
 def apply_lora(chunks, settings: LoraSettings, seed: int) -> None:
@@ -214,10 +236,12 @@ def apply_lora(chunks, settings: LoraSettings, seed: int) -> None:
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     for chunk in chunks:
         model = unwrap(chunk)
-        spec = model.ragen_spec
-        check_supported(spec, settings)
+        spec, role = model.ragen_spec, model.ragen_role
+        check_supported(spec, settings, role)
         model.requires_grad_(False)
-        rules = [r for r in mapping.adaptable_rules(spec)
+        if role == "critic" and model.post_process:   # the value head trains whole
+            model.output_layer.requires_grad_(True)
+        rules = [r for r in mapping.adaptable_rules(spec, role)
                  if any(_short(n) in settings.target_modules for n in r.hf)]
         wrapped = [r.megatron.format(i=i) for i in model.ragen_layers
                    for r in rules if r.place == "layer"]
@@ -270,8 +294,9 @@ def adapter_tensors(model: nn.Module):
 
 
 def sharded_state_dict(model: nn.Module) -> dict:
-    """A bare chunk's adapters as megatron ``ShardedTensor``s under their HF keys (what a LoRA
-    checkpoint holds instead of the model: the base stays the HF directory's)."""
+    """What a LoRA checkpoint holds of a bare chunk instead of the whole model (the base stays
+    the HF directory's): its adapters as megatron ``ShardedTensor``s under their HF keys, and
+    any other trained parameter (a critic's value head) as the model's own state dict has it."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -284,14 +309,24 @@ def sharded_state_dict(model: nn.Module) -> dict:
         else:
             out[key] = ShardedTensor.from_rank_offsets(key, param, (axis, tp_rank, tp),
                                                        replica_id=(0, 0, dp_rank))
+    trained = {id(p) for n, p in model.named_parameters() if p.requires_grad and not is_adapter(n)}
+    if trained:
+        out.update({k: v for k, v in model.sharded_state_dict().items()
+                    if isinstance(v, ShardedTensor) and id(v.data) in trained})
     return out
 
 
 def load_state_dict(model: nn.Module, loaded: dict) -> None:
-    """Copy a loaded :func:`sharded_state_dict` into the chunk's adapters."""
+    """Copy a loaded :func:`sharded_state_dict` into the chunk's adapters (and value head)."""
     with torch.no_grad():
+        adapter_keys = set()
         for key, param, _ in adapter_tensors(model):
             param.copy_(loaded[key])
+            adapter_keys.add(key)
+        params = dict(model.named_parameters())
+        for key, value in loaded.items():
+            if key not in adapter_keys:
+                params[key].copy_(value)
 
 
 def _slice(tensor: torch.Tensor, axis: int | None, tp_rank: int, tp: int) -> torch.Tensor:

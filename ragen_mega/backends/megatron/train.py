@@ -53,7 +53,8 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
                                                   make_forward_step, run_schedule,
                                                   split_microbatches)
 from ragen_mega.backends.megatron.chunk import unwrap
-from ragen_mega.backends.megatron.lora import AdapterExport, LoraSettings, apply_lora
+from ragen_mega.backends.megatron.lora import (AdapterExport, LoraSettings, adapters_off,
+                                               apply_lora)
 from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
                                                 load_hf_checkpoint)
 from ragen_mega.backends.megatron.parallel import local_device
@@ -178,12 +179,12 @@ class MegatronTrainer:
         self.skipped_in_row = 0
         self.objective = objective if objective is not None else OBJECTIVES[role](config)
         self.dtype = torch.bfloat16 if config.bf16 else torch.float32
-        lora_config = getattr(config, "lora", None)  # actor.lora: a critic trains every weight
+        lora_config = getattr(config, "lora", None)
         self.lora = lora_config.validate().settings() if lora_config is not None else None
         self.model = self._wrap_ddp(self._load(role, self.lora, seed))
         self.optimizer, self.scheduler = self._build_optimizer()
         self.ref_model = None
-        if self.objective.needs_reference:
+        if self.objective.needs_reference and self.lora is None:  # LoRA's is its frozen base
             self.ref_model = self._load("actor")
             for chunk in self.ref_model:
                 chunk.requires_grad_(False)
@@ -255,6 +256,11 @@ class MegatronTrainer:
         return self._logprobs(self.model, batch)
 
     def compute_ref_logprobs(self, batch: dict) -> torch.Tensor:
+        """The reference policy's log-probs: the start weights, kept as a second model; with
+        LoRA the model's own frozen base, its adapters switched off (no second copy)."""
+        if self.lora is not None and self.objective.needs_reference:
+            with adapters_off(self.model):
+                return self._logprobs(self.model, batch)
         if self.ref_model is None:
             raise RuntimeError("compute_ref_logprobs: no reference model (the objective needs "
                                "none: ActorConfig.kl_coef is 0, or this is a critic)")
