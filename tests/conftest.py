@@ -230,6 +230,22 @@ def actor_batch(actor_model_dir):
 LENGTHS = [9, 5, 7]       # right padded; micro-batches of 2 -> lengths 9 and 7 under PP
 
 
+def push_first_completion(trainer, batch: tuple, prompts: list, sign: float) -> dict:
+    """One actor step on an engine's completions (``batch`` = ids and mask of each prompt with
+    its completion): the first completion pushed up, the others down (``sign`` flips them), the
+    prompts masked out of the loss."""
+    ids, mask = batch
+    loss_mask = mask.clone().float()
+    for i, p in enumerate(prompts):
+        loss_mask[i, :len(p)] = 0
+    old = trainer.compute_logprobs({"input_ids": ids, "attention_mask": mask,
+                                    "loss_mask": loss_mask})
+    adv = torch.full(ids.shape, -sign)
+    adv[0] = sign
+    return trainer.train({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
+                          "old_logprobs": old, "advantages": adv * loss_mask})
+
+
 def make_batch(vocab: int, lengths=LENGTHS, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     seq = max(lengths)

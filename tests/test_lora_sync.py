@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import push_first_completion
+
 from ragen_mega.backends.megatron.launch import run_workers
 from ragen_mega.backends.sglang.server import launch_server
 
@@ -31,19 +33,6 @@ def _observe(trainer, clients) -> dict:
                                    "loss_mask": torch.zeros(ids.shape)})
     return {"engines": engines, "batch": (ids, mask),
             "trainer": [lp[i, len(p):len(p) + 8].tolist() for i, p in enumerate(PROMPTS)]}
-
-
-def _step(trainer, observed, sign):
-    ids, mask = observed["batch"]
-    loss_mask = mask.clone().float()
-    for i, p in enumerate(PROMPTS):
-        loss_mask[i, :len(p)] = 0
-    old = trainer.compute_logprobs({"input_ids": ids, "attention_mask": mask,
-                                    "loss_mask": loss_mask})
-    adv = torch.full(ids.shape, -sign)
-    adv[0] = sign
-    return trainer.train({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
-                          "old_logprobs": old, "advantages": adv * loss_mask})
 
 
 def _worker(rank, world, hf_dir, adapter_url, merged_url, fresh_url):
@@ -66,9 +55,10 @@ def _worker(rank, world, hf_dir, adapter_url, merged_url, fresh_url):
     report = {"start": _observe(trainer, [adapter, merged])}
     last = report["start"]
     for version, sign in ((1, 1.0), (2, -1.0)):
-        _step(trainer, last, sign)
+        push_first_completion(trainer, last["batch"], PROMPTS, sign)
         last = _observe(trainer, [adapter, merged])
-        _step(trainer, last, sign)   # two steps: B moves in the first, A too in the second
+        # two steps: B moves in the first, A too in the second
+        push_first_completion(trainer, last["batch"], PROMPTS, sign)
         report[f"stale_{version}"] = _observe(trainer, [adapter, merged])
         adapters = trainer.weight_export(dst=0, prefetch_bytes=1 << 20)
         report[f"adapter_stats_{version}"] = send_export(adapters, senders[adapter_url], version)

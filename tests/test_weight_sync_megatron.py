@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import push_first_completion
+
 from ragen_mega.backends.megatron.launch import run_workers
 from ragen_mega.backends.sglang.server import launch_server
 
@@ -83,21 +85,6 @@ def _observe(trainer, clients) -> dict:
             "batch": (ids, mask)}
 
 
-def _train_step(trainer, observed: dict, sign: float) -> dict:
-    """One actor step on the engine's completions: push the first completion up and the others
-    down (lr 1e-2 moves every weight visibly)."""
-    ids, mask = observed["batch"]
-    loss_mask = mask.clone().float()
-    for i, p in enumerate(PROMPTS):
-        loss_mask[i, :len(p)] = 0
-    old = trainer.compute_logprobs({"input_ids": ids, "attention_mask": mask,
-                                    "loss_mask": loss_mask})
-    adv = torch.full(ids.shape, -sign)
-    adv[0] = sign
-    return trainer.train({"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask,
-                                "old_logprobs": old, "advantages": adv * loss_mask})
-
-
 class _KilledOnFirstDraw:
     """An export whose first drawn tensor (on the sending rank: the one that knows the layout)
     SIGKILLs the process group ``pgid``: an engine dies after its first bucket was announced."""
@@ -132,7 +119,7 @@ def _sync_worker(rank, world_size, hf_dir, urls, rounds, layout=None, kill_pgid=
     report = {"start": _observe(trainer, clients)}
     last = report["start"]
     for version, (mode, load_format, streamed, sign) in enumerate(rounds, start=1):
-        report[f"train_{version}"] = _train_step(trainer, last, sign)
+        report[f"train_{version}"] = push_first_completion(trainer, last["batch"], PROMPTS, sign)
         report[f"stale_{version}"] = _observe(trainer, clients)  # the engines have old weights
         export = trainer.weight_export(dst=0, prefetch_bytes=BUCKET_BYTES)
         if rank == 0 and mode not in senders:
@@ -146,7 +133,7 @@ def _sync_worker(rank, world_size, hf_dir, urls, rounds, layout=None, kill_pgid=
         report[f"stats_{version}"] = send_export(export, sender, version, streamed=streamed)
         report[f"v{version}"] = last = _observe(trainer, clients)
     if kill_pgid is not None:
-        _train_step(trainer, last, 1.0)
+        push_first_completion(trainer, last["batch"], PROMPTS, 1.0)
         export = _KilledOnFirstDraw(trainer.weight_export(dst=0, prefetch_bytes=BUCKET_BYTES),
                                     kill_pgid)
         try:

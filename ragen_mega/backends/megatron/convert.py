@@ -231,13 +231,16 @@ def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
     from): the output is the full model with ``W_base + s * B A``.
     """
     ckpt_dir = _resolve_checkpoint(Path(megatron_dir).resolve())
+    if hf_dir:  # the user's config is checked before the checkpoint is opened
+        _check_layout(Path(hf_dir).resolve(), tp, pp, ep)
     state = ckpt.read_checkpoint_state(ckpt_dir)
     lora = _lora_settings(state)
     if lora is not None:
         src_hf = _lora_base(ckpt_dir, state, hf_dir)
     else:
         src_hf = Path(hf_dir).resolve() if hf_dir else ckpt.checkpoint_hf_dir(ckpt_dir)
-    _check_layout(src_hf, tp, pp, ep)
+    if not hf_dir:
+        _check_layout(src_hf, tp, pp, ep)
     role = state["signature"].get("role") or "actor"
     out_dir, tmp = _fresh_out_dir(out_dir)
     try:
