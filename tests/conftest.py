@@ -230,6 +230,22 @@ def actor_batch(actor_model_dir):
 LENGTHS = [9, 5, 7]       # right padded; micro-batches of 2 -> lengths 9 and 7 under PP
 
 
+@contextlib.contextmanager
+def engines_started_together(hf_dir, *engines: dict, **common):
+    """SGLang servers for ``hf_dir`` (one per dict of ``launch_server`` arguments, ``common``
+    added to each), started side by side and yielded once all are healthy: each imports SGLang
+    and loads its model in its own process, so on two cores three take about 20 s less than one
+    after another. Every one is stopped on the way out."""
+    from ragen_mega.backends.sglang.server import launch_server
+
+    with contextlib.ExitStack() as stack:
+        servers = [stack.enter_context(launch_server(hf_dir, wait=False, **common, **kw))
+                   for kw in engines]
+        for server in servers:
+            server.wait_healthy(600)
+        yield servers
+
+
 def push_first_completion(trainer, batch: tuple, prompts: list, sign: float) -> dict:
     """One actor step on an engine's completions (``batch`` = ids and mask of each prompt with
     its completion): the first completion pushed up, the others down (``sign`` flips them), the

@@ -12,10 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import push_first_completion
+from conftest import engines_started_together, push_first_completion
 
 from ragen_mega.backends.megatron.launch import run_workers
-from ragen_mega.backends.sglang.server import launch_server
 
 PROMPTS = [[1, 2, 3, 4, 5], [100, 2000, 30000, 77], list(range(500, 520))]
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
@@ -87,10 +86,9 @@ def _diff(a, b) -> float:
 @pytest.mark.slow
 def test_adapter_only_sync_serves_the_merged_weights(tiny_model):
     hf_dir = tiny_model("qwen2", tied=False)
-    kwargs = dict(dtype="float32", startup_timeout=600, cpu_threads=1)
-    with launch_server(hf_dir, lora_targets=TARGETS, **kwargs) as adapter_engine, \
-            launch_server(hf_dir, **kwargs) as merged_engine, \
-            launch_server(hf_dir, lora_targets=TARGETS, **kwargs) as fresh_engine:
+    with engines_started_together(hf_dir, {"lora_targets": TARGETS}, {},
+                                  {"lora_targets": TARGETS}, dtype="float32", cpu_threads=1
+                                  ) as (adapter_engine, merged_engine, fresh_engine):
         [report] = run_workers(_worker, 1, str(hf_dir), adapter_engine.url, merged_engine.url,
                                fresh_engine.url, timeout=900)
         log = adapter_engine.log_file.read_text()

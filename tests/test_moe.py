@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_batch, training_grads
+from conftest import engines_started_together, make_batch, training_grads
 from ragen_mega.backends.megatron.launch import run_workers
 from ragen_mega.models import mapping
 from ragen_mega.models.hf_config import ConfigMismatchError, model_spec
@@ -451,14 +451,12 @@ def test_expert_parallel_trainer_syncs_into_sglang_engines(moe_dirs):
     colocated tensor path are the whole-loop test's). Before any sync, after each, every
     engine's greedy tokens are the trainer's own and its log-probs within 1e-4; after a train
     step and before its sync they are not."""
-    from ragen_mega.backends.sglang.server import launch_server
     from test_weight_sync_megatron import _check_engines_follow, _sync_worker
 
     hf_dir = moe_dirs["qwen3_moe"]
     rounds = [("distributed", None, True, 1.0), ("distributed", "flattened_bucket", False, -1.0)]
-    engine = dict(dtype="float32", startup_timeout=600, cpu_threads=1)
-    with launch_server(hf_dir, tp=2, **engine) as tp2, \
-            launch_server(hf_dir, tp=2, extra_args=["--ep-size", "2"], **engine) as ep2:
+    with engines_started_together(hf_dir, {}, {"extra_args": ["--ep-size", "2"]}, tp=2,
+                                  dtype="float32", cpu_threads=1) as (tp2, ep2):
         report, _ = run_workers(_sync_worker, 2, hf_dir, [tp2.url, ep2.url], rounds,
                                 {"ep": 2}, ep=2, timeout=900)
     _check_engines_follow(report, rounds)

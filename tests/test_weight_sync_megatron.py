@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import push_first_completion
+from conftest import engines_started_together, push_first_completion
 
 from ragen_mega.backends.megatron.launch import run_workers
 from ragen_mega.backends.sglang.server import launch_server
@@ -264,10 +264,8 @@ def test_tp2_megatron_sync_into_a_tp2_and_a_tp1_engine(tiny_model):
     rendezvous' time-out), and the other trainer rank returns from that sync as well."""
     hf_dir = tiny_model("qwen2", tied=False)
     rounds = [("distributed", None, True, 1.0), ("distributed", None, False, -1.0)]
-    with launch_server(hf_dir, tp=2, dtype="float32", startup_timeout=600,
-                       cpu_threads=1) as tp2_engine, \
-            launch_server(hf_dir, dtype="float32", startup_timeout=600,
-                          cpu_threads=1) as tp1_engine:
+    with engines_started_together(hf_dir, {"tp": 2}, {}, dtype="float32", cpu_threads=1
+                                  ) as (tp2_engine, tp1_engine):
         report, other_rank = run_workers(_sync_worker, 2, str(hf_dir),
                                          [tp2_engine.url, tp1_engine.url], rounds,
                                          None, tp1_engine.pid, tp=2, timeout=600)
