@@ -1,4 +1,4 @@
-"""Step time with the rollout overlapped with training (``trainer.async_rollout``) vs one after
+"""Step time with the rollout overlapped with training (``async_mode: one_step_off``) vs one after
 the other, on the CPU demo's shape (``examples/bandit_cpu_demo.yaml``: SmolLM2-135M, 64 bandit
 episodes a step, StarPO-S keeps 16), or on another config (``--config``; streamed steps,
 ``rollout.mode=turns``, overlap their windows the same way).
@@ -25,7 +25,7 @@ from pathlib import Path
 
 DEMO = "examples/bandit_cpu_demo.yaml"
 MODES = {"sync": [],
-         "async": ["trainer.async_rollout=true", "actor.tis_cap=2.0",
+         "async": ["trainer.async_mode=one_step_off", "actor.tis_cap=2.0",
                    "algo.use_rollout_logprobs=false"]}
 PHASES = ("time/step_s", "time/rollout_s", "time/train_s", "time/rollout_wait_s", "time/sync_s")
 

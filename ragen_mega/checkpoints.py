@@ -16,7 +16,7 @@ functions of the step, so the data cursor is the step plus the seeds it was deri
 resumed run replays the uninterrupted one (tests/test_resume_equivalence.py). A streamed run
 (``rollout.mode: turns``) also saves where its env streams are (``rollout/streams.py``: each
 stream's episode index and its current episode's responses, replayed on resume), and one with
-``trainer.async_rollout`` the next step's rollout, already played (``PlayedStep.state_dict``).
+``async_mode: one_step_off`` the next step's rollout, already played (``PlayedStep.state_dict``).
 
 The extra state holds plain values only (ints, floats, str, lists, tuples, dicts, tensors): it
 is read with ``torch.load(weights_only=True)``, which executes nothing a file holds, and no class
@@ -200,7 +200,7 @@ def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | 
          streams: dict | None = None, pending=None) -> None:
     """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete.
     ``streams``: the env streams' state after ``step`` (turns mode, ``EnvStreams.state_dict``);
-    ``pending``: the rollout of step ``step + 1`` already played (``trainer.async_rollout``, a
+    ``pending``: the rollout of step ``step + 1`` already played (``async_mode: one_step_off``, a
     ``rollout.manager.PlayedStep``, kept as its ``state_dict``); both kept in the extra state."""
     root = checkpoint_root(cfg.trainer.run_dir)
     extra = {"step": step, "data_cursor": data_cursor(cfg), "rng": rng_states(),
@@ -217,7 +217,7 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
     """The step to continue after (0 = fresh start), loading its checkpoints and RNG states,
     the env streams' state saved with it (None: a fresh start or an episodes-mode run) and the
     next step's rollout played before the save (a ``PlayedStep`` whose fault counters describe
-    further faults in ``RUN_DIR/faults.jsonl``; None unless ``trainer.async_rollout``).
+    further faults in ``RUN_DIR/faults.jsonl``; None unless ``async_mode: one_step_off``).
 
     ``trainer.resume``: ``auto`` (the newest complete step, if any), ``never``, or a directory
     holding ``actor/`` (and ``critic/``) checkpoints."""
@@ -246,10 +246,10 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
                       f"{', '.join(changed)}; the resumed steps will not replay the "
                       f"uninterrupted run's")
     pending = extra.get("pending_rollout")
-    if pending is not None and not cfg.trainer.async_rollout:
+    if pending is not None and cfg.trainer.async_mode != "one_step_off":
         warnings.warn(f"trainer.resume: step {step}'s checkpoint holds step {step + 1}'s "
-                      f"rollout, played during step {step} (trainer.async_rollout was on); "
-                      f"with it off now, step {step + 1} is played again")
+                      f"rollout, played during step {step} (trainer.async_mode=one_step_off); "
+                      f"without it now, step {step + 1} is played again")
         pending = None
     if pending is not None:
         pending = PlayedStep.from_state_dict(pending,

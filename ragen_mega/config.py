@@ -58,12 +58,18 @@ class TrainerConfig:
     eval_every: int = bounded(0, ge=0)   # 0 = never
     resume: str = "auto"         # auto | never | a checkpoint directory
     colocate: bool = False  # engines and trainers share devices
-    #: overlap: step k+1's rollout plays on the engines while the trainer trains on step k's
-    #: samples, so a step costs about max(rollout, train) instead of their sum; the engines get
-    #: step k's weights at the next boundary, so every sample after the first step's is one
-    #: version stale (rollout/weight_staleness), corrected by actor.tis_cap (slime's and verl's
-    #: off-policy rollouts). Episodes mode, separate engines (not colocate) only.
-    async_rollout: bool = False
+    #: off: rollout, then training. one_step_off: step k+1's rollout plays on the engines while
+    #: the trainer trains on step k's samples, so a step costs about max(rollout, train); every
+    #: sample after the first step's is one version stale (rollout/weight_staleness), corrected
+    #: by actor.tis_cap (slime's and verl's off-policy rollouts). fully: the engines never wait
+    #: for the trainer; they play the next steps' episodes while it trains, a sync lands between
+    #: two tokens of the requests in flight (partial rollouts), and a step's episodes start
+    #: only while their first token is within trainer.max_staleness versions of the weights
+    #: they train (AReaL's asynchronous RL). Either: separate engines (not colocate)
+    async_mode: Literal["off", "one_step_off", "fully"] = "off"
+    #: async_mode=fully: the most weight versions between a trained token and the weights it
+    #: trains (1: at most as stale as one_step_off)
+    max_staleness: int = bounded(1, ge=1)
     ray_address: Optional[str] = None   # None: start a private local Ray; "auto" on clusters
     #: replicas of the actor and of the critic (each TP x PP ranks)
     data_parallel: int = bounded(1, ge=1)
@@ -162,8 +168,8 @@ class RunConfig:
             self._validate_turns_mode()
         if self.rollout.agent is not None:
             self._validate_user_agent()
-        if self.trainer.async_rollout:
-            self._validate_async_rollout()
+        if self.trainer.async_mode != "off":
+            self._validate_async_mode()
         if self.trainer.collapse_every and not self.agent.think:
             raise ConfigError("trainer.collapse_every: the collapse probes cross-score each "
                               "answer's reasoning (<think>) with the batch's prompts, and with "
@@ -209,28 +215,37 @@ class RunConfig:
             raise ConfigError(f"env.group_size: {name} compares episodes within a group, so it "
                               f"needs group_size >= 2, got {self.env.group_size}")
 
-    def _validate_async_rollout(self):
-        """What an overlapped rollout rules out or needs (``trainer.async_rollout``)."""
+    def _validate_async_mode(self):
+        """What a rollout played beside training rules out or needs (``trainer.async_mode``)."""
+        mode = f"trainer.async_mode={self.trainer.async_mode}"
         if self.trainer.colocate:
-            raise ConfigError("trainer.async_rollout: overlapping rollout and training needs "
-                              "separate engines; colocated ones hand their devices to the "
-                              "trainer (set trainer.colocate=false)")
+            raise ConfigError(f"trainer.async_mode: {mode} plays rollouts while the trainer "
+                              f"trains and needs separate engines; colocated ones hand their "
+                              f"devices to the trainer (set trainer.colocate=false)")
         if self.algo.use_rollout_logprobs:
-            raise ConfigError("algo.use_rollout_logprobs: with trainer.async_rollout the "
-                              "engine's log-probs are one version stale; set it false so the "
-                              "actor recomputes the old log-probs and the engine's enter as "
-                              "the truncated IS weight (actor.tis_cap)")
+            raise ConfigError(f"algo.use_rollout_logprobs: with {mode} the engine's log-probs "
+                              f"are of older weights; set it false so the actor recomputes the "
+                              f"old log-probs and the engine's enter as the truncated IS weight "
+                              f"(actor.tis_cap)")
         if self.actor.tis_cap is None:
-            raise ConfigError("actor.tis_cap: trainer.async_rollout trains on samples one "
-                              "weight version stale and needs the truncated IS correction; "
-                              "set actor.tis_cap (slime uses 2)")
+            raise ConfigError(f"actor.tis_cap: {mode} trains on samples of older weights and "
+                              f"needs the truncated IS correction; set actor.tis_cap (slime "
+                              f"uses 2)")
+        if self.trainer.async_mode == "fully":
+            for key, value, fix in (
+                    ("rollout.mode", self.rollout.mode != "episodes", "episodes"),
+                    ("rollout.agent", self.rollout.agent is not None, "null")):
+                if value:
+                    raise ConfigError(f"{key}: trainer.async_mode=fully plays whole episodes of "
+                                      f"the built-in agent (not yet streamed windows or a "
+                                      f"user's agent); set {key}={fix}")
 
     def _validate_replay(self):
         """What a replayed run rules out: with no engine there is nothing to evaluate, sync or
         play ahead, and a stream's state is not in the dump."""
         t = self.trainer
         for key, value, fix in (("trainer.eval_every", t.eval_every, "0"),
-                                ("trainer.async_rollout", t.async_rollout, "false"),
+                                ("trainer.async_mode", t.async_mode != "off", "off"),
                                 ("trainer.check_weight_sync", t.check_weight_sync, "false"),
                                 ("trainer.colocate", t.colocate, "false"),
                                 ("rollout.mode", self.rollout.mode != "episodes", "episodes")):

@@ -13,7 +13,7 @@ sync still runs and pushes the unchanged weights under the step's version: coloc
 drop their weights for the train phase and must get them back, and weight versions stay the
 loop's steps. It costs one sync per warm-up step (under 1% of a CPU demo step).
 
-With ``trainer.async_rollout`` step k+1's rollout plays on the engines (another thread) while
+With ``async_mode: one_step_off`` step k+1's rollout plays on the engines (another thread) while
 step k trains, and is waited for before the sync: an engine must not change weights under a
 request. An engine restarted during that overlapped rollout gets the trainer's weights in the
 sync, on this thread, and step k+1's rollout is then played again after it.
@@ -104,7 +104,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     under way is finished and saved, then :class:`~ragen_mega.preemption.Preempted`."""
     t, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
     history = []
-    #: trainer.async_rollout: the next step's rollout, played while this step trained (and
+    #: trainer.async_mode=one_step_off: the next step's rollout, played while this step trained (and
     #: saved with the step's checkpoint, so a resumed run trains on exactly these samples)
     start, saved_rollout, pending = checkpoints.resume(cfg, run.actor, run.critic)
     run.rollouts.load_state_dict(saved_rollout)
@@ -142,11 +142,11 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
 def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
                ) -> tuple[dict[str, float], PlayedStep | None]:
     """Train on ``played`` (step ``step``'s rollout), then sync. Returns the step's metrics and,
-    with ``trainer.async_rollout``, the next step's rollout, played while this one trained."""
+    with ``async_mode: one_step_off``, the next step's rollout, played while this one trained."""
     t0 = time.perf_counter()
     metrics = dict(played.metrics)
     next_rollout = None
-    if cfg.trainer.async_rollout:
+    if cfg.trainer.async_mode == "one_step_off":
         metrics["rollout/weight_staleness"] = weight_staleness(played.samples, step - 1)
         if step < cfg.trainer.total_steps:
             next_rollout = run.rollouts.rollout_in_background(step + 1, run.weight_version)

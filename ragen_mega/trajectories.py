@@ -12,7 +12,7 @@ stream window of an episode)::
     tag, seed       the env's tag (its name unless env.mix names it) and the seed it was reset with
     group, episode  the group (episodes sharing a seed) and the episode's id in the step
     weight_version  the trainer step whose weights played it (one step behind with
-                    trainer.async_rollout or in streamed windows)
+                    trainer.async_mode or in streamed windows)
     return          the sum of its turns' rewards (format penalties included)
     success         whether any env step reported success
     kept            whether the filter kept its group (null: eval, nothing is filtered)

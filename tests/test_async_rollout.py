@@ -1,4 +1,4 @@
-"""``trainer.async_rollout`` on the whole loop (real Ray, megatron-core, SGLang; tiny model):
+"""``async_mode: one_step_off`` on the whole loop (real Ray, megatron-core, SGLang; tiny model):
 step k+1's rollout plays while step k trains, its samples are one weight version stale and
 IS-corrected, and a run resumed after step k trains on the very rollout played before the save."""
 from __future__ import annotations
@@ -53,7 +53,7 @@ def test_overlapped_rollout_is_one_version_stale_and_resumes_exactly(
     _timed(monkeypatch, TrainerGroup, "train", events, lambda group, batch: ("train", group.role))
     # unwhitened advantages: the tiny model's constant rewards minus the fresh critic's values
     # move the actor from step 1 on (whitened, they are all 0 until the critic has trained)
-    overrides = tiny_run_overrides(tmp_path, 3) + ["trainer.async_rollout=true",
+    overrides = tiny_run_overrides(tmp_path, 3) + ["trainer.async_mode=one_step_off",
                                                    "actor.tis_cap=2.0", "actor.tp=1",
                                                    "algo.whiten_advantages=false"]
     straight = train(load_run_config(DEMO, overrides))
@@ -140,7 +140,7 @@ def test_overlapped_streams_are_one_version_stale_and_resume_exactly(
     overrides = tiny_run_overrides(tmp_path, 3) + [
         "env.name=frozen_lake", "env.kwargs={}", "env.max_turns=3", "rollout.mode=turns",
         "rollout.turns_per_step=2", "agent.memory_turns=1", "algo.gamma=0.99", "algo.lam=0.95",
-        "trainer.async_rollout=true", "actor.tis_cap=2.0", "actor.tp=1",
+        "trainer.async_mode=one_step_off", "actor.tis_cap=2.0", "actor.tp=1",
         "algo.whiten_advantages=false"]
     straight = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in straight] == [1, 2, 3]

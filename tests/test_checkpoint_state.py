@@ -89,7 +89,7 @@ class SerializingTrainer:
 
 def test_pending_rollout_and_streams_round_trip_under_weights_only(tokenizer, tmp_path):
     cfg = load_run_config(REPO / "examples/bandit_cpu_demo.yaml", [
-        f"trainer.run_dir={tmp_path}", "trainer.async_rollout=true", "actor.tis_cap=2.0",
+        f"trainer.run_dir={tmp_path}", "trainer.async_mode=one_step_off", "actor.tis_cap=2.0",
         "algo.use_rollout_logprobs=false", f"trainer.resume={tmp_path / 'checkpoints'}"])
     pending = _played_step(tokenizer, tmp_path)
     # a streamed run's state: every stream's episode index and its current episode's responses

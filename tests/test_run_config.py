@@ -79,13 +79,19 @@ def test_defaults_are_ragen_starpo_s():
      "algo.reward_norm: rollout.mode=turns needs identity"),
     # overlapped rollout: separate engines, the stale samples IS-corrected
     (["actor.tis_cap=0"], "actor.tis_cap: must be > 0"),
-    (["trainer.async_rollout=true", "trainer.colocate=true", "actor.tis_cap=2"],
-     "trainer.async_rollout: overlapping rollout and training needs separate engines"),
-    (["trainer.async_rollout=true", "algo.use_rollout_logprobs=true", "actor.tis_cap=2"],
-     "algo.use_rollout_logprobs: with trainer.async_rollout the engine's log-probs are one "
-     "version stale"),
-    (["trainer.async_rollout=true"], "actor.tis_cap: trainer.async_rollout trains on samples "
-                                     "one weight version stale"),
+    (["trainer.async_mode=one_step_off", "trainer.colocate=true", "actor.tis_cap=2"],
+     "trainer.async_mode: trainer.async_mode=one_step_off plays rollouts while the trainer "
+     "trains and needs separate engines"),
+    (["trainer.async_mode=fully", "actor.tis_cap=2", "rollout.mode=turns",
+      "rollout.turns_per_step=2"],
+     "rollout.mode: trainer.async_mode=fully plays whole episodes of the built-in agent"),
+    (["trainer.async_mode=fully", "actor.tis_cap=2", "trainer.max_staleness=0"],
+     "trainer.max_staleness"),
+    (["trainer.async_mode=one_step_off", "algo.use_rollout_logprobs=true", "actor.tis_cap=2"],
+     "algo.use_rollout_logprobs: with trainer.async_mode=one_step_off the engine's log-probs "
+     "are of older weights"),
+    (["trainer.async_mode=fully"], "actor.tis_cap: trainer.async_mode=fully trains on samples "
+                                   "of older weights"),
     # the rollout filter (RAGEN-2's strategies): each value read by its strategy only
     (["filter.strategy=top_q"], "filter.strategy: must be one of ['min_p', 'top_k', 'top_p']"),
     (["filter.strategy=top_p", "filter.top_p=1.5"], "filter.top_p: must be in (0, 1], got 1.5"),
@@ -336,7 +342,7 @@ def test_cli_runs_the_preflight_before_anything_starts(capsys):
 
 @pytest.mark.parametrize("override, key", [
     ("trainer.eval_every=5", "trainer.eval_every"),
-    ("trainer.async_rollout=true", "trainer.async_rollout"),
+    ("trainer.async_mode=one_step_off", "trainer.async_mode"),
     ("trainer.check_weight_sync=true", "trainer.check_weight_sync"),
     ("trainer.colocate=true", "trainer.colocate"),
     ("rollout.mode=turns rollout.turns_per_step=4", "rollout.mode"),

@@ -174,7 +174,7 @@ def test_window_metrics(tokenizer):
 
 def test_overlapped_window_that_meets_a_restarted_engine_is_played_again_as_it_was(
         tokenizer, tmp_path):
-    """``RolloutManager.window`` overlapped (``trainer.async_rollout``): step 2's window plays
+    """``RolloutManager.window`` overlapped (``async_mode: one_step_off``): step 2's window plays
     while step 1 trains, with version 0's weights, and is stamped so. An engine restarted under
     it ends it with ``ResyncDeferred`` (weights cannot be given from the rollout's thread); the
     streams go back to where the window started, so the window played again after the sync is

@@ -244,7 +244,7 @@ def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.T
 
     ``behaviour_logprobs`` are the engine's at sampling time, ``old_logprobs`` the actor's
     recomputed ones (the PPO proximal policy). When the samples are a weight version stale
-    (``trainer.async_rollout``) the two differ, and the weight turns the PPO loss, an
+    (``async_mode: one_step_off``) the two differ, and the weight turns the PPO loss, an
     expectation under the proximal policy, back into one under the policy that sampled. The cap
     bounds the variance a token the engine found unlikely would bring."""
     _check_same_shape(old_logprobs=old_logprobs, behaviour_logprobs=behaviour_logprobs)

@@ -6,7 +6,7 @@ episode of the step played to its end, all at once) or the env streams' window
 (``rollout.mode: turns``, ``rollout/streams.py``), seeded sampling (``rollout/seeding.py``), the
 replay of what a restarted engine cut short (``ray/engine_supervisor.py`` restarts it), the fault
 counters, playing the next step in the background while this one trains
-(``trainer.async_rollout``), and the held-out evaluation. The training loop (``train.py``) and
+(``async_mode: one_step_off``), and the held-out evaluation. The training loop (``train.py``) and
 ``ragen-mega eval`` both play through it, and it is the seam a test uses to inject a fault.
 
 It holds no trainer: weights reach the engines elsewhere (``ray/run.py``), and the weight
@@ -58,7 +58,7 @@ class PlayedStep:
     def state_dict(self) -> dict:
         """Plain values only (samples as :meth:`Sample.to_dict`, the counters as
         :meth:`FaultCounters.state_dict`), so the checkpoint that keeps a pending rollout
-        (``trainer.async_rollout``) loads with ``torch.load(weights_only=True)`` and survives a
+        (``async_mode: one_step_off``) loads with ``torch.load(weights_only=True)`` and survives a
         renamed class. Of a streamed step's window only what training still reads is kept: the
         prompts after its cuts (the critic's bootstrap); its finished and dropped episodes are
         in the metrics and fault counters already."""
@@ -137,7 +137,7 @@ class RolloutManager:
             faults, window)
 
     def rollout_in_background(self, step: int, weight_version: int) -> Future:
-        """:meth:`rollout` on a daemon thread (``trainer.async_rollout``); its PlayedStep (or
+        """:meth:`rollout` on a daemon thread (``async_mode: one_step_off``); its PlayedStep (or
         exception) in the returned future. The thread only drives the engines' HTTP clients and
         the envs, on an event loop of its own: trainer calls stay on the caller's thread, so an
         engine restarted under it ends it with ``ResyncDeferred`` instead of being given

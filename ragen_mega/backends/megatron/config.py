@@ -146,7 +146,7 @@ class ActorConfig(ModelTrainingConfig):
     #: truncated importance sampling: each token's PPO loss is weighted by
     #: min(exp(old - engine log-prob), tis_cap), the engine's sampled log-probs taken as the
     #: behaviour policy (verl's tis_imp_ratio_cap, slime's --use-tis; slime caps at 2). None: off.
-    #: trainer.async_rollout needs it: its samples come from weights one version older.
+    #: trainer.async_mode needs it: its samples come from older weights.
     tis_cap: float | None = bounded(None, gt=0, note="slime uses 2; None turns it off")
     #: mixtures of experts: train every token through the experts the engine routed it to
     #: (slime's --use-rollout-routing-replay), so the trainer's log-probs are those of the

@@ -1,0 +1,240 @@
+"""What fully asynchronous training would buy at cluster scale: a simulation of three schedules
+on Verlog's Crafter shape, with GPU timings taken from measurements, run on a CPU in seconds.
+
+The schedules (``trainer.async_rollout`` is the second; ``trainer.async_mode: fully``, issue 41,
+the third):
+
+- **sync** (colocated, as verl and Verlog run): every GPU plays the step's rollout, then every
+  GPU trains, then the engines take the new weights (a colocated sync).
+- **one-step-off** (disaggregated): ``engine_gpus`` play step k+1 while the other GPUs train
+  step k; the step is ``max(rollout, train) + sync``.
+- **fully async** (disaggregated): the engines never wait for the trainer: each keeps its
+  slots busy (a finished episode or window is followed at once by the next), and pauses only
+  while a sync lands (the requests in flight continue after it: partial rollouts). The trainer
+  takes the next batch from the buffer as soon as it has one; a sample whose first token is
+  more than ``max_staleness`` versions older than the trainer is dropped, and the engines start
+  no new work that could only be admitted past that bound (AReaL's rule).
+
+The model (virtual time, no sleeping: 512 GPUs and hundreds of steps run in seconds):
+
+- An engine decodes all its active sequences together; one token for each of ``b`` of them
+  takes ``tau0 + tau1 * b`` seconds (memory-bound decode: a bigger batch is almost free until
+  the per-sequence term dominates). Sequences share the engine equally (processor sharing), so
+  a step's rollout on one engine, whose sequences must generate ``W_i`` tokens each, lasts
+  ``sum over s of tau(#{i: W_i >= s})``: the step ends with its longest sequence, and the
+  engine runs ever emptier towards that end.
+- Training costs ``tokens / (gpus * train_tok_s)`` (actor and critic, forward and backward, and
+  the old log-probs' and values' forward, folded into one per-GPU rate), a sync a fixed time.
+- Each turn's prompt is prefilled whole (a sliding memory window leaves the prefix cache only
+  the system prompt), compute-bound, one sequence after another. Env steps and request
+  overheads are left out; every engine gets an equal share of the streams.
+
+Workload: ``--mode turns`` is this project's streamed steps (``rollout.mode: turns``, the
+Crafter 7B config: each of 16 streams per GPU plays 16 turns a step, an episode that ends is
+followed by the stream's next); ``--mode episodes`` plays whole episodes (70 to 400 turns), as a
+non-streamed run does. Each schedule's engine/trainer split is the best of a grid (a user would
+tune it). Prints one table row per GPU count and schedule: seconds per step, trained turns per
+second, the ratio to sync, and for fully async the mean and max staleness and the share of
+played turns dropped as too stale.
+
+    python benchmarks/sim_async_schedules.py [--mode turns|episodes] [--gpus 8 64 512]
+"""
+from __future__ import annotations
+
+import argparse
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Timings:
+    """One GPU's costs (defaults: Qwen2.5-7B in bf16 on an H100-class GPU; see the README)."""
+    tau0: float = 0.0065      # s per decode step of one sequence (~150 tok/s alone)
+    tau1: float = 0.000085    # s added per sequence in the batch (~9k tok/s at 256)
+    prefill_tok_s: float = 20000.0  # prompt tokens per s (compute-bound: one at a time)
+    train_tok_s: float = 2300.0   # trained tokens per s per GPU, actor + critic, with the
+    #                               old log-probs' and values' forward
+    sync_s: float = 3.0       # a disaggregated sync (14.5 GiB over the network)
+    colocated_sync_s: float = 1.0
+
+    def tau(self, b: np.ndarray | int) -> np.ndarray | float:
+        return self.tau0 + self.tau1 * b
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The workload, per GPU (weak scaling: the batch grows with the cluster)."""
+    streams_per_gpu: int = 16
+    turns_per_step: int = 16      # turns mode
+    episodes_per_gpu: int = 16    # episodes mode
+    min_turns: int = 70
+    max_turns: int = 400
+    response_mean: float = 150.0  # tokens a turn (Verlog: ~70 words of reasoning and an action)
+    response_max: int = 512
+    prompt_tokens: int = 1500     # trained context a turn (a 2-turn memory window)
+
+
+def response_tokens(rng: np.random.Generator, shape: Shape, n) -> np.ndarray:
+    """Tokens of ``n`` turns' responses: lognormal around the mean, cut at the maximum."""
+    sigma = 0.6
+    mu = np.log(shape.response_mean) - sigma ** 2 / 2
+    return np.clip(rng.lognormal(mu, sigma, n).astype(int), 8, shape.response_max)
+
+
+def episode_turns(rng: np.random.Generator, shape: Shape, n: int) -> np.ndarray:
+    """Crafter episode lengths: most agents die young, some survive to the cap (a geometric
+    tail above the minimum, cut at ``max_turns``: mean about 160 turns)."""
+    extra = rng.geometric(1 / 100, n)
+    return np.minimum(shape.min_turns + extra, shape.max_turns)
+
+
+def shared_rollout_s(work: np.ndarray, turns: np.ndarray, shape: Shape, t: Timings) -> float:
+    """Seconds for one engine to generate ``work[i]`` tokens for each of its sequences, all
+    started together and sharing it equally (the longest one decides), and to prefill each
+    turn's prompt."""
+    counts = np.bincount(work)
+    active = counts[::-1].cumsum()[::-1][1:]   # active[s-1]: sequences with >= s tokens
+    return float(t.tau(active).sum()) + turns.sum() * shape.prompt_tokens / t.prefill_tok_s
+
+
+def job_work(rng, shape: Shape, mode: str, jobs: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens to generate, turns) of each job: a stream's window of turns, or an episode."""
+    turns = (np.full(jobs, shape.turns_per_step) if mode == "turns"
+             else episode_turns(rng, shape, jobs))
+    per_turn = response_tokens(rng, shape, int(turns.sum()))
+    work = np.add.reduceat(per_turn, np.concatenate(([0], turns.cumsum()[:-1])))
+    return work, turns
+
+
+def step_rollout(rng, shape: Shape, t: Timings, mode: str, engines: int, per_engine: int):
+    """One step's rollout on ``engines`` engines of ``per_engine`` jobs each: (seconds, turns,
+    trained tokens)."""
+    seconds, turns_all, tokens = 0.0, 0, 0
+    for _ in range(engines):
+        work, turns = job_work(rng, shape, mode, per_engine)
+        seconds = max(seconds, shared_rollout_s(work, turns, shape, t))
+        turns_all += int(turns.sum())
+        tokens += int(work.sum() + turns.sum() * shape.prompt_tokens)
+    return seconds, turns_all, tokens
+
+
+def simulate_stepped(gpus: int, engine_gpus: int | None, shape: Shape, t: Timings, mode: str,
+                     steps: int, seed: int) -> dict:
+    """sync (``engine_gpus`` None: every GPU does both) or one-step-off."""
+    rng = np.random.default_rng(seed)
+    jobs = gpus * (shape.streams_per_gpu if mode == "turns" else shape.episodes_per_gpu)
+    engines = engine_gpus or gpus
+    train_gpus = gpus if engine_gpus is None else gpus - engine_gpus
+    total_s = total_turns = 0.0
+    for _ in range(steps):
+        rollout_s, turns, tokens = step_rollout(rng, shape, t, mode, engines, jobs // engines)
+        train_s = tokens / (train_gpus * t.train_tok_s)
+        total_s += (rollout_s + train_s + t.colocated_sync_s if engine_gpus is None
+                    else max(rollout_s, train_s) + t.sync_s)
+        total_turns += turns
+    return {"step_s": total_s / steps, "turns_s": total_turns / total_s}
+
+
+def simulate_fully_async(gpus: int, engine_gpus: int, shape: Shape, t: Timings, mode: str,
+                         steps: int, max_staleness: int, seed: int) -> dict:
+    """Engines that never wait: an event simulation in virtual time. Every engine keeps the
+    same number of slots and the slots progress at one rate (``tau`` of a full engine: a slot
+    left idle by the staleness bound does not speed up the others, which is conservative), so
+    one clock of tokens-per-slot stands for all engines; a sync stops that clock for its
+    length."""
+    rng = np.random.default_rng(seed)
+    per_gpu = shape.streams_per_gpu if mode == "turns" else shape.episodes_per_gpu
+    batch = gpus * per_gpu                      # jobs per trained step, as in the other modes
+    slots = batch
+    prefill_per_token = (slots // engine_gpus) * shape.prompt_tokens / shape.response_mean
+    sec_per_token = float(t.tau(slots // engine_gpus)) + prefill_per_token / t.prefill_tok_s
+    train_gpus = gpus - engine_gpus
+    progress, now, version = 0.0, 0.0, 0
+    started, buffer, events = 0, [], []        # buffer: (start version, turns, tokens)
+    idle_slots = 0
+
+    def start_job() -> None:
+        nonlocal started, idle_slots
+        if started >= (version + max_staleness + 1) * batch:   # admissible only past the bound
+            idle_slots += 1
+            return
+        work, turns = job_work(rng, shape, mode, 1)
+        heapq.heappush(events, (progress + int(work[0]), started, version, int(turns[0]),
+                                int(work[0] + turns[0] * shape.prompt_tokens)))
+        started += 1
+
+    for _ in range(slots):
+        start_job()
+    train_end, sync_times, staleness, dropped_turns, played_turns = None, [], [], 0, 0
+    trained_turns = []
+    while len(sync_times) < steps:
+        next_job = now + (events[0][0] - progress) * sec_per_token if events else float("inf")
+        if train_end is not None and train_end <= next_job:
+            progress += (train_end - now) / sec_per_token
+            now = train_end + t.sync_s            # the engines pause while the sync lands
+            version += 1
+            sync_times.append(now)
+            train_end = None
+            for _ in range(idle_slots):            # the bound moved: idle slots start again
+                idle_slots -= 1
+                start_job()
+        else:
+            done_at, _, start_version, turns, tokens = heapq.heappop(events)
+            progress, now = done_at, next_job
+            played_turns += turns
+            buffer.append((start_version, turns, tokens))
+            start_job()
+        if train_end is None:
+            fresh = [b for b in buffer if version - b[0] <= max_staleness]
+            dropped_turns += sum(b[1] for b in buffer if version - b[0] > max_staleness)
+            buffer = fresh
+            if len(buffer) >= batch:
+                taken, buffer = buffer[:batch], buffer[batch:]
+                staleness += [version - b[0] for b in taken]
+                trained_turns.append(sum(b[1] for b in taken))
+                train_end = now + sum(b[2] for b in taken) / (train_gpus * t.train_tok_s)
+    warm = steps // 4                              # leave the start-up out of the rates
+    span = sync_times[-1] - sync_times[warm - 1]
+    return {"step_s": span / (steps - warm), "turns_s": sum(trained_turns[warm:steps]) / span,
+            "staleness_mean": float(np.mean(staleness)), "staleness_max": int(max(staleness)),
+            "dropped": dropped_turns / max(played_turns, 1)}
+
+
+def best_split(gpus: int, run) -> tuple[int, dict]:
+    """The engine share (of 1/8 .. 7/8 of the GPUs) with the most trained turns a second."""
+    options = sorted({max(1, min(gpus - 1, round(gpus * f / 8))) for f in range(1, 8)})
+    results = [(engine_gpus, run(engine_gpus)) for engine_gpus in options]
+    return max(results, key=lambda r: r[1]["turns_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=("turns", "episodes"), default="turns")
+    parser.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512])
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    shape, t = Shape(), Timings()
+    print(f"# mode {args.mode}, {shape}, {t}, max_staleness {args.max_staleness}")
+    print("| GPUs | schedule | engine GPUs | s / step | trained turns / s | vs sync | "
+          "staleness mean (max) | turns dropped |")
+    print("|---|---|---|---|---|---|---|---|")
+    for gpus in args.gpus:
+        sync = simulate_stepped(gpus, None, shape, t, args.mode, args.steps, args.seed)
+        rows = [("sync (colocated)", gpus, sync)]
+        rows.append(("one-step-off", *best_split(gpus, lambda e: simulate_stepped(
+            gpus, e, shape, t, args.mode, args.steps, args.seed))))
+        rows.append(("fully async", *best_split(gpus, lambda e: simulate_fully_async(
+            gpus, e, shape, t, args.mode, args.steps, args.max_staleness, args.seed))))
+        for name, engine_gpus, r in rows:
+            extra = (f"{r['staleness_mean']:.2f} ({r['staleness_max']}) | {r['dropped']:.1%}"
+                     if "dropped" in r else "- | -")
+            print(f"| {gpus} | {name} | {engine_gpus} | {r['step_s']:.0f} | {r['turns_s']:.1f} | "
+                  f"{r['turns_s'] / sync['turns_s']:.2f} | {extra} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
