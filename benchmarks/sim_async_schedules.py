@@ -1,19 +1,18 @@
 """What fully asynchronous training would buy at cluster scale: a simulation of three schedules
 on Verlog's Crafter shape, with GPU timings taken from measurements, run on a CPU in seconds.
 
-The schedules (``trainer.async_rollout`` is the second; ``trainer.async_mode: fully``, issue 41,
-the third):
+The schedules (``trainer.async_mode``: off, ``one_step_off``, ``fully``):
 
 - **sync** (colocated, as verl and Verlog run): every GPU plays the step's rollout, then every
   GPU trains, then the engines take the new weights (a colocated sync).
 - **one-step-off** (disaggregated): ``engine_gpus`` play step k+1 while the other GPUs train
   step k; the step is ``max(rollout, train) + sync``.
-- **fully async** (disaggregated): the engines never wait for the trainer: each keeps its
-  slots busy (a finished episode or window is followed at once by the next), and pauses only
-  while a sync lands (the requests in flight continue after it: partial rollouts). The trainer
-  takes the next batch from the buffer as soon as it has one; a sample whose first token is
-  more than ``max_staleness`` versions older than the trainer is dropped, and the engines start
-  no new work that could only be admitted past that bound (AReaL's rule).
+- **fully async** (disaggregated, ``rollout/fully_async.py``): the engines keep a step's worth
+  of jobs in flight (a finished episode or window is followed at once by the next step's),
+  pausing only while a sync lands (the requests in flight continue after it: partial
+  rollouts); step s's jobs start only while the engines serve version s - 1 -
+  ``max_staleness`` or newer, and the trainer takes step s once all of its jobs are in.
+  (The project implements this for whole episodes; windows are simulated as the same rule.)
 
 The model (virtual time, no sleeping: 512 GPUs and hundreds of steps run in seconds):
 
@@ -34,8 +33,8 @@ Crafter 7B config: each of 16 streams per GPU plays 16 turns a step, an episode 
 followed by the stream's next); ``--mode episodes`` plays whole episodes (70 to 400 turns), as a
 non-streamed run does. Each schedule's engine/trainer split is the best of a grid (a user would
 tune it). Prints one table row per GPU count and schedule: seconds per step, trained turns per
-second, the ratio to sync, and for fully async the mean and max staleness and the share of
-played turns dropped as too stale.
+second, the ratio to sync, and for fully async the mean and max staleness of the trained jobs'
+first tokens.
 
     python benchmarks/sim_async_schedules.py [--mode turns|episodes] [--gpus 8 64 512]
 """
@@ -139,67 +138,54 @@ def simulate_stepped(gpus: int, engine_gpus: int | None, shape: Shape, t: Timing
 
 def simulate_fully_async(gpus: int, engine_gpus: int, shape: Shape, t: Timings, mode: str,
                          steps: int, max_staleness: int, seed: int) -> dict:
-    """Engines that never wait: an event simulation in virtual time. Every engine keeps the
-    same number of slots and the slots progress at one rate (``tau`` of a full engine: a slot
-    left idle by the staleness bound does not speed up the others, which is conservative), so
-    one clock of tokens-per-slot stands for all engines; a sync stops that clock for its
-    length."""
+    """``rollout/fully_async.py``'s schedule, an event simulation in virtual time: one step's
+    jobs run at once (the slots), step s's start only while the engines serve version
+    s - 1 - ``max_staleness`` or newer, and the trainer takes step s once all its jobs are in.
+    All slots progress at one rate (``tau`` of a full engine: a slot the bound leaves idle does
+    not speed up the others, which is conservative), so one clock of tokens-per-slot stands
+    for every engine; a sync stops that clock for its length."""
     rng = np.random.default_rng(seed)
     per_gpu = shape.streams_per_gpu if mode == "turns" else shape.episodes_per_gpu
     batch = gpus * per_gpu                      # jobs per trained step, as in the other modes
-    slots = batch
-    prefill_per_token = (slots // engine_gpus) * shape.prompt_tokens / shape.response_mean
-    sec_per_token = float(t.tau(slots // engine_gpus)) + prefill_per_token / t.prefill_tok_s
+    per_engine = batch // engine_gpus
+    prefill_per_token = per_engine * shape.prompt_tokens / shape.response_mean
+    sec_per_token = float(t.tau(per_engine)) + prefill_per_token / t.prefill_tok_s
     train_gpus = gpus - engine_gpus
-    progress, now, version = 0.0, 0.0, 0
-    started, buffer, events = 0, [], []        # buffer: (start version, turns, tokens)
-    idle_slots = 0
+    progress, now, version, started, free_slots = 0.0, 0.0, 0, 0, batch
+    events: list = []                           # (done at progress, job, start version)
+    done = {s: [] for s in range(1, steps + 2)}  # step -> (start version, turns, tokens)
+    train_end, training, sync_times, lags = None, 0, [], []
 
-    def start_job() -> None:
-        nonlocal started, idle_slots
-        if started >= (version + max_staleness + 1) * batch:   # admissible only past the bound
-            idle_slots += 1
-            return
-        work, turns = job_work(rng, shape, mode, 1)
-        heapq.heappush(events, (progress + int(work[0]), started, version, int(turns[0]),
-                                int(work[0] + turns[0] * shape.prompt_tokens)))
-        started += 1
+    def start_jobs() -> None:
+        nonlocal started, free_slots
+        while free_slots and started // batch - max_staleness <= version:  # the admission
+            work, turns = job_work(rng, shape, mode, 1)
+            heapq.heappush(events, (progress + int(work[0]), started, version, int(turns[0]),
+                                    int(work[0] + turns[0] * shape.prompt_tokens)))
+            started, free_slots = started + 1, free_slots - 1
 
-    for _ in range(slots):
-        start_job()
-    train_end, sync_times, staleness, dropped_turns, played_turns = None, [], [], 0, 0
-    trained_turns = []
+    start_jobs()
     while len(sync_times) < steps:
         next_job = now + (events[0][0] - progress) * sec_per_token if events else float("inf")
         if train_end is not None and train_end <= next_job:
             progress += (train_end - now) / sec_per_token
             now = train_end + t.sync_s            # the engines pause while the sync lands
-            version += 1
+            version, train_end = version + 1, None
             sync_times.append(now)
-            train_end = None
-            for _ in range(idle_slots):            # the bound moved: idle slots start again
-                idle_slots -= 1
-                start_job()
         else:
-            done_at, _, start_version, turns, tokens = heapq.heappop(events)
-            progress, now = done_at, next_job
-            played_turns += turns
-            buffer.append((start_version, turns, tokens))
-            start_job()
-        if train_end is None:
-            fresh = [b for b in buffer if version - b[0] <= max_staleness]
-            dropped_turns += sum(b[1] for b in buffer if version - b[0] > max_staleness)
-            buffer = fresh
-            if len(buffer) >= batch:
-                taken, buffer = buffer[:batch], buffer[batch:]
-                staleness += [version - b[0] for b in taken]
-                trained_turns.append(sum(b[1] for b in taken))
-                train_end = now + sum(b[2] for b in taken) / (train_gpus * t.train_tok_s)
+            done_at, job, start_version, turns, tokens = heapq.heappop(events)
+            progress, now, free_slots = done_at, next_job, free_slots + 1
+            done[job // batch + 1].append((start_version, turns, tokens))
+        if train_end is None and len(done[training + 1]) == batch:
+            training += 1
+            lags += [training - 1 - v for v, _, _ in done[training]]
+            train_end = now + sum(x[2] for x in done[training]) / (train_gpus * t.train_tok_s)
+        start_jobs()
     warm = steps // 4                              # leave the start-up out of the rates
     span = sync_times[-1] - sync_times[warm - 1]
-    return {"step_s": span / (steps - warm), "turns_s": sum(trained_turns[warm:steps]) / span,
-            "staleness_mean": float(np.mean(staleness)), "staleness_max": int(max(staleness)),
-            "dropped": dropped_turns / max(played_turns, 1)}
+    turns = sum(x[1] for s in range(warm + 1, steps + 1) for x in done[s])
+    return {"step_s": span / (steps - warm), "turns_s": turns / span,
+            "staleness_mean": float(np.mean(lags)), "staleness_max": int(max(lags))}
 
 
 def best_split(gpus: int, run) -> tuple[int, dict]:
@@ -220,8 +206,8 @@ def main() -> None:
     shape, t = Shape(), Timings()
     print(f"# mode {args.mode}, {shape}, {t}, max_staleness {args.max_staleness}")
     print("| GPUs | schedule | engine GPUs | s / step | trained turns / s | vs sync | "
-          "staleness mean (max) | turns dropped |")
-    print("|---|---|---|---|---|---|---|---|")
+          "staleness mean (max) |")
+    print("|---|---|---|---|---|---|---|")
     for gpus in args.gpus:
         sync = simulate_stepped(gpus, None, shape, t, args.mode, args.steps, args.seed)
         rows = [("sync (colocated)", gpus, sync)]
@@ -230,8 +216,8 @@ def main() -> None:
         rows.append(("fully async", *best_split(gpus, lambda e: simulate_fully_async(
             gpus, e, shape, t, args.mode, args.steps, args.max_staleness, args.seed))))
         for name, engine_gpus, r in rows:
-            extra = (f"{r['staleness_mean']:.2f} ({r['staleness_max']}) | {r['dropped']:.1%}"
-                     if "dropped" in r else "- | -")
+            extra = (f"{r['staleness_mean']:.2f} ({r['staleness_max']})"
+                     if "staleness_max" in r else "-")
             print(f"| {gpus} | {name} | {engine_gpus} | {r['step_s']:.0f} | {r['turns_s']:.1f} | "
                   f"{r['turns_s'] / sync['turns_s']:.2f} | {extra} |", flush=True)
 

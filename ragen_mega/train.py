@@ -48,6 +48,7 @@ from ragen_mega.logging import append_metrics, timed
 from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import Filtered, build_batch, cut_value_batch, filter_groups
 from ragen_mega.rollout.collapse_probe import first_turn_probe, valid_thinking_rate
+from ragen_mega.rollout.fully_async import FullyAsyncRollout
 from ragen_mega.rollout.manager import PlayedStep
 from ragen_mega.rollout.metrics import weight_staleness
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
@@ -113,29 +114,40 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         metrics = evaluate(cfg, run, 0)
         logger.log(0, metrics)
         append_metrics(run_dir, 0, metrics)
-    for step in range(start + 1, t.total_steps + 1):
-        if stop.requested:  # signalled before the first step: the resumed checkpoint is newest
-            raise preemption.Preempted(stop.signal_name, start)
-        played = pending or run.rollouts.rollout(step, run.weight_version)
-        metrics, pending = train_step(cfg, run, step, played)
-        if t.eval_every and step % t.eval_every == 0:
-            metrics.update(evaluate(cfg, run, step))
-        # a step whose updates kept failing is logged, never saved: the newest checkpoint
-        # stays the last good one
-        failed = skipped_updates_error(metrics, t.max_skipped_updates_in_row)
-        last = step == t.total_steps
-        if failed is None and (last or stop.requested or
-                               (t.save_every and step % t.save_every == 0)):
-            with timed(metrics, "time/save_s"):
-                checkpoints.save(cfg, step, run.actor, run.critic,
-                                 streams=run.rollouts.state_dict(), pending=pending)
-        logger.log(step, metrics)
-        history.append({"step": step, **metrics})
-        append_metrics(run_dir, step, metrics)
-        if failed is not None:
-            raise failed
-        if stop.requested and not last:
-            raise preemption.Preempted(stop.signal_name, step)
+    #: trainer.async_mode=fully: the coming steps' episodes, played from here on
+    ahead = (FullyAsyncRollout(run.rollouts, first_step=start + 1, last_step=t.total_steps,
+                               max_staleness=t.max_staleness, version=start)
+             if t.async_mode == "fully" and start < t.total_steps else None)
+    try:
+        for step in range(start + 1, t.total_steps + 1):
+            if stop.requested:  # signalled before the first step: the resumed checkpoint is newest
+                raise preemption.Preempted(stop.signal_name, start)
+            played = (ahead.take(step) if ahead is not None else
+                      pending or run.rollouts.rollout(step, run.weight_version))
+            metrics, pending = train_step(cfg, run, step, played)
+            if ahead is not None:
+                ahead.weights_synced(step)
+            if t.eval_every and step % t.eval_every == 0:
+                metrics.update(evaluate(cfg, run, step))
+            # a step whose updates kept failing is logged, never saved: the newest checkpoint
+            # stays the last good one
+            failed = skipped_updates_error(metrics, t.max_skipped_updates_in_row)
+            last = step == t.total_steps
+            if failed is None and (last or stop.requested or
+                                   (t.save_every and step % t.save_every == 0)):
+                with timed(metrics, "time/save_s"):
+                    checkpoints.save(cfg, step, run.actor, run.critic,
+                                     streams=run.rollouts.state_dict(), pending=pending)
+            logger.log(step, metrics)
+            history.append({"step": step, **metrics})
+            append_metrics(run_dir, step, metrics)
+            if failed is not None:
+                raise failed
+            if stop.requested and not last:
+                raise preemption.Preempted(stop.signal_name, step)
+    finally:
+        if ahead is not None:
+            ahead.stop()
     return history
 
 

@@ -243,6 +243,45 @@ def test_colocated_tensor_weight_sync(engine, reference, tiny_dir):
     assert client.model_info()["weight_version"] == "original"
 
 
+def test_a_sync_between_two_tokens_continues_the_request_with_the_new_weights(engine, reference,
+                                                                             tiny_dir):
+    """The fully asynchronous mode's weight sync (``EngineGroup.generation_paused``): a request
+    in flight is retracted at a token boundary, the weights change, and it continues. Its tokens
+    report the version that sampled each, and each token's log-prob is that of the weights that
+    sampled it given everything before it (transformers on the original, then the perturbed
+    weights): the behaviour log-probs the IS weight divides by. Without the pause the update
+    waits for the request (a mutation: the test then finds one version only)."""
+    _, client = engine
+    original = hf_model(tiny_dir)
+    updated = hf_model(tiny_dir)
+    state = perturbed_state(updated, seed=3)
+    prompt = PROMPTS[2]
+    sampling = {"temperature": 1.0, "max_new_tokens": 1500, "ignore_eos": True,
+                "sampling_seed": 7}
+    client.update_weight_version("7")
+    held = client.submit(client.aio.generate(prompt, sampling))
+    time.sleep(1.0)   # a few hundred tokens in
+    client.pause_generation(mode="retract")
+    assert not held.done()
+    sender = BucketedWeightSender([client], mode="tensor", bucket_bytes=1 << 30)
+    sender.send(state.items(), version="8")
+    client.continue_generation()
+    out = held.result(timeout=300)
+    cut = out.token_versions.index("8")
+    assert 0 < cut and set(out.token_versions[:cut]) == {"7"} \
+        and set(out.token_versions[cut:]) == {"8"} and out.weight_version == "8"
+    with torch.no_grad():
+        ids = torch.tensor([prompt + out.output_ids[:-1]])
+        want = [torch.log_softmax(m(ids).logits[0, len(prompt) - 1:].double(), -1)
+                .gather(1, torch.tensor(out.output_ids)[:, None])[:, 0] for m in (original, updated)]
+    got = torch.tensor(out.output_logprobs, dtype=torch.float64)
+    assert (got[:cut] - want[0][:cut]).abs().max() < 2e-4
+    assert (got[cut:] - want[1][cut:]).abs().max() < 2e-4
+    assert (want[0][cut:] - want[1][cut:]).abs().max() > 1e-2   # the weights differ there
+    client.update_weights_from_disk(str(tiny_dir))  # back to the original
+    check_against(client, reference)
+
+
 def test_updates_outside_a_session_are_refused(engine, tiny_dir):
     """SGLang 0.5.23 requires begin/end_weight_update; the client reports its refusal."""
     _, client = engine

@@ -20,10 +20,13 @@ step's samples are those of a run without the fault.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import itertools
 import secrets
-from collections.abc import Callable, Coroutine
+import threading
+import warnings
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -120,6 +123,9 @@ class EngineGroup:
         self._next = itertools.cycle(range(len(self.clients)))
         self.routed_shape = routed_experts
         self._retired: list = []  # clients of replaced servers, closed at the end of run
+        #: the loop (and its thread) of serve_forever while it runs
+        self._resident: asyncio.AbstractEventLoop | None = None
+        self._resident_thread: threading.Thread | None = None
         self.supervisor = EngineSupervisor(
             self.group.actors, self.urls, api_key=self.api_key, log_dir=log_dir,
             max_restarts_per_step=max_restarts_per_step, connect=self._replace_client,
@@ -151,7 +157,8 @@ class EngineGroup:
             dtype = torch.uint8 if self.routed_shape[2] <= 256 else torch.int16
             routed = torch.from_numpy(out.routed_experts.copy()).view(
                 -1, *self.routed_shape[:2]).to(dtype)
-        return Generation(out.output_ids, out.output_logprobs, out.finish_reason, routed)
+        return Generation(out.output_ids, out.output_logprobs, out.finish_reason, routed,
+                          [int(v) if v.isdigit() else -1 for v in out.token_versions])
 
     def _replace_client(self, engine: int, url: str) -> None:
         """Talk to ``engine``'s new server at ``url`` from now on (the old client's session is
@@ -164,16 +171,56 @@ class EngineGroup:
     def run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` (which talks to the engines, e.g. through :meth:`generate`) in a fresh
         event loop and return its result. The HTTP clients belong to the loop they were first
-        used in, so they are closed before it ends, and the next call opens new ones."""
-        async def run_then_close():
-            try:
-                return await work
-            finally:
-                retired, self._retired = self._retired, []
-                for client in self.clients + retired:
-                    await client.close()
+        used in, so they are closed before it ends, and the next call opens new ones. While
+        :meth:`serve_forever` holds the clients on another thread's loop (``trainer.async_mode:
+        fully``), ``work`` runs on that loop instead, beside what it plays there."""
+        resident = self._resident
+        if resident is not None and threading.current_thread() is not self._resident_thread:
+            return asyncio.run_coroutine_threadsafe(work, resident).result()
+        return asyncio.run(self._closing_clients(work))
 
-        return asyncio.run(run_then_close())
+    def serve_forever(self, work: Coroutine[Any, Any, T]) -> T:
+        """:meth:`run` for ``work`` that plays as long as the run does, on this thread (a
+        rollout thread's): until it returns, other threads' :meth:`run` calls join its loop."""
+        async def resident():
+            self._resident, self._resident_thread = asyncio.get_running_loop(), \
+                threading.current_thread()
+            try:
+                return await self._closing_clients(work)
+            finally:
+                self._resident = self._resident_thread = None
+        return asyncio.run(resident())
+
+    async def _closing_clients(self, work: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await work
+        finally:
+            retired, self._retired = self._retired, []
+            for client in self.clients + retired:
+                await client.close()
+
+    @contextlib.contextmanager
+    def generation_paused(self) -> Iterator[None]:
+        """Requests in flight wait while the block runs (a weight sync under a running
+        rollout): SGLang retracts them to its queue at a token boundary, and after the block
+        they continue with the weights it loaded, their earlier tokens' KV cache recomputed
+        (slime's and AReaL's partial rollouts); each reports which weights sampled which of
+        its tokens (``Generation.versions``). The pause and continue go through clients of
+        their own (the rollout's belong to its loop)."""
+        from ragen_mega.backends.sglang.client import EngineClient
+
+        clients = [EngineClient(c.url, api_key=self.api_key) for c in self.clients]
+        try:
+            for client in clients:
+                client.pause_generation("retract")
+            yield
+        finally:
+            for client in clients:
+                try:
+                    client.continue_generation()
+                except Exception as e:  # noqa: BLE001 - a dead engine: its requests fail alone
+                    warnings.warn(f"could not continue generation on {client.url}: {e}")
+                client.close()
 
     def release_memory(self) -> None:
         """Colocated mode: every engine frees its weights and KV cache for the trainer's phase

@@ -86,14 +86,17 @@ class Run:
         restarted = {**supervisor.take_unsynced(), **supervisor.recover(None)}
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["weights"])
-        while True:  # ends with a sync, or an error: no engine dead, or too many restarts
-            try:
-                metrics = self.actor.sync_weights(version, new_engines=restarted)
-                break
-            except Exception as error:  # noqa: BLE001 - re-raised unless an engine died
-                restarted = supervisor.recover(error, broken_sync=True)
-                if self.cfg.trainer.colocate:
-                    self.engines.resume_memory(["weights"])
+        # async_mode=fully: the rollout plays on; its requests wait between two tokens
+        with (self.engines.generation_paused() if self.cfg.trainer.async_mode == "fully"
+              else contextlib.nullcontext()):
+            while True:  # ends with a sync, or an error: no engine dead, or too many restarts
+                try:
+                    metrics = self.actor.sync_weights(version, new_engines=restarted)
+                    break
+                except Exception as error:  # noqa: BLE001 - re-raised unless an engine died
+                    restarted = supervisor.recover(error, broken_sync=True)
+                    if self.cfg.trainer.colocate:
+                        self.engines.resume_memory(["weights"])
         self.weight_version = version
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["kv_cache"])

@@ -176,7 +176,8 @@ async def take_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
         env_tag=spec.env_tag or spec.env_name, seed=spec.seed,
         info={"format_ok": parsed.format_ok, "finish_reason": gen.finish_reason, "steps": steps,
               "example_copy": copied},
-        state_key=state_key, observation=observation, routed_experts=gen.routed_experts)
+        state_key=state_key, observation=observation, routed_experts=gen.routed_experts,
+        token_versions=list(gen.versions or []))
 
 
 async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, generate: GenerateFn,

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ragen_mega.agent.parse import STOP_STRINGS
-from ragen_mega.rollout.types import EngineRestarted, EpisodeSpec, GenerateFn, OpenEnvFn
+from ragen_mega.rollout.types import (DroppedEpisode, EngineRestarted, EpisodeSpec, GenerateFn,
+                                      OpenEnvFn)
 from ragen_mega.rollout.seeding import mix_specs, train_parts, train_step_specs, val_parts
 from ragen_mega.rollout.episode import Episode, run_episode
 from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
@@ -159,32 +160,10 @@ class RolloutManager:
         """Play one step's episodes (training seeds, or the held-out seeds at eval temperature),
         all at once; seconds taken. An episode a restarted engine cut short is played again from
         its start; one whose env raised is left out, counted in ``faults``."""
-        env, r = self.cfg.env, self.cfg.rollout
-        if evaluate:
-            specs = mix_specs(val_parts(env), group_size=env.val_group_size,
-                              first_seed=env.val_seed)
-            temperature = r.val_temperature
-        else:
-            specs = train_step_specs(train_parts(env), group_size=env.group_size,
-                                     seed=env.seed, step=step)
-            temperature = r.temperature
-
-        def attempt(spec):  # each call starts the episode afresh: a replay after an engine restart
-            def play(open_env):
-                generate = self._generate("eval" if evaluate else "train", step, spec.episode_id)
-                if self.agent is not None:
-                    return play_agent_episode(
-                        spec, agent=self.agent, gateway=self.gateway, generate=generate,
-                        sampling={"temperature": temperature, "top_p": r.top_p,
-                                  "max_new_tokens": r.max_new_tokens},
-                        max_turns=env.max_turns, env_steps_in_thread=r.env_steps_in_thread,
-                        open_env=open_env)
-                return run_episode(
-                    spec, tokenizer=self.tokenizer, agent=self.cfg.agent, generate=generate,
-                    sampling=self._sampling(temperature), max_turns=env.max_turns,
-                    env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
-            return play
-        played = (episode_or_drop(spec, self._replaying(attempt(spec))) for spec in specs)
+        env = self.cfg.env
+        specs = (mix_specs(val_parts(env), group_size=env.val_group_size,
+                           first_seed=env.val_seed) if evaluate else self.train_specs(step))
+        played = (self.play_episode(spec, step, evaluate=evaluate) for spec in specs)
 
         async def play_all():
             async with (self.gateway.serving() if self.gateway else contextlib.nullcontext()):
@@ -194,7 +173,36 @@ class RolloutManager:
         outcome = self.engines.run(play_all())
         seconds = time.perf_counter() - start
         return count_rollout_faults(outcome, faults or self.fault_counters(step),
-                                    r.max_env_failure_rate), seconds
+                                    self.cfg.rollout.max_env_failure_rate), seconds
+
+    def train_specs(self, step: int) -> list[EpisodeSpec]:
+        """Training step ``step``'s episodes (their seeds a function of the step)."""
+        env = self.cfg.env
+        return train_step_specs(train_parts(env), group_size=env.group_size, seed=env.seed,
+                                step=step)
+
+    async def play_episode(self, spec: EpisodeSpec, step: int, *, evaluate: bool = False
+                           ) -> Episode | DroppedEpisode:
+        """One episode of step ``step`` (at the training or the held-out temperature), played
+        again from its start whenever a restarted engine cut it short; one whose env raised
+        comes back as a :class:`DroppedEpisode`."""
+        env, r = self.cfg.env, self.cfg.rollout
+        temperature = r.val_temperature if evaluate else r.temperature
+
+        def play(open_env):  # each call starts the episode afresh: a replay after a restart
+            generate = self._generate("eval" if evaluate else "train", step, spec.episode_id)
+            if self.agent is not None:
+                return play_agent_episode(
+                    spec, agent=self.agent, gateway=self.gateway, generate=generate,
+                    sampling={"temperature": temperature, "top_p": r.top_p,
+                              "max_new_tokens": r.max_new_tokens},
+                    max_turns=env.max_turns, env_steps_in_thread=r.env_steps_in_thread,
+                    open_env=open_env)
+            return run_episode(
+                spec, tokenizer=self.tokenizer, agent=self.cfg.agent, generate=generate,
+                sampling=self._sampling(temperature), max_turns=env.max_turns,
+                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
+        return await episode_or_drop(spec, self._replaying(play))
 
     def window(self, step: int, faults: FaultCounters, weight_version: int
                ) -> tuple[Window, float]:

@@ -43,11 +43,18 @@ class Sample:
     #: a mixture of experts' engine: the experts it routed each prompt and response token but
     #: the last to, [prompt + response - 1, layers, top-k] (routing replay, the mismatch metric)
     routed_experts: torch.Tensor | None = None
+    #: the weight version that sampled each response token (as the engine reports it; a sync
+    #: that lands inside the turn, ``trainer.async_mode: fully``, gives it two); empty: not
+    #: reported (a scripted generate function)
+    token_versions: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         if len(self.rollout_logprobs) != len(self.response_ids):
             raise ValueError(f"Sample: {len(self.response_ids)} response ids but "
                              f"{len(self.rollout_logprobs)} rollout log-probs")
+        if self.token_versions and len(self.token_versions) != len(self.response_ids):
+            raise ValueError(f"Sample: {len(self.response_ids)} response ids but "
+                             f"{len(self.token_versions)} token versions")
         read = len(self.prompt_ids) + len(self.response_ids) - 1
         if self.routed_experts is not None and (self.routed_experts.dim() != 3
                                                 or self.routed_experts.shape[0] != read):
@@ -75,7 +82,8 @@ class Sample:
                 "stream": None if self.stream is None else int(self.stream),
                 "cut": bool(self.cut), "state_key": str(self.state_key),
                 "observation": str(self.observation),
-                "routed_experts": self.routed_experts}
+                "routed_experts": self.routed_experts,
+                "token_versions": [int(v) for v in self.token_versions]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Sample:

@@ -15,11 +15,14 @@ import torch
 class Generation:
     """What an engine returns for one prompt: sampled ids and their log-probs (and, from the
     engines of a mixture of experts, the experts of every token but the last:
-    ``routed_experts`` [prompt + output - 1, layers, top-k])."""
+    ``routed_experts`` [prompt + output - 1, layers, top-k]). ``versions``: the weight version
+    that sampled each id (a request a sync landed in has two; -1: the weights the server was
+    started with, before any sync)."""
     output_ids: list[int]
     logprobs: list[float]
     finish_reason: str = ""
     routed_experts: torch.Tensor | None = None
+    versions: list[int] | None = None
 
 
 #: ``await generate(prompt_ids, sampling_params)`` -> :class:`Generation`

@@ -69,6 +69,9 @@ class Completion:
     ``routed_experts`` (a mixture of experts, when asked for and the server was started with
     ``--enable-return-routed-experts``): the experts each prompt and output token but the last
     was routed to, flat int32 in the order [token, layer, top-k].
+    ``token_versions[i]``: the weight version that sampled ``output_ids[i]``; a request that
+    was paused for a weight update and continued after it has tokens of two (SGLang's
+    ``weight_versions`` spans; ``weight_version`` is the last).
     """
 
     output_ids: list[int]
@@ -80,6 +83,21 @@ class Completion:
     text: str
     meta_info: dict
     routed_experts: np.ndarray | None = None
+    token_versions: list[str] | None = None
+
+
+def _token_versions(meta: dict, tokens: int, version: str) -> list[str]:
+    """Each output token's weight version from SGLang's ``weight_versions`` spans (``[{version,
+    start, end}]`` over the output); a server that sends none sampled every token with
+    ``version``. Spans that do not cover the output exactly are a malformed response."""
+    spans = meta.get("weight_versions")
+    if spans is None:
+        return [version] * tokens
+    versions = [str(span["version"]) for span in spans
+                for _ in range(int(span["end"]) - int(span["start"]))]
+    if len(versions) != tokens or any(a["end"] != b["start"] for a, b in zip(spans, spans[1:])):
+        raise ValueError(f"weight_versions spans {spans} do not cover the {tokens} output tokens")
+    return versions
 
 
 def _is_token_list(x: Any) -> bool:
@@ -240,13 +258,15 @@ class AsyncEngineClient:
             routed = None
             if return_routed_experts:
                 routed = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+            version = str(meta.get("weight_version"))
             return Completion(output_ids=output_ids, output_logprobs=logprobs,
                               finish_reason=finish.get("type", "unknown"),
                               matched_stop=finish.get("matched"),
-                              weight_version=str(meta.get("weight_version")),
+                              weight_version=version,
                               prompt_tokens=int(meta.get("prompt_tokens", 0)),
                               text=item.get("text", ""), meta_info=meta,
-                              routed_experts=routed)
+                              routed_experts=routed,
+                              token_versions=_token_versions(meta, len(output_ids), version))
         except (KeyError, TypeError, ValueError, IndexError, binascii.Error) as e:
             raise EngineError(f"{where}: malformed response ({type(e).__name__}: {e}): "
                               f"{str(item)[:300]}") from None

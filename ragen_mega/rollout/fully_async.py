@@ -1,0 +1,166 @@
+"""``trainer.async_mode: fully``: the engines play the coming steps' episodes while the trainer
+trains, and never stop for it (AReaL's asynchronous RL, on this project's steps).
+
+A thread of its own plays step ``s``'s episodes (the seeds step ``s`` would play in any mode:
+``RolloutManager.train_specs``), as many at once as a step has, and starts the next step's as
+soon as an episode ends, so the engines stay as full as in the middle of a synchronous step.
+The trainer takes step ``s`` once all its episodes are in (:meth:`FullyAsyncRollout.take`) and
+trains on them with the weights of step ``s - 1``. The weight sync lands between two tokens of
+the requests in flight (``EngineGroup.generation_paused``): a turn a sync cut continues with the
+new weights, and each token keeps the version that sampled it (``Sample.token_versions``); the
+loss takes the engine's per-token log-probs as the behaviour policy through the truncated IS
+weight (``actor.tis_cap``), the actor's recomputed ones as PPO's proximal policy (AReaL's
+decoupled objective).
+
+**Admission** (the staleness bound): an episode of step ``s`` starts only once the engines serve
+version ``s - 1 - trainer.max_staleness`` or newer. Its tokens are sampled at that version or
+later, and it trains at version ``s - 1``: no trained token is more than ``max_staleness``
+versions older than the weights it trains. The check is made where the work starts (SkyRL's
+admission control), so nothing is ever played only to be dropped: an engine that is that far
+ahead waits instead (``time/engine_idle_s``). AReaL bounds the same quantity, the version lag of
+a trajectory's first token, by capping how many trajectories may have started.
+
+**Resume**: what the engines played ahead of the newest checkpoint is not saved; a resumed run
+plays step ``s + 1`` on from its first episode (its seeds are a function of the step), so every
+step still trains on exactly its own episodes and none is lost.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ragen_mega.rollout.faults import count_rollout_faults
+from ragen_mega.rollout.metrics import summarize
+
+if TYPE_CHECKING:
+    from ragen_mega.rollout.manager import PlayedStep, RolloutManager
+    from ragen_mega.rollout.types import DroppedEpisode, Episode
+
+#: how often a waiting admission looks at the version again (seconds)
+POLL_S = 0.05
+
+
+class FullyAsyncRollout:
+    """Plays steps ``first_step`` .. ``last_step`` over ``manager``'s engines on a thread of its
+    own (module docstring); the engines serve ``version`` now."""
+
+    def __init__(self, manager: RolloutManager, *, first_step: int, last_step: int,
+                 max_staleness: int, version: int):
+        self.manager, self.max_staleness = manager, max_staleness
+        self.first_step, self.last_step = first_step, last_step
+        self._lock = threading.Condition()
+        self._version = version
+        self._played: dict[int, dict[int, Episode | DroppedEpisode]] = {}
+        self._sizes: dict[int, int] = {}
+        self._error: BaseException | None = None
+        self._stopping = False
+        #: since the last take: seconds a free slot waited for admission (the bound held it)
+        self._engine_idle_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="fully-async-rollout",
+                                        daemon=True)
+        self._thread.start()
+
+    def weights_synced(self, version: int) -> None:
+        """The engines serve ``version`` now: the steps it admits may start."""
+        with self._lock:
+            self._version = version
+
+    def take(self, step: int) -> PlayedStep:
+        """Step ``step``'s episodes, once all have been played (waiting for them counts as
+        ``time/trainer_idle_s``), as the step's rollout."""
+        from ragen_mega.rollout.manager import PlayedStep
+
+        start = time.perf_counter()
+        with self._lock:
+            self._lock.wait_for(lambda: self._error is not None or (
+                step in self._sizes and len(self._played[step]) == self._sizes[step]))
+            if self._error is not None:
+                raise RuntimeError(f"the fully asynchronous rollout failed while step {step} "
+                                   f"waited for it: {self._error}") from self._error
+            played = self._played.pop(step)
+            ahead = sum(len(p) for p in self._played.values())
+            engine_idle, self._engine_idle_s = self._engine_idle_s, 0.0
+        idle = time.perf_counter() - start
+        faults = self.manager.fault_counters(step)
+        episodes = count_rollout_faults([played[i] for i in sorted(played)], faults,
+                                        self.manager.cfg.rollout.max_env_failure_rate)
+        samples = [s for e in episodes for s in e.samples]
+        for sample in samples:   # the oldest weights the turn was sampled with
+            sample.weight_version = min(sample.token_versions)
+        lags = [step - 1 - v for s in samples for v in s.token_versions]
+        metrics = {**summarize(episodes, "rollout"),
+                   "rollout/staleness_mean": sum(lags) / len(lags),
+                   "rollout/staleness_max": float(max(lags)),
+                   "rollout/episodes_ahead": float(ahead),
+                   "time/trainer_idle_s": idle, "time/engine_idle_s": engine_idle}
+        return PlayedStep(samples, metrics, idle, faults)
+
+    def stop(self) -> None:
+        """Start no further episode, stop those in flight, and wait for the thread."""
+        with self._lock:
+            self._stopping = True
+        self._thread.join()
+
+    def _run(self) -> None:
+        engines = self.manager.engines
+        try:   # a restarted engine gets its weights at the next sync, on the trainer's thread
+            with engines.supervisor.deferred():
+                engines.serve_forever(self._play_steps())
+        except BaseException as e:  # noqa: BLE001 - handed to the trainer's take
+            with self._lock:
+                self._error = e
+                self._lock.notify_all()
+
+    async def _play_steps(self) -> None:
+        slots = None
+        in_flight: set[asyncio.Task] = set()
+        try:
+            for step in range(self.first_step, self.last_step + 1):
+                specs = self.manager.train_specs(step)
+                slots = slots or asyncio.Semaphore(len(specs))
+                with self._lock:
+                    self._sizes[step], self._played[step] = len(specs), {}
+                for index, spec in enumerate(specs):
+                    await slots.acquire()
+                    if not await self._admitted(step):
+                        slots.release()
+                        return
+                    task = asyncio.create_task(self._play(step, index, spec))
+                    in_flight.add(task)
+                    task.add_done_callback(lambda t: (in_flight.discard(t), slots.release()))
+            while in_flight and not self._stopped():
+                await asyncio.sleep(POLL_S)
+        finally:
+            for task in list(in_flight):
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _admitted(self, step: int) -> bool:
+        """Wait until step ``step``'s episodes may start (False: the rollout is stopping)."""
+        oldest = step - 1 - self.max_staleness
+        started = time.perf_counter()
+        while not self._stopped():
+            with self._lock:
+                if self._version >= oldest:
+                    self._engine_idle_s += time.perf_counter() - started
+                    return True
+            await asyncio.sleep(POLL_S)
+        return False
+
+    async def _play(self, step: int, index: int, spec) -> None:
+        try:
+            outcome = await self.manager.play_episode(spec, step)
+        except Exception as e:  # noqa: BLE001 - an engine's error, or a bug: the step's take raises it
+            with self._lock:
+                self._error = self._error or e
+                self._lock.notify_all()
+            return
+        with self._lock:
+            self._played[step][index] = outcome
+            self._lock.notify_all()
+
+    def _stopped(self) -> bool:
+        with self._lock:
+            return self._stopping or self._error is not None

@@ -1,0 +1,131 @@
+"""``trainer.async_mode: fully`` on the whole loop (real Ray, megatron-core, SGLang; tiny model):
+the engines play the coming steps while the trainer trains, no trained token is older than
+``trainer.max_staleness`` versions, every token keeps the version that sampled it, and a resumed
+run plays every step's own episodes (the rule of ``rollout/fully_async.py``).
+
+The engine side of a sync that lands inside a request (its tokens' versions and log-probs
+against transformers on both weights) is ``test_sglang_engine.py``'s
+``test_a_sync_between_two_tokens_continues_the_request_with_the_new_weights``."""
+from __future__ import annotations
+
+import shutil
+import threading
+from typing import Any
+
+import pytest
+
+from conftest import undocumented_scalars
+from learn_envs import make_letter_model
+from ragen_mega import train as train_module
+from ragen_mega.config import load_run_config
+from ragen_mega.envs import registry
+from ragen_mega.envs.base import TextEnv
+from ragen_mega.models.prepare import cache_dir
+from ragen_mega.rollout.fully_async import FullyAsyncRollout
+from ragen_mega.train import train
+
+DEMO = "examples/bandit_cpu_demo.yaml"
+#: the env seeds of step 3 (2 groups a step, seeds from 0): they wait for the sync of step 2
+STRADDLING_SEEDS, WAITS_FOR = {4, 5}, 2
+SYNCED: dict[int, threading.Event] = {}
+
+
+class TwoTurnsGame(TextEnv):
+    """Two turns whatever is answered. An episode of :data:`STRADDLING_SEEDS` waits after its
+    first turn (in its env-step thread, ``rollout.env_steps_in_thread``) until the engines serve
+    version :data:`WAITS_FOR`: its second turn is sampled with newer weights than its first,
+    however fast the machine is."""
+
+    instruction = "Write anything."
+    valid_actions = ["anything"]
+
+    def reset(self, seed: int) -> str:
+        self._seed, self._turn = seed, 0
+        return "Turn one:"
+
+    def step(self, action: str) -> tuple[str, float, bool, dict[str, Any]]:
+        self._turn += 1
+        if self._turn == 1 and self._seed in STRADDLING_SEEDS:
+            assert SYNCED.setdefault(WAITS_FOR, threading.Event()).wait(300)
+        info = {"action_is_valid": True, "action_is_effective": True, "success": False}
+        return "Turn two:", 0.5, self._turn == 2, info
+
+
+def _synced(version: int) -> None:
+    for v in range(version + 1):
+        SYNCED.setdefault(v, threading.Event()).set()
+
+
+@pytest.fixture
+def fully_async_run(tiny_model, tiny_run_overrides, tmp_path, private_ray, monkeypatch):
+    """The run's overrides (the letter model of ``learn_envs.py``, whose one-line answers the
+    env is always stepped with), and what each step trained on: ``trained[step]`` lists (seed,
+    episode, turn, token versions) of its samples."""
+    letters = make_letter_model(cache_dir() / "tiny" / "tiny-qwen2-letters-by-turn-v3",
+                                tiny_model("qwen2"))
+    SYNCED.clear()
+    monkeypatch.setitem(registry._CLASSES, "two_turns", TwoTurnsGame)
+    real_init, real_synced = FullyAsyncRollout.__init__, FullyAsyncRollout.weights_synced
+
+    def init(self, *args, version: int, **kwargs):
+        _synced(version)
+        real_init(self, *args, version=version, **kwargs)
+
+    def weights_synced(self, version: int) -> None:
+        real_synced(self, version)
+        _synced(version)
+    monkeypatch.setattr(FullyAsyncRollout, "__init__", init)
+    monkeypatch.setattr(FullyAsyncRollout, "weights_synced", weights_synced)
+    trained: dict[int, list] = {}
+    real_train_step = train_module.train_step
+
+    def train_step(cfg, run, step, played):
+        trained[step] = sorted((s.seed, s.episode_id, s.turn, list(s.token_versions))
+                               for s in played.samples)
+        return real_train_step(cfg, run, step, played)
+    monkeypatch.setattr(train_module, "train_step", train_step)
+    overrides = tiny_run_overrides(tmp_path, 3) + [
+        "trainer.async_mode=fully", "trainer.max_staleness=1", "actor.tis_cap=2.0",
+        "actor.tp=1", "algo.whiten_advantages=false", "env.name=two_turns", "env.max_turns=2",
+        "env.seed=0", "rollout.env_steps_in_thread=true", "rollout.env_workers=0",
+        f"model.path={letters}", "agent.answer_line=true", "rollout.max_new_tokens=8"]
+    return overrides, trained, tmp_path
+
+
+def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_async_run):
+    """Three steps at ``max_staleness=1``: step 1 plays at once; step 2 starts at once too (its
+    episodes may be one version old when trained); step 3's may start only once the engines
+    serve version 1, and its episodes straddle the sync of step 2 (their env waits for it
+    after the first turn): first turns sampled with version 1, second turns with version 2,
+    and the step trains at version 2. Then step 3 again from step 2's checkpoint: the resumed
+    run plays exactly step 3's episodes (seeds 4 and 5, every episode and turn)."""
+    overrides, trained, run_dir = fully_async_run
+    history = train(load_run_config(DEMO, overrides))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for step, samples in trained.items():
+        versions = [v for *_, vs in samples for v in vs]
+        assert versions and all(0 <= step - 1 - v <= 1 for v in versions), (step, samples)
+        assert {seed for seed, *_ in samples} == {2 * (step - 1), 2 * step - 1}
+        assert len(samples) == 2 * 2 * 2     # 2 groups x 2 episodes x 2 turns: none lost
+    first_turns = {v for _, _, turn, vs in trained[3] if turn == 1 for v in vs}
+    second_turns = {v for _, _, turn, vs in trained[3] if turn == 2 for v in vs}
+    assert first_turns == {1} and second_turns == {2}, trained[3]
+    assert history[2]["rollout/staleness_max"] == 1.0
+    assert history[2]["rollout/staleness_mean"] == pytest.approx(0.5)
+    for h in history:
+        assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
+        assert h["time/engine_idle_s"] >= 0 and h["time/trainer_idle_s"] >= 0
+    assert not undocumented_scalars(history[2], tags=("two_turns",))
+
+    ckpt = run_dir / "checkpoints"
+    for role in ("actor", "critic"):
+        shutil.rmtree(ckpt / role / "step_3")
+    (ckpt / "latest_step").write_text("2")
+    straight = dict(trained)
+    trained.clear()
+    resumed = train(load_run_config(DEMO, overrides))
+    assert [h["step"] for h in resumed] == [3]
+    assert [(seed, ep, turn) for seed, ep, turn, _ in trained[3]] == \
+        [(seed, ep, turn) for seed, ep, turn, _ in straight[3]]
+    # the engines served step 2's weights from the resumed start on: nothing older
+    assert {v for *_, vs in trained[3] for v in vs} == {2}
