@@ -41,6 +41,7 @@ first tokens.
 from __future__ import annotations
 
 import argparse
+import collections
 import heapq
 from dataclasses import dataclass
 
@@ -153,7 +154,7 @@ def simulate_fully_async(gpus: int, engine_gpus: int, shape: Shape, t: Timings, 
     train_gpus = gpus - engine_gpus
     progress, now, version, started, free_slots = 0.0, 0.0, 0, 0, batch
     events: list = []                           # (done at progress, job, start version)
-    done = {s: [] for s in range(1, steps + 2)}  # step -> (start version, turns, tokens)
+    done = collections.defaultdict(list)       # step -> (start version, turns, tokens)
     train_end, training, sync_times, lags = None, 0, [], []
 
     def start_jobs() -> None:
@@ -200,7 +201,7 @@ def main() -> None:
     parser.add_argument("--mode", choices=("turns", "episodes"), default="turns")
     parser.add_argument("--gpus", type=int, nargs="+", default=[8, 64, 512])
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--max-staleness", type=int, default=2)
+    parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     shape, t = Shape(), Timings()

@@ -31,7 +31,7 @@ SYNCED: dict[int, threading.Event] = {}
 
 
 class TwoTurnsGame(TextEnv):
-    """Two turns whatever is answered. An episode of :data:`STRADDLING_SEEDS` waits after its
+    """Two turns whatever is answered, a line starting with A paid 1. An episode of :data:`STRADDLING_SEEDS` waits after its
     first turn (in its env-step thread, ``rollout.env_steps_in_thread``) until the engines serve
     version :data:`WAITS_FOR`: its second turn is sampled with newer weights than its first,
     however fast the machine is."""
@@ -48,7 +48,7 @@ class TwoTurnsGame(TextEnv):
         if self._turn == 1 and self._seed in STRADDLING_SEEDS:
             assert SYNCED.setdefault(WAITS_FOR, threading.Event()).wait(300)
         info = {"action_is_valid": True, "action_is_effective": True, "success": False}
-        return "Turn two:", 0.5, self._turn == 2, info
+        return "Turn two:", float(action.startswith("A")), self._turn == 2, info
 
 
 def _synced(version: int) -> None:
@@ -88,7 +88,8 @@ def fully_async_run(tiny_model, tiny_run_overrides, tmp_path, private_ray, monke
         "trainer.async_mode=fully", "trainer.max_staleness=1", "actor.tis_cap=2.0",
         "actor.tp=1", "algo.whiten_advantages=false", "env.name=two_turns", "env.max_turns=2",
         "env.seed=0", "rollout.env_steps_in_thread=true", "rollout.env_workers=0",
-        f"model.path={letters}", "agent.answer_line=true", "rollout.max_new_tokens=8"]
+        f"model.path={letters}", "agent.answer_line=true", "rollout.max_new_tokens=8",
+        "algo.adv_estimator=grpo", "critic.enable=false", "trainer.save_every=2"]
     return overrides, trained, tmp_path
 
 
@@ -118,8 +119,7 @@ def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_
     assert not undocumented_scalars(history[2], tags=("two_turns",))
 
     ckpt = run_dir / "checkpoints"
-    for role in ("actor", "critic"):
-        shutil.rmtree(ckpt / role / "step_3")
+    shutil.rmtree(ckpt / "actor" / "step_3")
     (ckpt / "latest_step").write_text("2")
     straight = dict(trained)
     trained.clear()
