@@ -122,40 +122,53 @@ def step_rollout(rng, shape: Shape, t: Timings, mode: str, engines: int, per_eng
 
 def simulate_stepped(gpus: int, engine_gpus: int | None, shape: Shape, t: Timings, mode: str,
                      steps: int, seed: int) -> dict:
-    """sync (``engine_gpus`` None: every GPU does both) or one-step-off."""
+    """sync (``engine_gpus`` None: every GPU does both) or one-step-off (step k trains while
+    step k+1 plays: ``max(rollout of k+1, train of k) + sync``; a long rollout's step is also a
+    long training, so pairing a step's training with its own rollout would hide the wait)."""
     rng = np.random.default_rng(seed)
     jobs = gpus * (shape.streams_per_gpu if mode == "turns" else shape.episodes_per_gpu)
     engines = engine_gpus or gpus
     train_gpus = gpus if engine_gpus is None else gpus - engine_gpus
+    played = [step_rollout(rng, shape, t, mode, engines, jobs // engines)
+              for _ in range(steps + 1)]
     total_s = total_turns = 0.0
-    for _ in range(steps):
-        rollout_s, turns, tokens = step_rollout(rng, shape, t, mode, engines, jobs // engines)
+    for (rollout_s, turns, tokens), (next_rollout_s, _, _) in zip(played, played[1:]):
         train_s = tokens / (train_gpus * t.train_tok_s)
         total_s += (rollout_s + train_s + t.colocated_sync_s if engine_gpus is None
-                    else max(rollout_s, train_s) + t.sync_s)
+                    else max(next_rollout_s, train_s) + t.sync_s)
         total_turns += turns
     return {"step_s": total_s / steps, "turns_s": total_turns / total_s}
 
 
 def simulate_fully_async(gpus: int, engine_gpus: int, shape: Shape, t: Timings, mode: str,
-                         steps: int, max_staleness: int, seed: int) -> dict:
-    """``rollout/fully_async.py``'s schedule, an event simulation in virtual time: one step's
-    jobs run at once (the slots), step s's start only while the engines serve version
-    s - 1 - ``max_staleness`` or newer, and the trainer takes step s once all its jobs are in.
-    All slots progress at one rate (``tau`` of a full engine: a slot the bound leaves idle does
-    not speed up the others, which is conservative), so one clock of tokens-per-slot stands
-    for every engine; a sync stops that clock for its length."""
+                         steps: int, max_staleness: int, seed: int, take: str = "own") -> dict:
+    """A fully asynchronous schedule, an event simulation in virtual time: at most one step's
+    worth of jobs run at once (the slots), and the j-th job to start (of step
+    ``j // batch + 1``) starts only while the engines serve version ``j // batch -
+    max_staleness`` or newer.
+    ``take="own"`` is ``rollout/fully_async.py``: the trainer takes step s once all of step s's
+    jobs are in. ``take="first"`` is AReaL's: it takes the first ``batch`` jobs to finish,
+    whatever step they were started for, after dropping those whose first token is more than
+    ``max_staleness`` versions old. The jobs in flight share the engines equally, as in the
+    stepped schedules, so one clock of tokens-per-job stands for every engine; a sync stops
+    that clock for its length."""
     rng = np.random.default_rng(seed)
     per_gpu = shape.streams_per_gpu if mode == "turns" else shape.episodes_per_gpu
     batch = gpus * per_gpu                      # jobs per trained step, as in the other modes
-    per_engine = batch // engine_gpus
-    prefill_per_token = per_engine * shape.prompt_tokens / shape.response_mean
-    sec_per_token = float(t.tau(per_engine)) + prefill_per_token / t.prefill_tok_s
     train_gpus = gpus - engine_gpus
+
+    def sec_per_token() -> float:
+        """Seconds for every job in flight to advance one token: a decode step of the engine's
+        share of them, and their prompts' prefill (one per response's worth of tokens)."""
+        per_engine = max(len(events), 1) / engine_gpus
+        prefill = per_engine * shape.prompt_tokens / shape.response_mean / t.prefill_tok_s
+        return float(t.tau(per_engine)) + prefill
+
     progress, now, version, started, free_slots = 0.0, 0.0, 0, 0, batch
-    events: list = []                           # (done at progress, job, start version)
+    events: list = []                           # (done at progress, job, start version, ...)
     done = collections.defaultdict(list)       # step -> (start version, turns, tokens)
-    train_end, training, sync_times, lags = None, 0, [], []
+    buffer: list = []                           # take="first": finished, in order
+    train_end, sync_times, lags, trained, dropped, played = None, [], [], [], 0, []
 
     def start_jobs() -> None:
         nonlocal started, free_slots
@@ -165,11 +178,24 @@ def simulate_fully_async(gpus: int, engine_gpus: int, shape: Shape, t: Timings, 
                                     int(work[0] + turns[0] * shape.prompt_tokens)))
             started, free_slots = started + 1, free_slots - 1
 
+    def next_batch() -> list | None:
+        nonlocal buffer, dropped
+        if take == "own":
+            own = done[len(trained) + 1]
+            return own if len(own) == batch else None
+        dropped += sum(x[1] for x in buffer if version - x[0] > max_staleness)
+        buffer = [x for x in buffer if version - x[0] <= max_staleness]
+        if len(buffer) < batch:
+            return None
+        taken, buffer = buffer[:batch], buffer[batch:]
+        return taken
+
     start_jobs()
     while len(sync_times) < steps:
-        next_job = now + (events[0][0] - progress) * sec_per_token if events else float("inf")
+        rate = sec_per_token()
+        next_job = now + (events[0][0] - progress) * rate if events else float("inf")
         if train_end is not None and train_end <= next_job:
-            progress += (train_end - now) / sec_per_token
+            progress += (train_end - now) / rate
             now = train_end + t.sync_s            # the engines pause while the sync lands
             version, train_end = version + 1, None
             sync_times.append(now)
@@ -177,16 +203,21 @@ def simulate_fully_async(gpus: int, engine_gpus: int, shape: Shape, t: Timings, 
             done_at, job, start_version, turns, tokens = heapq.heappop(events)
             progress, now, free_slots = done_at, next_job, free_slots + 1
             done[job // batch + 1].append((start_version, turns, tokens))
-        if train_end is None and len(done[training + 1]) == batch:
-            training += 1
-            lags += [training - 1 - v for v, _, _ in done[training]]
-            train_end = now + sum(x[2] for x in done[training]) / (train_gpus * t.train_tok_s)
+            buffer.append((start_version, turns, tokens))
+            played.append(turns)
+        if train_end is None and (jobs := next_batch()) is not None:
+            lags += [version - x[0] for x in jobs]
+            trained.append(jobs)
+            train_end = now + sum(x[2] for x in jobs) / (train_gpus * t.train_tok_s)
         start_jobs()
     warm = steps // 4                              # leave the start-up out of the rates
     span = sync_times[-1] - sync_times[warm - 1]
-    turns = sum(x[1] for s in range(warm + 1, steps + 1) for x in done[s])
+    turns = sum(x[1] for jobs in trained[warm:steps] for x in jobs)
+    trained_turns = [x[1] for jobs in trained for x in jobs]
     return {"step_s": span / (steps - warm), "turns_s": turns / span,
-            "staleness_mean": float(np.mean(lags)), "staleness_max": int(max(lags))}
+            "staleness_mean": float(np.mean(lags)), "staleness_max": int(max(lags)),
+            "dropped": dropped / sum(played),
+            "length_bias": float(np.mean(trained_turns) / np.mean(played))}
 
 
 def best_split(gpus: int, run) -> tuple[int, dict]:
@@ -203,22 +234,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--response-mean", type=float, default=Shape.response_mean,
+                        help="tokens a turn's response has on average")
+    parser.add_argument("--response-max", type=int, default=Shape.response_max)
     args = parser.parse_args()
-    shape, t = Shape(), Timings()
+    shape = Shape(response_mean=args.response_mean, response_max=args.response_max)
+    t = Timings()
     print(f"# mode {args.mode}, {shape}, {t}, max_staleness {args.max_staleness}")
     print("| GPUs | schedule | engine GPUs | s / step | trained turns / s | vs sync | "
-          "staleness mean (max) |")
-    print("|---|---|---|---|---|---|---|")
+          "staleness mean (max) | turns dropped | trained / played episode length |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for gpus in args.gpus:
         sync = simulate_stepped(gpus, None, shape, t, args.mode, args.steps, args.seed)
         rows = [("sync (colocated)", gpus, sync)]
         rows.append(("one-step-off", *best_split(gpus, lambda e: simulate_stepped(
             gpus, e, shape, t, args.mode, args.steps, args.seed))))
-        rows.append(("fully async", *best_split(gpus, lambda e: simulate_fully_async(
-            gpus, e, shape, t, args.mode, args.steps, args.max_staleness, args.seed))))
+        for take, name in (("own", "fully async"), ("first", "fully async, first finished")):
+            rows.append((name, *best_split(gpus, lambda e: simulate_fully_async(
+                gpus, e, shape, t, args.mode, args.steps, args.max_staleness, args.seed,
+                take))))
         for name, engine_gpus, r in rows:
-            extra = (f"{r['staleness_mean']:.2f} ({r['staleness_max']})"
-                     if "staleness_max" in r else "-")
+            extra = (f"{r['staleness_mean']:.2f} ({r['staleness_max']}) | {r['dropped']:.1%} | "
+                     f"{r['length_bias']:.2f}" if "staleness_max" in r else "- | - | -")
             print(f"| {gpus} | {name} | {engine_gpus} | {r['step_s']:.0f} | {r['turns_s']:.1f} | "
                   f"{r['turns_s'] / sync['turns_s']:.2f} | {extra} |", flush=True)
 
