@@ -116,7 +116,8 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         append_metrics(run_dir, 0, metrics)
     #: trainer.async_mode=fully: the coming steps' episodes, played from here on
     ahead = (FullyAsyncRollout(run.rollouts, first_step=start + 1, last_step=t.total_steps,
-                               max_staleness=t.max_staleness, version=start)
+                               max_staleness=t.max_staleness, version=start,
+                               resync=lambda: run.sync_weights(run.weight_version))
              if t.async_mode == "fully" and start < t.total_steps else None)
     try:
         for step in range(start + 1, t.total_steps + 1):

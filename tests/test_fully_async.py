@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from conftest import undocumented_scalars
+from conftest import server_killed_under_first_request, server_pids, undocumented_scalars
 from learn_envs import make_letter_model
 from ragen_mega import train as train_module
 from ragen_mega.config import load_run_config
@@ -22,6 +22,7 @@ from ragen_mega.envs import registry
 from ragen_mega.envs.base import TextEnv
 from ragen_mega.models.prepare import cache_dir
 from ragen_mega.rollout.fully_async import FullyAsyncRollout
+from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
 
 DEMO = "examples/bandit_cpu_demo.yaml"
@@ -84,13 +85,24 @@ def fully_async_run(tiny_model, tiny_run_overrides, tmp_path, private_ray, monke
                                for s in played.samples)
         return real_train_step(cfg, run, step, played)
     monkeypatch.setattr(train_module, "train_step", train_step)
+    killed: list[int] = []
+    real_play = RolloutManager.play_episode
+
+    async def play_episode(rollouts, spec, step, *, evaluate=False):
+        """The engine's server is SIGKILLed under step 2's first request."""
+        if step != 2 or killed:
+            return await real_play(rollouts, spec, step, evaluate=evaluate)
+        killed.append(server_pids(tmp_path)[-1])
+        with server_killed_under_first_request(rollouts.engines, killed[-1]):
+            return await real_play(rollouts, spec, step, evaluate=evaluate)
+    monkeypatch.setattr(RolloutManager, "play_episode", play_episode)
     overrides = tiny_run_overrides(tmp_path, 3) + [
         "trainer.async_mode=fully", "trainer.max_staleness=1", "actor.tis_cap=2.0",
         "actor.tp=1", "algo.whiten_advantages=false", "env.name=two_turns", "env.max_turns=2",
         "env.seed=0", "rollout.env_steps_in_thread=true", "rollout.env_workers=0",
         f"model.path={letters}", "agent.answer_line=true", "rollout.max_new_tokens=8",
         "algo.adv_estimator=grpo", "critic.enable=false", "trainer.save_every=2"]
-    return overrides, trained, tmp_path
+    return overrides, trained, tmp_path, killed
 
 
 def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_async_run):
@@ -98,11 +110,18 @@ def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_
     episodes may be one version old when trained); step 3's may start only once the engines
     serve version 1, and its episodes straddle the sync of step 2 (their env waits for it
     after the first turn): first turns sampled with version 1, second turns with version 2,
-    and the step trains at version 2. Then step 3 again from step 2's checkpoint: the resumed
-    run plays exactly step 3's episodes (seeds 4 and 5, every episode and turn)."""
-    overrides, trained, run_dir = fully_async_run
+    and the step trains at version 2. The engine dies under step 2's first request: it is
+    restarted, given the trainer's weights (by the trainer's thread, while it waits or at its
+    next sync; until then no request goes to it, or it would serve the weights it loaded,
+    older than the bound), and the episodes it cut are played again. Then step 3 again from
+    step 2's checkpoint: the resumed run plays exactly step 3's episodes (seeds 4 and 5, every
+    episode and turn)."""
+    overrides, trained, run_dir, killed = fully_async_run
     history = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in history] == [1, 2, 3]
+    assert killed and server_pids(run_dir)[-2] == killed[0]
+    assert sum(h["fault/engine_restarts"] for h in history) == 1
+    assert sum(h["fault/episodes_retried"] for h in history) >= 1
     for step, samples in trained.items():
         versions = [v for *_, vs in samples for v in vs]
         assert versions and all(0 <= step - 1 - v <= 1 for v in versions), (step, samples)

@@ -139,7 +139,7 @@ class EngineGroup:
         :class:`~ragen_mega.rollout.types.PromptTooLong` (the episode ends there)."""
         from ragen_mega.backends.sglang.client import ContextLengthExceeded, EngineError
 
-        engine = next(self._next) if engine is None else engine
+        engine = await self._serving_engine() if engine is None else engine
         life = self.supervisor.lives[engine]
         try:
             out = await self.clients[engine].generate(
@@ -159,6 +159,18 @@ class EngineGroup:
                 -1, *self.routed_shape[:2]).to(dtype)
         return Generation(out.output_ids, out.output_logprobs, out.finish_reason, routed,
                           [int(v) if v.isdigit() else -1 for v in out.token_versions])
+
+    async def _serving_engine(self) -> int:
+        """The next engine in turn that serves the trainer's weights: one restarted under a
+        rollout that plays on (``EngineSupervisor.unsynced``) is passed over until a sync has
+        given it them, and with none left the request waits for that sync."""
+        while True:
+            unsynced = self.supervisor.unsynced
+            for _ in range(len(self.clients)):
+                engine = next(self._next)
+                if engine not in unsynced:
+                    return engine
+            await asyncio.sleep(0.05)
 
     def _replace_client(self, engine: int, url: str) -> None:
         """Talk to ``engine``'s new server at ``url`` from now on (the old client's session is

@@ -145,6 +145,12 @@ class EngineSupervisor:
         finally:
             self._deferring = False
 
+    @property
+    def unsynced(self) -> frozenset[int]:
+        """The engines restarted while resyncs were deferred that have not had the trainer's
+        weights since (they serve the checkpoint they loaded)."""
+        return frozenset(self._unsynced)
+
     def take_unsynced(self) -> dict[int, str]:
         """``{engine: url}`` of the engines restarted while resyncs were deferred, since the
         last call: they serve the checkpoint they loaded until given the trainer's weights."""

@@ -27,10 +27,13 @@ step still trains on exactly its own episodes and none is lost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from ragen_mega.ray.engine_supervisor import ResyncDeferred
 from ragen_mega.rollout.faults import count_rollout_faults
 from ragen_mega.rollout.metrics import summarize
 
@@ -44,11 +47,13 @@ POLL_S = 0.05
 
 class FullyAsyncRollout:
     """Plays steps ``first_step`` .. ``last_step`` over ``manager``'s engines on a thread of its
-    own (module docstring); the engines serve ``version`` now."""
+    own (module docstring); the engines serve ``version`` now. ``resync()`` gives the engines
+    restarted under the rollout the trainer's weights again; :meth:`take` calls it (on the
+    trainer's thread) while it waits."""
 
     def __init__(self, manager: RolloutManager, *, first_step: int, last_step: int,
-                 max_staleness: int, version: int):
-        self.manager, self.max_staleness = manager, max_staleness
+                 max_staleness: int, version: int, resync: Callable[[], object]):
+        self.manager, self.max_staleness, self._resync = manager, max_staleness, resync
         self.first_step, self.last_step = first_step, last_step
         self._lock = threading.Condition()
         self._version = version
@@ -56,6 +61,7 @@ class FullyAsyncRollout:
         self._sizes: dict[int, int] = {}
         self._error: BaseException | None = None
         self._stopping = False
+        self._playing: tuple[asyncio.AbstractEventLoop, asyncio.Task] | None = None
         #: since the last take: seconds a free slot waited for admission (the bound held it)
         self._engine_idle_s = 0.0
         self._thread = threading.Thread(target=self._run, name="fully-async-rollout",
@@ -73,9 +79,15 @@ class FullyAsyncRollout:
         from ragen_mega.rollout.manager import PlayedStep
 
         start = time.perf_counter()
+        while True:
+            with self._lock:
+                if self._lock.wait_for(lambda: self._error is not None or (
+                        step in self._sizes and len(self._played[step]) == self._sizes[step]),
+                        timeout=POLL_S):
+                    break
+            if self.manager.engines.supervisor.unsynced:   # its episodes wait for weights
+                self._resync()
         with self._lock:
-            self._lock.wait_for(lambda: self._error is not None or (
-                step in self._sizes and len(self._played[step]) == self._sizes[step]))
             if self._error is not None:
                 raise RuntimeError(f"the fully asynchronous rollout failed while step {step} "
                                    f"waited for it: {self._error}") from self._error
@@ -101,6 +113,11 @@ class FullyAsyncRollout:
         """Start no further episode, stop those in flight, and wait for the thread."""
         with self._lock:
             self._stopping = True
+            playing = self._playing
+        if playing is not None:
+            loop, task = playing
+            with contextlib.suppress(RuntimeError):   # its loop has ended: nothing to stop
+                loop.call_soon_threadsafe(task.cancel)
         self._thread.join()
 
     def _run(self) -> None:
@@ -114,6 +131,10 @@ class FullyAsyncRollout:
                 self._lock.notify_all()
 
     async def _play_steps(self) -> None:
+        with self._lock:
+            self._playing = asyncio.get_running_loop(), asyncio.current_task()
+            if self._stopping:
+                return
         slots = None
         in_flight: set[asyncio.Task] = set()
         try:
@@ -151,7 +172,12 @@ class FullyAsyncRollout:
 
     async def _play(self, step: int, index: int, spec) -> None:
         try:
-            outcome = await self.manager.play_episode(spec, step)
+            while True:
+                try:
+                    outcome = await self.manager.play_episode(spec, step)
+                    break
+                except ResyncDeferred:   # its engine was restarted: again, once one serves
+                    self.manager.engines.supervisor.count_retried(1)
         except Exception as e:  # noqa: BLE001 - an engine's error, or a bug: the step's take raises it
             with self._lock:
                 self._error = self._error or e
