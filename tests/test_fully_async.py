@@ -8,6 +8,7 @@ against transformers on both weights) is ``test_sglang_engine.py``'s
 ``test_a_sync_between_two_tokens_continues_the_request_with_the_new_weights``."""
 from __future__ import annotations
 
+import asyncio
 import shutil
 import threading
 from typing import Any
@@ -89,10 +90,12 @@ def fully_async_run(tiny_model, tiny_run_overrides, tmp_path, private_ray, monke
     real_play = RolloutManager.play_episode
 
     async def play_episode(rollouts, spec, step, *, evaluate=False):
-        """The engine's server is SIGKILLed under step 2's first request."""
+        """The engine's server is SIGKILLed under the first request of step 2's first episode,
+        which starts only once step 1 is synced: the trainer then waits for step 2."""
         if step != 2 or killed:
             return await real_play(rollouts, spec, step, evaluate=evaluate)
         killed.append(server_pids(tmp_path)[-1])
+        assert await asyncio.to_thread(SYNCED.setdefault(1, threading.Event()).wait, 300)
         with server_killed_under_first_request(rollouts.engines, killed[-1]):
             return await real_play(rollouts, spec, step, evaluate=evaluate)
     monkeypatch.setattr(RolloutManager, "play_episode", play_episode)
@@ -110,10 +113,10 @@ def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_
     episodes may be one version old when trained); step 3's may start only once the engines
     serve version 1, and its episodes straddle the sync of step 2 (their env waits for it
     after the first turn): first turns sampled with version 1, second turns with version 2,
-    and the step trains at version 2. The engine dies under step 2's first request: it is
-    restarted, given the trainer's weights (by the trainer's thread, while it waits or at its
-    next sync; until then no request goes to it, or it would serve the weights it loaded,
-    older than the bound), and the episodes it cut are played again. Then step 3 again from
+    and the step trains at version 2. The engine dies under a request of step 2 while the
+    trainer waits for that step: it is restarted, given the trainer's weights by the trainer's
+    thread (until then no request goes to it, or it would serve the weights it loaded, older
+    than the bound), and the episodes it cut are played again. Then step 3 again from
     step 2's checkpoint: the resumed run plays exactly step 3's episodes (seeds 4 and 5, every
     episode and turn)."""
     overrides, trained, run_dir, killed = fully_async_run

@@ -20,6 +20,11 @@ admission control), so nothing is ever played only to be dropped: an engine that
 ahead waits instead (``time/engine_idle_s``). AReaL bounds the same quantity, the version lag of
 a trajectory's first token, by capping how many trajectories may have started.
 
+**A dead engine** is restarted from this thread (``EngineSupervisor.deferred``: no trainer call
+here); the episode that met it plays again, and no request goes to the new server until a sync
+has given it the trainer's weights (``EngineGroup._serving_engine``): the trainer's next sync,
+or the one :meth:`FullyAsyncRollout.take` makes at once when the trainer is waiting.
+
 **Resume**: what the engines played ahead of the newest checkpoint is not saved; a resumed run
 plays step ``s + 1`` on from its first episode (its seeds are a function of the step), so every
 step still trains on exactly its own episodes and none is lost.
