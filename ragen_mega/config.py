@@ -231,14 +231,6 @@ class RunConfig:
             raise ConfigError(f"actor.tis_cap: {mode} trains on samples of older weights and "
                               f"needs the truncated IS correction; set actor.tis_cap (slime "
                               f"uses 2)")
-        if self.trainer.async_mode == "fully":
-            for key, value, fix in (
-                    ("rollout.mode", self.rollout.mode != "episodes", "episodes"),
-                    ("rollout.agent", self.rollout.agent is not None, "null")):
-                if value:
-                    raise ConfigError(f"{key}: trainer.async_mode=fully plays whole episodes of "
-                                      f"the built-in agent (not yet streamed windows or a "
-                                      f"user's agent); set {key}={fix}")
 
     def _validate_replay(self):
         """What a replayed run rules out: with no engine there is nothing to evaluate, sync or

@@ -137,8 +137,10 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
             if failed is None and (last or stop.requested or
                                    (t.save_every and step % t.save_every == 0)):
                 with timed(metrics, "time/save_s"):
-                    checkpoints.save(cfg, step, run.actor, run.critic,
-                                     streams=run.rollouts.state_dict(), pending=pending)
+                    streams = (run.rollouts.state_dict() if played.streams_state is None
+                               else played.streams_state)   # fully async: they played on
+                    checkpoints.save(cfg, step, run.actor, run.critic, streams=streams,
+                                     pending=pending)
             logger.log(step, metrics)
             history.append({"step": step, **metrics})
             append_metrics(run_dir, step, metrics)

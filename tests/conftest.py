@@ -316,22 +316,27 @@ def server_pids(run_dir: Path) -> list[int]:
 def server_killed_under_first_request(engines, pid: int):
     """Within the block, the first request sent through ``engines.generate`` has the SGLang
     server ``pid`` SIGKILLed while it is in flight (the engine dies under a real request)."""
-    real_generate, killed = engines.generate, []
-
-    async def kill_during_first_request(prompt_ids, sampling, engine=None):
-        if killed:
-            return await real_generate(prompt_ids, sampling, engine)
-        killed.append(pid)
-        request = asyncio.ensure_future(real_generate(prompt_ids, sampling, engine))
-        await asyncio.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-        return await request
-
-    engines.generate = kill_during_first_request
+    engines.generate = first_request_killed(engines.generate, pid)
     try:
         yield
     finally:
         del engines.generate
+
+
+def first_request_killed(generate, pid: int, killed: list[int] | None = None):
+    """``generate`` (an async function of the prompt ids and sampling) whose first request has
+    the SGLang server ``pid`` SIGKILLed while it is in flight; ``killed`` gets the pid."""
+    killed = [] if killed is None else killed
+
+    async def kill_during_first_request(prompt_ids, sampling, *args, **kwargs):
+        if killed:
+            return await generate(prompt_ids, sampling, *args, **kwargs)
+        killed.append(pid)
+        request = asyncio.ensure_future(generate(prompt_ids, sampling, *args, **kwargs))
+        await asyncio.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+        return await request
+    return kill_during_first_request
 
 
 def undocumented_scalars(keys, tags: tuple[str, ...] = ()) -> list[str]:

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import sys
 import threading
 from typing import Any
 
 import pytest
 
-from conftest import server_killed_under_first_request, server_pids, undocumented_scalars
+from conftest import first_request_killed, server_pids, undocumented_scalars
 from learn_envs import make_letter_model
-from ragen_mega import train as train_module
+from ragen_mega import checkpoints, train as train_module
+from ragen_mega.backends.megatron.checkpoint import read_checkpoint_state
 from ragen_mega.config import load_run_config
 from ragen_mega.envs import registry
 from ragen_mega.envs.base import TextEnv
@@ -61,8 +63,9 @@ def _synced(version: int) -> None:
 @pytest.fixture
 def fully_async_run(tiny_model, tiny_run_overrides, tmp_path, private_ray, monkeypatch):
     """The run's overrides (the letter model of ``learn_envs.py``, whose one-line answers the
-    env is always stepped with), and what each step trained on: ``trained[step]`` lists (seed,
-    episode, turn, token versions) of its samples."""
+    env is always stepped with), what each step trained on (``trained[step]`` lists (seed,
+    episode, turn, token versions) of its samples), the run dir, and the pid of the engine
+    server killed under step 2's first request (sent once step 1 is synced)."""
     letters = make_letter_model(cache_dir() / "tiny" / "tiny-qwen2-letters-by-turn-v3",
                                 tiny_model("qwen2"))
     SYNCED.clear()
@@ -87,24 +90,28 @@ def fully_async_run(tiny_model, tiny_run_overrides, tmp_path, private_ray, monke
         return real_train_step(cfg, run, step, played)
     monkeypatch.setattr(train_module, "train_step", train_step)
     killed: list[int] = []
-    real_play = RolloutManager.play_episode
+    real_generate = RolloutManager._generate
 
-    async def play_episode(rollouts, spec, step, *, evaluate=False):
-        """The engine's server is SIGKILLed under the first request of step 2's first episode,
-        which starts only once step 1 is synced: the trainer then waits for step 2."""
-        if step != 2 or killed:
-            return await real_play(rollouts, spec, step, evaluate=evaluate)
-        killed.append(server_pids(tmp_path)[-1])
-        assert await asyncio.to_thread(SYNCED.setdefault(1, threading.Event()).wait, 300)
-        with server_killed_under_first_request(rollouts.engines, killed[-1]):
-            return await real_play(rollouts, spec, step, evaluate=evaluate)
-    monkeypatch.setattr(RolloutManager, "play_episode", play_episode)
+    def generate(rollouts, kind: str, step: int, key: int):
+        """Step 2's first request waits for the sync of step 1 (the trainer then waits for
+        step 2), and the engine's server is SIGKILLed under it."""
+        played = real_generate(rollouts, kind, step, key)
+        if step != 2 or kind == "eval":
+            return played
+        kill = first_request_killed(played, server_pids(tmp_path)[-1], killed)
+
+        async def after_sync_1(prompt_ids, sampling):
+            if not killed:
+                assert await asyncio.to_thread(SYNCED.setdefault(1, threading.Event()).wait,
+                                               300)
+            return await kill(prompt_ids, sampling)
+        return after_sync_1
+    monkeypatch.setattr(RolloutManager, "_generate", generate)
     overrides = tiny_run_overrides(tmp_path, 3) + [
         "trainer.async_mode=fully", "trainer.max_staleness=1", "actor.tis_cap=2.0",
         "actor.tp=1", "algo.whiten_advantages=false", "env.name=two_turns", "env.max_turns=2",
         "env.seed=0", "rollout.env_steps_in_thread=true", "rollout.env_workers=0",
-        f"model.path={letters}", "agent.answer_line=true", "rollout.max_new_tokens=8",
-        "algo.adv_estimator=grpo", "critic.enable=false", "trainer.save_every=2"]
+        f"model.path={letters}", "agent.answer_line=true", "rollout.max_new_tokens=8"]
     return overrides, trained, tmp_path, killed
 
 
@@ -120,6 +127,7 @@ def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_
     step 2's checkpoint: the resumed run plays exactly step 3's episodes (seeds 4 and 5, every
     episode and turn)."""
     overrides, trained, run_dir, killed = fully_async_run
+    overrides += ["algo.adv_estimator=grpo", "critic.enable=false", "trainer.save_every=2"]
     history = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in history] == [1, 2, 3]
     assert killed and server_pids(run_dir)[-2] == killed[0]
@@ -151,3 +159,57 @@ def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_
         [(seed, ep, turn) for seed, ep, turn, _ in straight[3]]
     # the engines served step 2's weights from the resumed start on: nothing older
     assert {v for *_, vs in trained[3] for v in vs} == {2}
+
+
+def test_fully_async_streams_stay_within_the_bound_and_resume_where_their_window_ended(
+        fully_async_run, monkeypatch):
+    """``rollout.mode: turns``: 4 streams (2 groups x 2) of two-turn episodes, 3 turns a window,
+    so window k holds turns 3k-2 .. 3k of each stream and cuts an episode every other window
+    (a critic bootstraps the cut). Each stream plays its windows at its own pace under the
+    bound. Window 3 opens with episode 3 of each stream (seeds 6 and 7), whose env waits after
+    turn 1 for the sync of step 2: turn 1 sampled with version 1, the rest of the window with
+    version 2. The engine dies under a request of window 2 while the trainer waits for it:
+    the windows it cut are played again, each by its own stream. The checkpoint of step 1 holds the streams where
+    window 1 left them (each in episode 1, one turn played), not where they had played on to;
+    a run resumed there trains windows 2 and 3 on exactly the straight run's turns."""
+    overrides, trained, run_dir, killed = fully_async_run
+    monkeypatch.setattr(sys.modules[__name__], "STRADDLING_SEEDS", {6, 7})
+    overrides += ["rollout.mode=turns", "rollout.turns_per_step=3", "algo.adv_estimator=gae",
+                  "critic.enable=true", "algo.gamma=0.99", "algo.lam=0.95",
+                  "trainer.save_every=1"]
+    history = train(load_run_config(DEMO, overrides))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert killed and server_pids(run_dir)[-2] == killed[0]
+    assert sum(h["fault/engine_restarts"] for h in history) == 1
+    # the windows of the streams whose requests the dead server had (each played again)
+    assert 1 <= sum(h["fault/episodes_retried"] for h in history) <= 4
+    # (episode of stream s in its j-th episode: j * 4 + s), turn: window k's 12 samples
+    windows = {1: [(0, 1), (0, 2), (1, 1)], 2: [(1, 2), (2, 1), (2, 2)],
+               3: [(3, 1), (3, 2), (4, 1)]}
+    for step, samples in trained.items():
+        versions = [v for *_, vs in samples for v in vs]
+        assert versions and all(0 <= step - 1 - v <= 1 for v in versions), (step, samples)
+        assert sorted((ep, turn) for _, ep, turn, _ in samples) == sorted(
+            (j * 4 + s, turn) for j, turn in windows[step] for s in range(4)), (step, samples)
+    first = {(ep, 1) for ep in range(12, 16)}   # the first turns of each stream's episode 3
+    assert {v for _, ep, turn, vs in trained[3] if (ep, turn) in first for v in vs} == {1}
+    assert {v for _, ep, turn, vs in trained[3] if (ep, turn) not in first for v in vs} == {2}
+    assert [h["rollout/episodes_finished"] for h in history] == [4, 8, 4]
+    assert history[2]["rollout/staleness_max"] == 1.0
+    for h in history:
+        assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
+    assert not undocumented_scalars(history[2], tags=("two_turns",))
+    saved = read_checkpoint_state(checkpoints.step_dir(run_dir, "actor", 1))["extra"]["streams"]
+    assert saved["episodes"] == [1] * 4 and [len(r) for r in saved["responses"]] == [1] * 4
+
+    ckpt = run_dir / "checkpoints"
+    for step in (2, 3):
+        for role in ("actor", "critic"):
+            shutil.rmtree(ckpt / role / f"step_{step}")
+    (ckpt / "latest_step").write_text("1")
+    straight = dict(trained)
+    trained.clear()
+    resumed = train(load_run_config(DEMO, overrides))
+    assert [h["step"] for h in resumed] == [2, 3]
+    for step in (2, 3):
+        assert [s[:3] for s in trained[step]] == [s[:3] for s in straight[step]], step

@@ -82,9 +82,6 @@ def test_defaults_are_ragen_starpo_s():
     (["trainer.async_mode=one_step_off", "trainer.colocate=true", "actor.tis_cap=2"],
      "trainer.async_mode: trainer.async_mode=one_step_off plays rollouts while the trainer "
      "trains and needs separate engines"),
-    (["trainer.async_mode=fully", "actor.tis_cap=2", "rollout.mode=turns",
-      "rollout.turns_per_step=2"],
-     "rollout.mode: trainer.async_mode=fully plays whole episodes of the built-in agent"),
     (["trainer.async_mode=fully", "actor.tis_cap=2", "trainer.max_staleness=0"],
      "trainer.max_staleness"),
     (["trainer.async_mode=one_step_off", "algo.use_rollout_logprobs=true", "actor.tis_cap=2"],

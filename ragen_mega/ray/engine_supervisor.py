@@ -6,9 +6,12 @@ all of it: how a dead server is found (its process exited, or its HTTP server do
 the restart (the worker starts a new server on the same devices), the step's allowance
 (``rollout.max_engine_restarts_per_step``), the ``fault/engine_restarts`` and
 ``fault/episodes_retried`` counters, and bringing a restarted server to the trainer's weights
-(``resync``, or, while a rollout overlaps training, keeping it for the next sync). Every path
-goes through :meth:`EngineSupervisor.recover`; each recovery is described in
-``RUN_DIR/faults.jsonl`` and handed to the :attr:`EngineSupervisor.listeners`.
+(``resync``, or, while a rollout overlaps training, keeping it for the next sync). A restarted
+server takes no request until a sync has given it the trainer's weights
+(:attr:`EngineSupervisor.unsynced`, marked before the engine group can reach it), so no token
+is ever sampled from the checkpoint it loaded. Every path goes through
+:meth:`EngineSupervisor.recover`; each recovery is described in ``RUN_DIR/faults.jsonl`` and
+handed to the :attr:`EngineSupervisor.listeners`.
 
 The design follows slime's isolation of its engines' health monitor from the rollout; the code
 is our own.
@@ -68,7 +71,9 @@ class EngineSupervisor:
         self._faults = self._no_faults()
         self._lock = threading.RLock()  # one recovery at a time, from any thread
         self._deferring = False
-        self._unsynced: dict[int, str] = {}  # restarted while resyncs were deferred
+        #: {engine: url} restarted and not yet given the trainer's weights; replaced whole,
+        #: never changed in place, so the engine group's event loop reads it without the lock
+        self._unsynced: dict[int, str] = {}
 
     @staticmethod
     def _no_faults() -> dict[str, float]:
@@ -119,7 +124,7 @@ class EngineSupervisor:
         its server is alive (the request itself was refused). The first request to fail
         restarts it; the others find it restarted. While resyncs are deferred
         (:meth:`deferred`) the restarted engine waits for the next weight sync
-        (:meth:`take_unsynced`) and :class:`ResyncDeferred` ends the rollout. Blocking: call it
+        (:attr:`unsynced`) and :class:`ResyncDeferred` ends the rollout. Blocking: call it
         off the rollout's event loop."""
         with self._lock:  # a second request that failed on it waits here, then returns
             if self.lives[engine] != life:  # another request has restarted it
@@ -128,17 +133,17 @@ class EngineSupervisor:
             if self.resync is None:
                 return
             if self._deferring:
-                self._unsynced.update(restarted)
                 raise ResyncDeferred(f"engine {engine} was restarted during an overlapped "
                                      f"rollout; it gets the trainer's weights at the next sync")
             self.resync(restarted)
+            self.synced(restarted)
 
     @contextlib.contextmanager
     def deferred(self):
         """Within the block (an overlapped rollout on another thread, while the trainer
         trains), an engine restarted under a request is not given weights by ``resync`` (that
         would call the trainer from the rollout's thread, mid-update): the rollout ends with
-        :class:`ResyncDeferred` and the engine waits in :meth:`take_unsynced`."""
+        :class:`ResyncDeferred` and the engine stays in :attr:`unsynced` until then."""
         self._deferring = True
         try:
             yield
@@ -147,15 +152,17 @@ class EngineSupervisor:
 
     @property
     def unsynced(self) -> frozenset[int]:
-        """The engines restarted while resyncs were deferred that have not had the trainer's
-        weights since (they serve the checkpoint they loaded)."""
+        """The engines restarted that have not had the trainer's weights since (they serve the
+        checkpoint they loaded): no request goes to them."""
         return frozenset(self._unsynced)
 
-    def take_unsynced(self) -> dict[int, str]:
-        """``{engine: url}`` of the engines restarted while resyncs were deferred, since the
-        last call: they serve the checkpoint they loaded until given the trainer's weights."""
-        unsynced, self._unsynced = self._unsynced, {}
-        return {e: self.urls[e] for e in unsynced}
+    def unsynced_urls(self) -> dict[int, str]:
+        """``{engine: url}`` of :attr:`unsynced`: the next weight sync takes them in."""
+        return dict(self._unsynced)
+
+    def synced(self, engines) -> None:
+        """A sync gave ``engines`` the trainer's weights: requests may go to them again."""
+        self._unsynced = {e: url for e, url in self._unsynced.items() if e not in engines}
 
     def _dead(self, engines: list[int]) -> list[int]:
         """Those of ``engines`` whose server process exited or whose HTTP server does not
@@ -198,6 +205,8 @@ class EngineSupervisor:
         for engine, url in zip(engines, urls):
             self.urls[engine] = url
             self.lives[engine] += 1
+            if self.resync is not None:  # the weights come from the trainer: none until then
+                self._unsynced = {**self._unsynced, engine: url}
             self.connect(engine, url)
         return dict(zip(engines, urls))
 

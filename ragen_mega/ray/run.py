@@ -83,7 +83,7 @@ class Run:
             self.weight_version = version
             return {}
         supervisor = self.engines.supervisor
-        restarted = {**supervisor.take_unsynced(), **supervisor.recover(None)}
+        restarted = {**supervisor.unsynced_urls(), **supervisor.recover(None)}
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["weights"])
         # async_mode=fully: the rollout plays on; its requests wait between two tokens
@@ -97,6 +97,7 @@ class Run:
                     restarted = supervisor.recover(error, broken_sync=True)
                     if self.cfg.trainer.colocate:
                         self.engines.resume_memory(["weights"])
+        supervisor.synced(restarted)
         self.weight_version = version
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["kv_cache"])

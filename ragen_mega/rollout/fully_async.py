@@ -4,30 +4,37 @@ trains, and never stop for it (AReaL's asynchronous RL, on this project's steps)
 A thread of its own plays step ``s``'s episodes (the seeds step ``s`` would play in any mode:
 ``RolloutManager.train_specs``), as many at once as a step has, and starts the next step's as
 soon as an episode ends, so the engines stay as full as in the middle of a synchronous step.
-The trainer takes step ``s`` once all its episodes are in (:meth:`FullyAsyncRollout.take`) and
-trains on them with the weights of step ``s - 1``. The weight sync lands between two tokens of
-the requests in flight (``EngineGroup.generation_paused``): a turn a sync cut continues with the
-new weights, and each token keeps the version that sampled it (``Sample.token_versions``); the
-loss takes the engine's per-token log-probs as the behaviour policy through the truncated IS
-weight (``actor.tis_cap``), the actor's recomputed ones as PPO's proximal policy (AReaL's
-decoupled objective).
+With ``rollout.mode: turns`` each env stream plays its window of one step after another, each
+stream at its own pace (Verlog's long episodes: no stream waits for another's slow turns), and
+step ``s``'s window is every stream's ``s``-th. The trainer takes step ``s`` once all of it is
+in (:meth:`FullyAsyncRollout.take`) and trains on it with the weights of step ``s - 1``. The
+weight sync lands between two tokens of the requests in flight
+(``EngineGroup.generation_paused``): a turn a sync cut continues with the new weights, and each
+token keeps the version that sampled it (``Sample.token_versions``); the loss takes the engine's
+per-token log-probs as the behaviour policy through the truncated IS weight
+(``actor.tis_cap``), the actor's recomputed ones as PPO's proximal policy (AReaL's decoupled
+objective).
 
-**Admission** (the staleness bound): an episode of step ``s`` starts only once the engines serve
-version ``s - 1 - trainer.max_staleness`` or newer. Its tokens are sampled at that version or
-later, and it trains at version ``s - 1``: no trained token is more than ``max_staleness``
-versions older than the weights it trains. The check is made where the work starts (SkyRL's
-admission control), so nothing is ever played only to be dropped: an engine that is that far
-ahead waits instead (``time/engine_idle_s``). AReaL bounds the same quantity, the version lag of
-a trajectory's first token, by capping how many trajectories may have started.
+**Admission** (the staleness bound): an episode (or a stream's window) of step ``s`` starts only
+once the engines serve version ``s - 1 - trainer.max_staleness`` or newer. Its tokens are
+sampled at that version or later, and it trains at version ``s - 1``: no trained token is more
+than ``max_staleness`` versions older than the weights it trains. The check is made where the
+work starts (SkyRL's admission control), so nothing is ever played only to be dropped: an engine
+that is that far ahead waits instead (``time/engine_idle_s``). AReaL bounds the same quantity,
+the version lag of a trajectory's first token, by capping how many trajectories may have
+started.
 
 **A dead engine** is restarted from this thread (``EngineSupervisor.deferred``: no trainer call
-here); the episode that met it plays again, and no request goes to the new server until a sync
-has given it the trainer's weights (``EngineGroup._serving_engine``): the trainer's next sync,
-or the one :meth:`FullyAsyncRollout.take` makes at once when the trainer is waiting.
+here); the episode (or the stream's window) that met it plays again, and no request goes to the
+new server until a sync has given it the trainer's weights (``EngineGroup._serving_engine``):
+the trainer's next sync, or the one :meth:`FullyAsyncRollout.take` makes at once when the
+trainer is waiting.
 
 **Resume**: what the engines played ahead of the newest checkpoint is not saved; a resumed run
 plays step ``s + 1`` on from its first episode (its seeds are a function of the step), so every
-step still trains on exactly its own episodes and none is lost.
+step still trains on exactly its own episodes and none is lost. The streams are saved where
+step ``s``'s window left them (``PlayedStep.streams_state``), so a resumed stream plays window
+``s + 1`` from there, as in any mode.
 """
 from __future__ import annotations
 
@@ -39,12 +46,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ragen_mega.ray.engine_supervisor import ResyncDeferred
-from ragen_mega.rollout.faults import count_rollout_faults
-from ragen_mega.rollout.metrics import summarize
+from ragen_mega.rollout.faults import count_rollout_faults, count_window_faults
+from ragen_mega.rollout.metrics import summarize, summarize_window
+from ragen_mega.rollout.streams import EnvStreams, Window
+from ragen_mega.rollout.types import EngineRestarted
 
 if TYPE_CHECKING:
     from ragen_mega.rollout.manager import PlayedStep, RolloutManager
     from ragen_mega.rollout.types import DroppedEpisode, Episode
+    from ragen_mega.rollout.sample import Sample
 
 #: how often a waiting admission looks at the version again (seconds)
 POLL_S = 0.05
@@ -62,7 +72,9 @@ class FullyAsyncRollout:
         self.first_step, self.last_step = first_step, last_step
         self._lock = threading.Condition()
         self._version = version
-        self._played: dict[int, dict[int, Episode | DroppedEpisode]] = {}
+        #: step -> what has been handed in: index -> an episode (or its drop), or a stream's
+        #: (window part, where the stream stood after it)
+        self._played: dict[int, dict[int, Episode | DroppedEpisode | tuple[Window, tuple]]] = {}
         self._sizes: dict[int, int] = {}
         self._error: BaseException | None = None
         self._stopping = False
@@ -79,8 +91,8 @@ class FullyAsyncRollout:
             self._version = version
 
     def take(self, step: int) -> PlayedStep:
-        """Step ``step``'s episodes, once all have been played (waiting for them counts as
-        ``time/trainer_idle_s``), as the step's rollout."""
+        """Step ``step``'s rollout, once all of it has been played (waiting for it counts as
+        ``time/trainer_idle_s``): its episodes, or its window of every stream's turns."""
         from ragen_mega.rollout.manager import PlayedStep
 
         start = time.perf_counter()
@@ -101,18 +113,28 @@ class FullyAsyncRollout:
             engine_idle, self._engine_idle_s = self._engine_idle_s, 0.0
         idle = time.perf_counter() - start
         faults = self.manager.fault_counters(step)
-        episodes = count_rollout_faults([played[i] for i in sorted(played)], faults,
-                                        self.manager.cfg.rollout.max_env_failure_rate)
-        samples = [s for e in episodes for s in e.samples]
-        for sample in samples:   # the oldest weights the turn was sampled with
-            sample.weight_version = min(sample.token_versions)
+        parts = [played[i] for i in sorted(played)]
+        rate = self.manager.cfg.rollout.max_env_failure_rate
+        window = streams_state = None
+        if self.manager.streams is None:
+            episodes = count_rollout_faults(parts, faults, rate)
+            samples = [s for e in episodes for s in e.samples]
+            _stamp_oldest_versions(samples)
+            metrics = {**summarize(episodes, "rollout"), "rollout/episodes_ahead": float(ahead)}
+        else:
+            window = Window.merged([part for part, _ in parts])
+            count_window_faults(window, faults, rate)
+            samples = window.samples
+            _stamp_oldest_versions(samples)
+            streams_state = EnvStreams.joined_state([saved for _, saved in parts])
+            metrics = {**summarize_window(samples, window.finished, "rollout",
+                                          trained_version=step - 1),
+                       "rollout/turns_ahead": float(ahead * self.manager.streams.turns_per_step)}
         lags = [step - 1 - v for s in samples for v in s.token_versions]
-        metrics = {**summarize(episodes, "rollout"),
-                   "rollout/staleness_mean": sum(lags) / len(lags),
-                   "rollout/staleness_max": float(max(lags)),
-                   "rollout/episodes_ahead": float(ahead),
-                   "time/trainer_idle_s": idle, "time/engine_idle_s": engine_idle}
-        return PlayedStep(samples, metrics, idle, faults)
+        metrics.update({"rollout/staleness_mean": sum(lags) / len(lags),
+                        "rollout/staleness_max": float(max(lags)),
+                        "time/trainer_idle_s": idle, "time/engine_idle_s": engine_idle})
+        return PlayedStep(samples, metrics, idle, faults, window, streams_state)
 
     def stop(self) -> None:
         """Start no further episode, stop those in flight, and wait for the thread."""
@@ -131,23 +153,31 @@ class FullyAsyncRollout:
             with engines.supervisor.deferred():
                 engines.serve_forever(self._play_steps())
         except BaseException as e:  # noqa: BLE001 - handed to the trainer's take
-            with self._lock:
-                self._error = e
-                self._lock.notify_all()
+            self._fail(e)
 
     async def _play_steps(self) -> None:
         with self._lock:
             self._playing = asyncio.get_running_loop(), asyncio.current_task()
             if self._stopping:
                 return
+        gateway = self.manager.gateway   # rollout.agent: its episodes call the engines there
+        async with gateway.serving() if gateway else contextlib.nullcontext():
+            if self.manager.streams is None:
+                await self._play_episodes()
+            else:
+                await asyncio.gather(*(self._play_stream(stream)
+                                       for stream in self.manager.streams.streams))
+
+    async def _play_episodes(self) -> None:
+        """Episodes mode: one step's worth of episodes in flight; when one ends, the next (the
+        same step's, or the coming step's first) starts."""
         slots = None
         in_flight: set[asyncio.Task] = set()
         try:
             for step in range(self.first_step, self.last_step + 1):
                 specs = self.manager.train_specs(step)
                 slots = slots or asyncio.Semaphore(len(specs))
-                with self._lock:
-                    self._sizes[step], self._played[step] = len(specs), {}
+                self._expect(step, len(specs))
                 for index, spec in enumerate(specs):
                     await slots.acquire()
                     if not await self._admitted(step):
@@ -162,6 +192,32 @@ class FullyAsyncRollout:
             for task in list(in_flight):
                 task.cancel()
             await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _play_stream(self, stream) -> None:
+        """``rollout.mode: turns``: one env stream plays its window of each step in turn (the
+        turns it plays in any mode, seeded alike), each once the step is admitted, and hands
+        it in with where the stream stood after it (the step's checkpoint keeps that). A
+        window an engine restart cut short is played again from its start, by this stream
+        alone."""
+        streams, manager = self.manager.streams, self.manager
+        sampling = manager._sampling(manager.cfg.rollout.temperature)
+        try:
+            for step in range(self.first_step, self.last_step + 1):
+                self._expect(step, len(streams.streams))
+                if not await self._admitted(step):
+                    return
+                start = stream.saved()
+                while True:   # a replay samples afresh what the cut try sampled (seeded alike)
+                    try:
+                        part = await streams.play_stream(
+                            stream, manager._generate("stream", step, stream.index), sampling)
+                        break
+                    except (EngineRestarted, ResyncDeferred):
+                        manager.engines.supervisor.count_retried(1)
+                        await streams.restore_stream(stream, start)
+                self._hand_in(step, stream.index, (part, stream.saved()))
+        except Exception as e:  # noqa: BLE001 - an env's or engine's error: the step's take raises it
+            self._fail(e)
 
     async def _admitted(self, step: int) -> bool:
         """Wait until step ``step``'s episodes may start (False: the rollout is stopping)."""
@@ -184,14 +240,33 @@ class FullyAsyncRollout:
                 except ResyncDeferred:   # its engine was restarted: again, once one serves
                     self.manager.engines.supervisor.count_retried(1)
         except Exception as e:  # noqa: BLE001 - an engine's error, or a bug: the step's take raises it
-            with self._lock:
-                self._error = self._error or e
-                self._lock.notify_all()
+            self._fail(e)
             return
+        self._hand_in(step, index, outcome)
+
+    def _expect(self, step: int, size: int) -> None:
+        """Step ``step`` is complete with ``size`` pieces (episodes, or streams' windows)."""
         with self._lock:
-            self._played[step][index] = outcome
+            if step not in self._sizes:
+                self._sizes[step], self._played[step] = size, {}
+
+    def _hand_in(self, step: int, index: int, piece) -> None:
+        with self._lock:
+            self._played[step][index] = piece
+            self._lock.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            self._error = self._error or error
             self._lock.notify_all()
 
     def _stopped(self) -> bool:
         with self._lock:
             return self._stopping or self._error is not None
+
+
+def _stamp_oldest_versions(samples: list[Sample]) -> None:
+    """Each sample's weight version is its oldest token's: the weights it trains against are
+    that many versions newer at most."""
+    for sample in samples:
+        sample.weight_version = min(sample.token_versions)

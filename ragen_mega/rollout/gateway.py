@@ -36,6 +36,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from ragen_mega.ray.engine_supervisor import ResyncDeferred
 from ragen_mega.rollout.types import EngineRestarted, GenerateFn, Generation, PromptTooLong
 from ragen_mega.http_token import GATEWAY_TOKEN, check_listen, require_token
 from ragen_mega.rollout.token_history import TokenHistory
@@ -72,7 +73,9 @@ class EpisodeCalls:
     max_turns: int
     history: TokenHistory
     calls: list[Call] = dataclasses.field(default_factory=list)
-    engine_restarted: bool = False   # a call's engine died: the episode is played again
+    #: why a call's engine was restarted (the episode is played again): the generate
+    #: function's EngineRestarted, or ResyncDeferred under a rollout played beside training
+    engine_restarted: EngineRestarted | ResyncDeferred | None = None
     prompt_too_long: bool = False
 
     @property
@@ -95,7 +98,7 @@ class Gateway:
         self.token = token
         self.episodes: dict[int, EpisodeCalls] = {}
         self.app = self._app()
-        self._serving = False
+        self._serving: asyncio.AbstractEventLoop | None = None   # the loop it serves on
 
     def url(self, episode_id: int) -> str:
         """The OpenAI base URL of ``episode_id``'s agent (valid while :meth:`serving`)."""
@@ -115,10 +118,14 @@ class Gateway:
         """Serve on the running event loop (the one the engines' clients and the agents use)
         until the block ends. Port 0 binds a free port, kept for the rest of the run's rollouts
         so the URLs stay stable. One rollout plays at a time (an overlapped one is joined before
-        the next starts), so one server at a time."""
+        the next starts), so one server at a time; a block inside another on the same loop (an
+        evaluation played beside ``async_mode: fully``'s rollout) uses the server already up."""
         import uvicorn
 
-        if self._serving:
+        if self._serving is asyncio.get_running_loop():
+            yield
+            return
+        if self._serving is not None:
             raise RuntimeError("the gateway is already serving a rollout")
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -128,7 +135,7 @@ class Gateway:
             sock.close()
             raise RuntimeError(f"the gateway cannot listen on {self.host}:{self.port} "
                                f"(rollout.gateway_host, rollout.gateway_port): {e}") from e
-        self.port, self._serving = sock.getsockname()[1], True
+        self.port, self._serving = sock.getsockname()[1], asyncio.get_running_loop()
         # keep-alive far past the agents' clients' own (httpx: 5 s), so a connection an agent
         # reuses is never one the gateway closed meanwhile (uvicorn's default is also 5 s)
         server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
@@ -145,7 +152,7 @@ class Gateway:
             server.should_exit = True
             await task
             sock.close()
-            self._serving = False
+            self._serving = None
 
     # ------------------------------------------------------------------ the HTTP side
     def _app(self) -> FastAPI:
@@ -232,8 +239,8 @@ class Gateway:
             calls.prompt_too_long = True
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) is longer than the engine's "
                              f"context: {e}", "messages", code="context_length_exceeded")
-        except EngineRestarted as e:
-            calls.engine_restarted = True
+        except (EngineRestarted, ResyncDeferred) as e:
+            calls.engine_restarted = e
             raise BadRequest(f"the engine serving this episode died and was restarted ({e}); "
                              f"the episode will be played again from its start", status=503)
         calls.calls.append(Call(list(prompt_ids), gen, extends))

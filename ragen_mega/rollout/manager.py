@@ -55,6 +55,9 @@ class PlayedStep:
     rollout_s: float
     faults: FaultCounters
     window: Window | None = None
+    #: where the env streams stood when the window ended, if they have played on since
+    #: (``async_mode: fully``): what a checkpoint of this step keeps of them
+    streams_state: dict | None = None
 
     def state_dict(self) -> dict:
         """Plain values only (samples as :meth:`Sample.to_dict`, the counters as

@@ -55,6 +55,18 @@ class Window:
     #: (episode, turns played) of each episode ended because its next prompt was too long
     too_long: list[tuple[EpisodeSpec, int]] = dataclasses.field(default_factory=list)
 
+    @classmethod
+    def merged(cls, parts: Sequence[Window]) -> Window:
+        """One window of the streams' parts (:meth:`EnvStreams.play_stream`), in their order."""
+        window = cls([], [], {})
+        for part in parts:
+            window.samples += part.samples
+            window.finished += part.finished
+            window.next_prompts.update(part.next_prompts)
+            window.dropped += part.dropped
+            window.too_long += part.too_long
+        return window
+
 
 class _Stream:
     """One stream: the episode it is playing and the responses that episode has had so far."""
@@ -68,6 +80,16 @@ class _Stream:
     def next_episode(self) -> None:
         self.episode += 1
         self.state, self.responses = None, []
+
+    def saved(self) -> tuple[int, list]:
+        """Where the stream is: its episode index and its current episode's responses."""
+        return self.episode, list(self.responses)
+
+    def load(self, episode: int, responses: Sequence) -> None:
+        """Continue from :meth:`saved`'s place; the episode is replayed (reset, then its
+        recorded turns) when the stream next plays."""
+        self.episode, self.state = episode, None
+        self.responses = [(list(ids), reason) for ids, reason in responses]
 
 
 class EnvStreams:
@@ -94,32 +116,39 @@ class EnvStreams:
     async def play_window(self, generate_for: Callable[[int], GenerateFn],
                           sampling: dict[str, Any], weight_version: int, *,
                           max_failures: int | None = None) -> Window:
-        """Every stream plays ``turns_per_step`` turns concurrently; ``generate_for(s)`` is
-        stream ``s``'s generate function for this step, ``weight_version`` the weights the
-        engines hold (recorded in each sample). A stream whose envs raise more than
-        ``max_failures`` times in the window (default ``turns_per_step``: every episode it
-        tried failed) ends the window with RuntimeError naming the first failure. If any
-        stream raises, the others are cancelled (their envs stay open: :meth:`restore`)."""
-        window = Window([], [], {})
-        limit = self.turns_per_step if max_failures is None else max_failures
+        """Every stream plays ``turns_per_step`` turns concurrently (:meth:`play_stream`);
+        ``generate_for(s)`` is stream ``s``'s generate function for this step, ``weight_version``
+        the weights the engines hold (recorded in each sample). If any stream raises, the others
+        are cancelled (their envs stay open: :meth:`restore`)."""
         try:
             async with asyncio.TaskGroup() as tasks:
-                played = [tasks.create_task(self._play_stream(s, generate_for(s.index), sampling,
-                                                              window, limit))
-                          for s in self.streams]
+                played = [tasks.create_task(self.play_stream(
+                    s, generate_for(s.index), sampling, max_failures=max_failures))
+                    for s in self.streams]
         except BaseExceptionGroup as group:  # the first stream's error, as the caller knows it
             raise group.exceptions[0] from None
-        for stream, task in zip(self.streams, played):
-            samples, finished = task.result()
-            for sample in samples:
-                sample.weight_version, sample.stream = weight_version, stream.index
-            window.samples += samples
-            window.finished += finished
-            if stream.state is not None:   # the episode goes on: its last turn here is a cut
-                samples[-1].cut = True
-                window.next_prompts[samples[-1].episode_id] = stream.state.next_prompt_ids(
-                    self.agent)
+        window = Window.merged([task.result() for task in played])
+        for sample in window.samples:
+            sample.weight_version = weight_version
         return window
+
+    async def play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any],
+                          *, max_failures: int | None = None) -> Window:
+        """Stream ``stream``'s ``turns_per_step`` turns of one window, as a window of their own
+        (:meth:`Window.merged` joins the streams'). A stream whose envs raise more than
+        ``max_failures`` times in the window (default ``turns_per_step``: every episode it tried
+        failed) ends it with RuntimeError naming the first failure."""
+        part = Window([], [], {})
+        limit = self.turns_per_step if max_failures is None else max_failures
+        part.samples, part.finished = await self._play_stream(stream, generate, sampling, part,
+                                                              limit)
+        for sample in part.samples:
+            sample.stream = stream.index
+        if stream.state is not None:   # the episode goes on: its last turn here is a cut
+            part.samples[-1].cut = True
+            part.next_prompts[part.samples[-1].episode_id] = stream.state.next_prompt_ids(
+                self.agent)
+        return part
 
     async def _play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any],
                            window: Window, max_failures: int
@@ -174,11 +203,17 @@ class EnvStreams:
     async def restore(self, state: dict[str, list]) -> None:
         """Close the envs of an abandoned window (an engine restart cut it short) and put the
         streams back where :meth:`state_dict` left them, so the window can be played again."""
-        for stream in self.streams:
-            if stream.state is not None:
-                with contextlib.suppress(Exception):
-                    await stream.state.env.close()
-        self.load_state_dict(state)
+        self._check_size(state)
+        for stream, j, responses in zip(self.streams, state["episodes"], state["responses"]):
+            await self.restore_stream(stream, (j, responses))
+
+    @staticmethod
+    async def restore_stream(stream: _Stream, saved: tuple[int, Sequence]) -> None:
+        """:meth:`restore` for one stream, to ``saved`` (its :meth:`_Stream.saved`)."""
+        if stream.state is not None:
+            with contextlib.suppress(Exception):
+                await stream.state.env.close()
+        stream.load(*saved)
 
     async def _open(self, stream: _Stream) -> EpisodeState:
         """The stream's current episode, reset, with the turns it already played replayed."""
@@ -192,16 +227,22 @@ class EnvStreams:
 
     def state_dict(self) -> dict[str, list]:
         """Where every stream is: its episode index and its current episode's responses."""
-        return {"episodes": [s.episode for s in self.streams],
-                "responses": [list(s.responses) for s in self.streams]}
+        return self.joined_state([s.saved() for s in self.streams])
+
+    @staticmethod
+    def joined_state(saved: Sequence[tuple[int, list]]) -> dict[str, list]:
+        """:meth:`state_dict`'s form of every stream's :meth:`_Stream.saved`, in stream order."""
+        return {"episodes": [j for j, _ in saved], "responses": [r for _, r in saved]}
 
     def load_state_dict(self, state: dict[str, list]) -> None:
         """Continue from :meth:`state_dict`'s streams; each one's episode is replayed (reset,
         then its recorded turns) when the stream next plays."""
+        self._check_size(state)
+        for stream, j, responses in zip(self.streams, state["episodes"], state["responses"]):
+            stream.load(j, responses)
+
+    def _check_size(self, state: dict[str, list]) -> None:
         if len(state["episodes"]) != len(self.streams):
             raise ValueError(f"the checkpoint holds {len(state['episodes'])} env streams, this "
                              f"run has {len(self.streams)} (env.env_groups x env.group_size "
                              f"changed?); a streamed run resumes only with its own streams")
-        for stream, j, responses in zip(self.streams, state["episodes"], state["responses"]):
-            stream.episode, stream.state = j, None
-            stream.responses = [(list(ids), reason) for ids, reason in responses]

@@ -21,7 +21,7 @@ import dataclasses
 import inspect
 from typing import Any, Awaitable, Callable, Sequence
 
-from ragen_mega.rollout.types import EngineRestarted, EnvFailed, EnvHandle, EpisodeSpec, GenerateFn
+from ragen_mega.rollout.types import EnvFailed, EnvHandle, EpisodeSpec, GenerateFn
 from ragen_mega.rollout.episode import env_call, Episode, open_env_handle
 from ragen_mega.rollout.gateway import Gateway
 from ragen_mega.rollout.sample import Sample
@@ -94,7 +94,8 @@ async def play_agent_episode(spec: EpisodeSpec, *, agent: AgentFn, gateway: Gate
                              env_steps_in_thread: bool = False, open_env=None) -> Episode:
     """One episode of ``agent`` through ``gateway`` (which must be serving); ``sampling`` holds
     the rollout's ``temperature``, ``top_p`` and ``max_new_tokens``. Raises
-    :class:`EngineRestarted` (replay it) or :class:`EnvFailed` (drop it)."""
+    the engines' :class:`EngineRestarted` (replay it) or ``ResyncDeferred`` (replay it once the
+    restarted engine has weights), or :class:`EnvFailed` (drop it)."""
     env = await open_env_handle(spec, open_env, env_steps_in_thread)
     recorded = RecordingEnv(env, spec)
     limit = spec.max_turns or max_turns
@@ -107,14 +108,14 @@ async def play_agent_episode(spec: EpisodeSpec, *, agent: AgentFn, gateway: Gate
         try:
             result = await agent(task)
         except Exception as e:  # noqa: BLE001 - the user's agent may raise anything
-            if calls.engine_restarted:
-                raise EngineRestarted(f"episode {spec.episode_id}: its engine restarted") from e
+            if calls.engine_restarted:   # played again (as the engines' error says when)
+                raise calls.engine_restarted from e
             raise recorded.failure or EnvFailed(spec, "agent", e) from e
     finally:
         gateway.close_episode(spec.episode_id)
         await env_call(spec, "close", env.close)
     if calls.engine_restarted:
-        raise EngineRestarted(f"episode {spec.episode_id}: its engine restarted under a call")
+        raise calls.engine_restarted
     if recorded.failure is not None:
         raise recorded.failure
     if not calls.calls:
@@ -126,6 +127,7 @@ async def play_agent_episode(spec: EpisodeSpec, *, agent: AgentFn, gateway: Gate
                       episode_id=spec.episode_id, group_id=spec.group_id, turn=i + 1,
                       done=recorded.done and i == n - 1, last=i == n - 1,
                       env_tag=spec.env_tag or spec.env_name, seed=spec.seed,
+                      token_versions=list(c.generation.versions or []),
                       info={"finish_reason": c.generation.finish_reason,
                             "extends": c.extends})
                for i, (c, r) in enumerate(zip(calls.calls, rewards))]
