@@ -9,9 +9,11 @@ against transformers on both weights) is ``test_sglang_engine.py``'s
 from __future__ import annotations
 
 import asyncio
+import collections
 import shutil
 import sys
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -170,10 +172,33 @@ def test_fully_async_streams_stay_within_the_bound_and_resume_where_their_window
     turn 1 for the sync of step 2: turn 1 sampled with version 1, the rest of the window with
     version 2. The engine dies under a request of window 2 while the trainer waits for it:
     the windows it cut are played again, each by its own stream. The checkpoint of step 1 holds the streams where
-    window 1 left them (each in episode 1, one turn played), not where they had played on to;
-    a run resumed there trains windows 2 and 3 on exactly the straight run's turns."""
+    window 1 left them (each in episode 1, one turn played), and that of step 2 where window 2
+    left them, though it is written only once the streams have played window 3; a run resumed
+    from step 1 trains windows 2 and 3 on exactly the straight run's turns."""
     overrides, trained, run_dir, killed = fully_async_run
     monkeypatch.setattr(sys.modules[__name__], "STRADDLING_SEEDS", {6, 7})
+    served: collections.Counter = collections.Counter()   # requests answered, by step
+    generate, weights_synced = RolloutManager._generate, FullyAsyncRollout.weights_synced
+
+    def counted_generate(rollouts, kind, step, key):
+        played = generate(rollouts, kind, step, key)
+
+        async def counted(prompt_ids, sampling):
+            out = await played(prompt_ids, sampling)
+            served[step] += 1
+            return out
+        return counted
+
+    def synced_then_window_3_played(self, version: int) -> None:
+        """Once step 2 is synced, the trainer goes on (to step 2's checkpoint) only when the
+        streams have played all of window 3: they are past where window 2 left them."""
+        weights_synced(self, version)
+        for _ in range(6000):
+            if version != 2 or served[3] >= 12:
+                break
+            time.sleep(0.05)
+    monkeypatch.setattr(RolloutManager, "_generate", counted_generate)
+    monkeypatch.setattr(FullyAsyncRollout, "weights_synced", synced_then_window_3_played)
     overrides += ["rollout.mode=turns", "rollout.turns_per_step=3", "algo.adv_estimator=gae",
                   "critic.enable=true", "algo.gamma=0.99", "algo.lam=0.95",
                   "trainer.save_every=1"]
@@ -199,8 +224,11 @@ def test_fully_async_streams_stay_within_the_bound_and_resume_where_their_window
     for h in history:
         assert h["sync/max_logprob_diff"] < 1e-3, h["sync/max_logprob_diff"]
     assert not undocumented_scalars(history[2], tags=("two_turns",))
-    saved = read_checkpoint_state(checkpoints.step_dir(run_dir, "actor", 1))["extra"]["streams"]
-    assert saved["episodes"] == [1] * 4 and [len(r) for r in saved["responses"]] == [1] * 4
+    saved = [read_checkpoint_state(checkpoints.step_dir(run_dir, "actor", step))["extra"][
+        "streams"] for step in (1, 2)]
+    # after window 1: each stream one turn into its episode 1; after window 2: at episode 3
+    assert saved[0]["episodes"] == [1] * 4 and [len(r) for r in saved[0]["responses"]] == [1] * 4
+    assert saved[1] == {"episodes": [3] * 4, "responses": [[]] * 4}
 
     ckpt = run_dir / "checkpoints"
     for step in (2, 3):
