@@ -26,6 +26,7 @@ from ragen_mega.config import load_run_config
 from ragen_mega.envs import registry
 from ragen_mega.envs.base import TextEnv
 from ragen_mega.models.prepare import cache_dir
+from ragen_mega.ray.engine_supervisor import EngineSupervisor
 from ragen_mega.rollout.fully_async import FullyAsyncRollout
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.train import train
@@ -199,6 +200,15 @@ def test_fully_async_streams_stay_within_the_bound_and_resume_where_their_window
             time.sleep(0.05)
     monkeypatch.setattr(RolloutManager, "_generate", counted_generate)
     monkeypatch.setattr(FullyAsyncRollout, "weights_synced", synced_then_window_3_played)
+    supervise = EngineSupervisor.__init__
+
+    def slow_recoveries(supervisor, *args, **kwargs):
+        """Once an engine has been restarted, each recovery (the restart, and each sync's
+        check for dead engines) takes 2 s more: requests sent meanwhile must still not reach
+        the restarted server before a sync has given it the trainer's weights."""
+        supervise(supervisor, *args, **kwargs)
+        supervisor.listeners.append(lambda _: any(supervisor.lives) and time.sleep(2))
+    monkeypatch.setattr(EngineSupervisor, "__init__", slow_recoveries)
     overrides += ["rollout.mode=turns", "rollout.turns_per_step=3", "algo.adv_estimator=gae",
                   "critic.enable=true", "algo.gamma=0.99", "algo.lam=0.95",
                   "trainer.save_every=1"]
