@@ -235,6 +235,56 @@ def test_other_refusals_name_their_cause(tokenizer):
     assert len(calls.calls) == 1 and len(log) == 1
 
 
+def test_an_agent_plays_beside_training_on_one_gateway(tokenizer):
+    """``async_mode: fully``: the gateway serves on the rollout's loop for the whole run and an
+    evaluation's block inside it uses the same server (another loop is refused); an agent's
+    samples keep each call's token versions (a sync landed inside the first call); an engine
+    restarted under a call while resyncs wait for the trainer ends the episode with
+    ``ResyncDeferred`` (played again after the sync), not as a dropped episode."""
+    from ragen_mega.ray.engine_supervisor import ResyncDeferred
+    from ragen_mega.rollout.types import EpisodeSpec
+    from ragen_mega.rollout.user_agent import play_agent_episode
+
+    agent, spec = load_agent(EXAMPLE_AGENT), EpisodeSpec("sokoban", {}, 3, 7, 0)
+    up = tokenizer.encode(" Up", add_special_tokens=False) + [IM_END]
+
+    async def generate(prompt_ids, sampling):   # a sync to version 5 after the first token
+        versions = [5] * len(up) if calls else [4] + [5] * (len(up) - 1)
+        calls.append(prompt_ids)
+        return Generation(list(up), [-0.25] * len(up), "stop", versions=versions)
+
+    async def restarted(prompt_ids, sampling):
+        raise ResyncDeferred("engine 0 was restarted during an overlapped rollout")
+
+    def play(gateway, generate_fn):
+        return play_agent_episode(spec, agent=agent, gateway=gateway, generate=generate_fn,
+                                  sampling=DEFAULTS, max_turns=2)
+
+    async def beside_training():
+        gateway = Gateway(tokenizer)
+        async with gateway.serving():
+            port = gateway.port
+            async with gateway.serving():   # an evaluation's, on the same loop
+                assert gateway.port == port
+                episode = await play(gateway, generate)
+            with pytest.raises(ResyncDeferred):
+                await play(gateway, restarted)
+            elsewhere = asyncio.to_thread(asyncio.run, _serve_once(gateway))
+            with pytest.raises(RuntimeError, match="already serving"):
+                await elsewhere
+        return episode
+
+    calls: list = []
+    episode = asyncio.run(beside_training())
+    assert len(calls) == 2 and [s.token_versions for s in episode.samples] == [
+        [4] + [5] * (len(up) - 1), [5] * len(up)]
+
+
+async def _serve_once(gateway):
+    async with gateway.serving():
+        pass
+
+
 def test_chat_needs_a_chat_template(tokenizer):
     """A base model's tokenizer has no chat template: chat calls are refused naming it, prompt
     strings still work."""
