@@ -6,7 +6,7 @@ episodes a step, StarPO-S keeps 16), or on another config (``--config``; streame
 ``ragen-mega train`` runs one after the other, same seeds and steps: synchronous, then
 overlapped (which recomputes the old log-probs and IS-corrects them, ``actor.tis_cap=2``; the
 synchronous run keeps the demo's ``use_rollout_logprobs``), and with ``--modes`` also fully
-asynchronous (``async_mode: fully``, the same correction; whole episodes only). Prints, per
+asynchronous (``async_mode: fully``, the same correction; streamed windows too). Prints, per
 mode, the median over steps 2.. (step 1 cannot overlap) of the step, rollout, train, wait,
 sync and idle seconds, the ratios of the step medians to the first mode's, and the runs'
 directories (``ragen-mega plot`` draws their curves).

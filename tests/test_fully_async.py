@@ -1,7 +1,8 @@
 """``trainer.async_mode: fully`` on the whole loop (real Ray, megatron-core, SGLang; tiny model):
 the engines play the coming steps while the trainer trains, no trained token is older than
-``trainer.max_staleness`` versions, every token keeps the version that sampled it, and a resumed
-run plays every step's own episodes (the rule of ``rollout/fully_async.py``).
+``trainer.max_staleness`` versions, every token keeps the version that sampled it, today's
+faults cost what they cost in the other modes, and a resumed run plays every step's own
+episodes (the rule of ``rollout/fully_async.py``), in episodes mode and in streamed windows.
 
 The engine side of a sync that lands inside a request (its tokens' versions and log-probs
 against transformers on both weights) is ``test_sglang_engine.py``'s
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
+import os
 import shutil
+import signal
 import sys
 import threading
 import time
@@ -18,9 +22,10 @@ from typing import Any
 
 import pytest
 
+import nan_objective
 from conftest import first_request_killed, server_pids, undocumented_scalars
 from learn_envs import make_letter_model
-from ragen_mega import checkpoints, train as train_module
+from ragen_mega import checkpoints, preemption, train as train_module
 from ragen_mega.backends.megatron.checkpoint import read_checkpoint_state
 from ragen_mega.config import load_run_config
 from ragen_mega.envs import registry
@@ -34,6 +39,8 @@ from ragen_mega.train import train
 DEMO = "examples/bandit_cpu_demo.yaml"
 #: the env seeds of step 3 (2 groups a step, seeds from 0): they wait for the sync of step 2
 STRADDLING_SEEDS, WAITS_FOR = {4, 5}, 2
+#: seeds whose next reset raises (once each)
+RAISE_ONCE_AT_RESET: set[int] = set()
 SYNCED: dict[int, threading.Event] = {}
 
 
@@ -47,6 +54,9 @@ class TwoTurnsGame(TextEnv):
     valid_actions = ["anything"]
 
     def reset(self, seed: int) -> str:
+        if seed in RAISE_ONCE_AT_RESET:
+            RAISE_ONCE_AT_RESET.discard(seed)
+            raise RuntimeError(f"two_turns: a broken reset at seed {seed}")
         self._seed, self._turn = seed, 0
         return "Turn one:"
 
@@ -118,21 +128,42 @@ def fully_async_run(tiny_model, tiny_run_overrides, tmp_path, private_ray, monke
     return overrides, trained, tmp_path, killed
 
 
-def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_async_run):
-    """Three steps at ``max_staleness=1``: step 1 plays at once; step 2 starts at once too (its
+def test_fully_async_steps_stay_within_the_bound_survive_faults_and_resume_every_episode(
+        fully_async_run, monkeypatch):
+    """Steps at ``max_staleness=1``: step 1 plays at once; step 2 starts at once too (its
     episodes may be one version old when trained); step 3's may start only once the engines
     serve version 1, and its episodes straddle the sync of step 2 (their env waits for it
     after the first turn): first turns sampled with version 1, second turns with version 2,
-    and the step trains at version 2. The engine dies under a request of step 2 while the
-    trainer waits for that step: it is restarted, given the trainer's weights by the trainer's
-    thread (until then no request goes to it, or it would serve the weights it loaded, older
-    than the bound), and the episodes it cut are played again. Then step 3 again from
-    step 2's checkpoint: the resumed run plays exactly step 3's episodes (seeds 4 and 5, every
-    episode and turn)."""
+    and the step trains at version 2. Today's fault paths, in this mode:
+
+    - an env that raises at reset (one episode of step 1) drops that episode, counted;
+    - the engine dies under a request of step 2 while the trainer waits for that step: it is
+      restarted, given the trainer's weights by the trainer's thread (until then no request
+      goes to it, or it would serve the weights it loaded, older than the bound), and the
+      episodes it cut are played again;
+    - step 2's update is NaN: skipped, the run goes on;
+    - SIGTERM in step 3: the step is finished and saved, the rollout (which has played into
+      step 4) is stopped, and the run ends preempted. Resumed there, it plays exactly step 4's
+      episodes (seeds 6 and 7, every episode and turn), all with step 3's weights."""
     overrides, trained, run_dir, killed = fully_async_run
-    overrides += ["algo.adv_estimator=grpo", "critic.enable=false", "trainer.save_every=2"]
-    history = train(load_run_config(DEMO, overrides))
+    overrides += ["algo.adv_estimator=grpo", "critic.enable=false", "trainer.save_every=2",
+                  "trainer.total_steps=4", "rollout.max_env_failure_rate=0.5"]
+    monkeypatch.setattr(sys.modules[__name__], "RAISE_ONCE_AT_RESET", {1})
+    nan_objective.install(monkeypatch, "actor", updates=[2])
+    train_step = train_module.train_step
+
+    def preempted_in_step_3(cfg, run, step, played):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(cfg, run, step, played)
+    monkeypatch.setattr(train_module, "train_step", preempted_in_step_3)
+    with pytest.raises(preemption.Preempted, match="SIGTERM"):
+        train(load_run_config(DEMO, overrides))
+    history = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [h["step"] for h in history] == [1, 2, 3]
+    assert checkpoints.latest_complete_step(run_dir) == 3
+    assert [h["fault/episodes_dropped"] for h in history] == [1.0, 0.0, 0.0]
+    assert [h["fault/updates_skipped"] for h in history] == [0.0, 1.0, 0.0]
     assert killed and server_pids(run_dir)[-2] == killed[0]
     assert sum(h["fault/engine_restarts"] for h in history) == 1
     assert sum(h["fault/episodes_retried"] for h in history) >= 1
@@ -140,7 +171,8 @@ def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_
         versions = [v for *_, vs in samples for v in vs]
         assert versions and all(0 <= step - 1 - v <= 1 for v in versions), (step, samples)
         assert {seed for seed, *_ in samples} == {2 * (step - 1), 2 * step - 1}
-        assert len(samples) == 2 * 2 * 2     # 2 groups x 2 episodes x 2 turns: none lost
+        # 2 groups x 2 episodes x 2 turns: none lost but step 1's dropped episode
+        assert len(samples) == 2 * 2 * 2 - 2 * (step == 1)
     first_turns = {v for _, _, turn, vs in trained[3] if turn == 1 for v in vs}
     second_turns = {v for _, _, turn, vs in trained[3] if turn == 2 for v in vs}
     assert first_turns == {1} and second_turns == {2}, trained[3]
@@ -151,17 +183,14 @@ def test_fully_async_steps_stay_within_the_bound_and_resume_every_episode(fully_
         assert h["time/engine_idle_s"] >= 0 and h["time/trainer_idle_s"] >= 0
     assert not undocumented_scalars(history[2], tags=("two_turns",))
 
-    ckpt = run_dir / "checkpoints"
-    shutil.rmtree(ckpt / "actor" / "step_3")
-    (ckpt / "latest_step").write_text("2")
-    straight = dict(trained)
     trained.clear()
     resumed = train(load_run_config(DEMO, overrides))
-    assert [h["step"] for h in resumed] == [3]
-    assert [(seed, ep, turn) for seed, ep, turn, _ in trained[3]] == \
-        [(seed, ep, turn) for seed, ep, turn, _ in straight[3]]
-    # the engines served step 2's weights from the resumed start on: nothing older
-    assert {v for *_, vs in trained[3] for v in vs} == {2}
+    assert [h["step"] for h in resumed] == [4]
+    assert sorted((seed, turn) for seed, _, turn, _ in trained[4]) == \
+        [(seed, turn) for seed in (6, 7) for turn in (1, 1, 2, 2)]
+    assert len({ep for _, ep, *_ in trained[4]}) == 4
+    # the engines served step 3's weights from the resumed start on: nothing older
+    assert {v for *_, vs in trained[4] for v in vs} == {3}
 
 
 def test_fully_async_streams_stay_within_the_bound_and_resume_where_their_window_ended(
@@ -172,8 +201,9 @@ def test_fully_async_streams_stay_within_the_bound_and_resume_where_their_window
     bound. Window 3 opens with episode 3 of each stream (seeds 6 and 7), whose env waits after
     turn 1 for the sync of step 2: turn 1 sampled with version 1, the rest of the window with
     version 2. The engine dies under a request of window 2 while the trainer waits for it:
-    the windows it cut are played again, each by its own stream. The checkpoint of step 1 holds the streams where
-    window 1 left them (each in episode 1, one turn played), and that of step 2 where window 2
+    the windows it cut are played again, each by its own stream. The checkpoint of step 1
+    holds the streams where window 1 left them (each in episode 1, one turn played), and that
+    of step 2 where window 2
     left them, though it is written only once the streams have played window 3; a run resumed
     from step 1 trains windows 2 and 3 on exactly the straight run's turns."""
     overrides, trained, run_dir, killed = fully_async_run
