@@ -41,9 +41,9 @@ class Loop:
     def __init__(self, signals: dict[int, list[int]]):
         self.signals, self.trained = signals, []
         self.actor, self.critic = RecordingTrainer(), RecordingTrainer()
-        self.rollouts = SimpleNamespace(rollout=lambda step, version: step,  # episodes mode
-                                        load_state_dict=lambda saved: None,
-                                        state_dict=lambda: None)
+        self.rollouts = SimpleNamespace(  # episodes mode: no streams state of the step's own
+            rollout=lambda step, version: SimpleNamespace(step=step, streams_state=None),
+            load_state_dict=lambda saved: None, state_dict=lambda: None)
         self.weight_version = 0
 
     def train_step(self, step):
@@ -66,7 +66,7 @@ def _cfg(run_dir, total_steps=5):
 def _loop(cfg, run):
     logger = SimpleNamespace(log=lambda step, metrics: None)
     def train_step(cfg, run, step, played):  # the stand-in's step in place of the real one
-        return run.train_step(step), None
+        return run.train_step(played.step), None
     with preemption.stop_on_signals() as stop, \
             mock.patch.object(training, "train_step", train_step):
         return run_loop(cfg, run, logger, stop)
