@@ -200,7 +200,6 @@ class FullyAsyncRollout:
         window an engine restart cut short is played again from its start, by this stream
         alone."""
         streams, manager = self.manager.streams, self.manager
-        sampling = manager._sampling(manager.cfg.rollout.temperature)
         try:
             for step in range(self.first_step, self.last_step + 1):
                 self._expect(step, len(streams.streams))
@@ -209,8 +208,7 @@ class FullyAsyncRollout:
                 start = stream.saved()
                 while True:   # a replay samples afresh what the cut try sampled (seeded alike)
                     try:
-                        part = await streams.play_stream(
-                            stream, manager._generate("stream", step, stream.index), sampling)
+                        part = await manager.play_stream_window(stream, step)
                         break
                     except (EngineRestarted, ResyncDeferred):
                         manager.engines.supervisor.count_retried(1)

@@ -238,6 +238,15 @@ class RolloutManager:
         count_window_faults(window, faults, self.cfg.rollout.max_env_failure_rate)
         return window, time.perf_counter() - start
 
+    async def play_stream_window(self, stream, step: int) -> Window:
+        """One env stream's window of step ``step`` (``rollout.mode: turns``), as its part
+        of the step's window (``EnvStreams.play_stream``); its requests seeded as in
+        :meth:`window`, by a generate function made afresh for each call (a replay samples
+        what the cut try sampled)."""
+        return await self.streams.play_stream(
+            stream, self._generate("stream", step, stream.index),
+            self._sampling(self.cfg.rollout.temperature))
+
     async def _replaying(self, play: Callable[[OpenEnvFn | None], Awaitable[Episode]]
                          ) -> Episode:
         """``await play(open_env)`` (one episode, its generate function made afresh each call),
