@@ -1,7 +1,7 @@
 """The Megatron actor or critic as a group of Ray actors, one per rank, plus weight sync.
 
 Each :class:`TrainerWorker` is one rank of the TP x PP x DP world: it joins torch.distributed
-(gloo on CPU, NCCL on GPU) through a ``tcp://`` rendezvous on rank 0's node, builds a
+(gloo on CPU, NCCL on GPU) through the rendezvous store rank 0 hosts, builds a
 :class:`~ragen_mega.backends.megatron.train.MegatronTrainer`, and runs whatever the driver asks
 on every rank at once (the methods are SPMD collectives). The driver hands over the GLOBAL batch;
 each rank cuts its data-parallel share.
@@ -14,14 +14,13 @@ layout.
 """
 from __future__ import annotations
 
-import socket
 import warnings
 from typing import Any
 
 import torch
 
 from ragen_mega.config import ActorConfig, CriticConfig
-from ragen_mega.ray.actor_group import ActorGroup
+from ragen_mega.ray.actor_group import ActorGroup, gather
 
 
 def _node_ip() -> str:
@@ -30,42 +29,40 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def rendezvous_on_bundle(pg, bundle: int) -> str:
-    """``tcp://ip:port`` with a free port on the node that holds ``bundle`` of ``pg``."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    @ray.remote(num_cpus=0)
-    def probe():
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return _node_ip(), s.getsockname()[1]
-
-    ip, port = ray.get(probe.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-        placement_group=pg, placement_group_bundle_index=bundle)).remote())
-    return f"tcp://{ip}:{port}"
-
-
 class TrainerWorker:
     """One rank of a Megatron trainer (actor or critic), living in a Ray actor."""
 
-    def __init__(self, rank: int, world_size: int, init_method: str, role: str, hf_dir: str,
-                 config: ActorConfig | CriticConfig, derived: dict, threads: int | None = None):
+    def __init__(self, rank: int, world_size: int, threads: int | None = None):
         from ragen_mega.backends.megatron.cpu_compat import quiet_cpu_warnings
 
         quiet_cpu_warnings()
-        from ragen_mega.backends.megatron.parallel import init_parallel
-        from ragen_mega.backends.megatron.train import MegatronTrainer
-
         if threads:
             torch.set_num_threads(threads)
-        self.rank = rank
-        init_parallel(rank, world_size, init_method, tp=config.tp, pp=config.pp, vpp=config.vpp,
-                      ep=config.ep, seed=derived["seed"])
-        self.trainer = MegatronTrainer(config, hf_dir, role=role, **derived)
+        self.rank, self.world_size = rank, world_size
+        self.store = None  # rank 0: the rendezvous store it hosts (host_rendezvous)
+        self.trainer = None  # built by start
         self.sender = None
         self.sync_bucket_bytes = None  # set by connect_engines, on every rank
         self.engine_key = None  # rank 0: the engines' key, for restarted engines too
+
+    def host_rendezvous(self) -> tuple[str, int]:
+        """Rank 0: open the process group's store on a port the OS picks; its address."""
+        from ragen_mega.backends.megatron.parallel import tcp_store
+
+        self.store = tcp_store(_node_ip(), 0, self.world_size, master=True)
+        return _node_ip(), self.store.port
+
+    def start(self, address: tuple[str, int], role: str, hf_dir: str,
+              config: ActorConfig | CriticConfig, derived: dict) -> None:
+        """Join the process group through rank 0's store at ``address`` and build the
+        trainer."""
+        from ragen_mega.backends.megatron.parallel import init_parallel, tcp_store
+        from ragen_mega.backends.megatron.train import MegatronTrainer
+
+        store = self.store or tcp_store(*address, self.world_size, master=False)
+        init_parallel(self.rank, self.world_size, None, tp=config.tp, pp=config.pp,
+                      vpp=config.vpp, ep=config.ep, seed=derived["seed"], store=store)
+        self.trainer = MegatronTrainer(config, hf_dir, role=role, **derived)
 
     def _local(self, batch: dict) -> dict:
         """This DP rank's rows of ``batch``, padded first to a multiple of the DP ranks (a
@@ -178,15 +175,24 @@ class TrainerGroup:
         """``total_steps``, ``temperature``, ``seed``: what the run derives for the trainer;
         ``objective``: the loss it minimises (``algo/objectives.py``; None: the role's), sent
         to every rank (see :class:`~ragen_mega.backends.megatron.train.MegatronTrainer`)."""
-        init_method = rendezvous_on_bundle(pg, bundles[0])
         derived = dict(total_steps=total_steps, temperature=temperature, seed=seed,
                        objective=objective)
         self.group = ActorGroup(TrainerWorker, pg, bundles, num_cpus=num_cpus, num_gpus=num_gpus,
-                                init_args=(init_method, role, hf_dir, config, derived, threads))
+                                init_args=(threads,))
         self.role = role
+        # The ranks start in the background (Ray hands rank 0's address to the others when it
+        # is known); the first call waits for them and raises a rank's failure to start.
+        address = self.group.actors[0].host_rendezvous.remote()
+        self._starting = self.group.call_async("start", address, role, hf_dir, config, derived)
+
+    def _call(self, method: str, *args: Any) -> list:
+        if self._starting:
+            gather(self._starting, what=f"starting the {self.role} trainer")
+            self._starting = None
+        return self.group.call(method, *args)
 
     def _first(self, method: str, *args: Any) -> Any:
-        return self.group.call(method, *args)[0]
+        return self._call(method, *args)[0]
 
     def _on_batch(self, method: str, batch: dict) -> Any:
         """``method(batch)`` on every rank, the batch put into Ray's object store once (each
@@ -215,7 +221,7 @@ class TrainerGroup:
 
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], *, mode: str,
                         bucket_bytes: int, api_key: str | None) -> None:
-        self.group.call("connect_engines", urls, engine_tp_sizes, mode, bucket_bytes, api_key)
+        self._call("connect_engines", urls, engine_tp_sizes, mode, bucket_bytes, api_key)
 
     def sync_weights(self, version: int, new_engines: dict[int, str] | None = None
                      ) -> dict[str, float]:

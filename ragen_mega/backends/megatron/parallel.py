@@ -37,12 +37,14 @@ class ParallelInfo:
 
 def init_parallel(rank: int, world_size: int, init_method: str, tp: int = 1, pp: int = 1,
                   vpp: int | None = None, backend: str | None = None, seed: int = 1234,
-                  timeout_minutes: int = 30, ep: int = 1) -> ParallelInfo:
+                  timeout_minutes: int = 30, ep: int = 1,
+                  store: dist.Store | None = None) -> ParallelInfo:
     """Join the process group and build Megatron's TP/PP/DP/EP groups and model-parallel RNG.
 
     ``init_method`` is a torch.distributed URL (``file:///tmp/x`` avoids the port reuse races of
     back-to-back ``tcp://`` launches); it is ignored when the process group already exists, and
     existing Megatron groups are replaced, so one launch can visit several TP x PP layouts.
+    ``store`` (a :func:`tcp_store`) takes the place of ``init_method``.
     ``vpp`` is the number of virtual pipeline chunks per rank (interleaved schedule) or None.
     """
     if tp < 1 or pp < 1 or ep < 1:
@@ -67,8 +69,8 @@ def init_parallel(rank: int, world_size: int, init_method: str, tp: int = 1, pp:
     from megatron.core import tensor_parallel
 
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend, init_method=init_method, rank=rank,
-                                world_size=world_size,
+        dist.init_process_group(backend=backend, init_method=None if store else init_method,
+                                store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(minutes=timeout_minutes))
     if mpu.model_parallel_is_initialized():  # re-layout inside one launch (tests loop over TPxPP)
         mpu.destroy_model_parallel()
@@ -112,6 +114,16 @@ def destroy_parallel() -> None:
     mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def tcp_store(host: str, port: int, world_size: int, *, master: bool,
+              timeout_minutes: int = 30) -> dist.TCPStore:
+    """The process group's rendezvous store. The master (rank 0) is opened with ``port=0``: the
+    OS picks a free port while binding it, and the others are told ``store.port``. A port probed
+    first and bound later can be taken in between by any process on the node (an outgoing
+    connection's ephemeral port, say), and the rank then fails with EADDRINUSE."""
+    return dist.TCPStore(host, port, world_size, is_master=master, wait_for_workers=False,
+                         timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
 def file_init_method(directory: str | os.PathLike) -> str:
