@@ -49,8 +49,9 @@ class TrainerWorker:
         """Rank 0: open the process group's store on a port the OS picks; its address."""
         from ragen_mega.backends.megatron.parallel import tcp_store
 
-        self.store = tcp_store(_node_ip(), 0, self.world_size, master=True)
-        return _node_ip(), self.store.port
+        ip = _node_ip()
+        self.store = tcp_store(ip, 0, self.world_size, master=True)
+        return ip, self.store.port
 
     def start(self, address: tuple[str, int], role: str, hf_dir: str,
               config: ActorConfig | CriticConfig, derived: dict) -> None:
