@@ -276,7 +276,9 @@ def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
     ``reduce_over_dp``: each data-parallel rank was given its own micro-batches; the gradients
     are reduced as Megatron's DDP does: scaled by 1 / DP, then summed over the data-parallel
     group (the expert-data-parallel group for experts, which already saw every rank's tokens
-    routed to them). The result is the gradient of the M x DP micro-batches' mean loss."""
+    routed to them). The result is the gradient of the M x DP micro-batches' mean loss: of the
+    HF weights, or, for chunks with LoRA adapters, of the adapters (``lora.gather_adapters``'
+    keys)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -289,7 +291,9 @@ def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
 
     step = make_forward_step(temperature=1.0, compute_entropy=True, loss_fn=loss_fn)
     metrics = run_schedule(chunks, split_microbatches(ids, mask, 2), step, forward_only=False)
-    params = [p for chunk in chunks for p in chunk.parameters()]
+    from ragen_mega.backends.megatron import lora
+
+    params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     for p in params:   # export the gradients through the same gather + mapping as the weights
         if getattr(p, "sequence_parallel", False):   # each TP rank saw its slice of the tokens
             dist.all_reduce(p.grad, group=mpu.get_tensor_model_parallel_group())
@@ -299,7 +303,8 @@ def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
                             if getattr(p, "allreduce", True)   # Megatron marks experts False
                             else mpu.get_expert_data_parallel_group())
         p.data = p.grad
-    grads = dict(export_hf_state(chunks))
+    grads = (lora.gather_adapters(chunks) if lora.settings_of(chunks[0])
+             else dict(export_hf_state(chunks)))
     return (grads if rank == 0 else None), metrics
 
 

@@ -5,7 +5,9 @@ moves), then syncs: the adapters alone into an engine started with the merge plu
 weights whole into a plain engine, as a full-weight run would. Both engines must then give the
 same greedy tokens and log-probs, those of the trainer; a second round (after another step)
 shows the plugin merges onto the base it kept, not onto the last merge; and an engine started
-afresh with the plugin and given only the adapters serves the same.
+afresh with the plugin and given only the adapters serves the same. The same rounds on a
+mixture of experts (adapters on every expert's gate/up/down) into an engine with the plugin
+alone: its log-probs are the trainer's after each sync.
 """
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def _observe(trainer, clients) -> dict:
             "trainer": [lp[i, len(p):len(p) + 8].tolist() for i, p in enumerate(PROMPTS)]}
 
 
-def _worker(rank, world, hf_dir, adapter_url, merged_url, fresh_url):
+def _worker(rank, world, hf_dir, adapter_url, merged_url=None, fresh_url=None):
+    """Two rounds of two steps, then the adapters into ``adapter_url``'s engine and, where
+    given, the merged weights into ``merged_url``'s; last, the adapters into ``fresh_url``'s."""
     from ragen_mega.backends.megatron.config import ActorConfig, LoraConfig
     from ragen_mega.backends.megatron.model import DirectExport
     from ragen_mega.backends.megatron.train import MegatronTrainer
@@ -44,33 +48,36 @@ def _worker(rank, world, hf_dir, adapter_url, merged_url, fresh_url):
     trainer = MegatronTrainer(ActorConfig(lr=2e-2, micro_batch_size=3,
                                           lora=LoraConfig(rank=4, alpha=8.0,
                                                           target_modules=list(TARGETS))), hf_dir)
-    adapter, merged = EngineClient(adapter_url, timeout=120), EngineClient(merged_url, timeout=120)
+    urls = [u for u in (adapter_url, merged_url) if u]
+    clients = [EngineClient(u, timeout=120) for u in urls]
     senders = {u: BucketedWeightSender([EngineClient(u, timeout=120)], mode="distributed",
                                        backend="gloo", bucket_bytes=1 << 20,
                                        group_name=f"sync_{i}")
-               for i, u in enumerate((adapter_url, merged_url))}
+               for i, u in enumerate(urls)}
     for s in senders.values():
         s.connect()
-    report = {"start": _observe(trainer, [adapter, merged])}
+    report = {"start": _observe(trainer, clients)}
     last = report["start"]
     for version, sign in ((1, 1.0), (2, -1.0)):
         push_first_completion(trainer, last["batch"], PROMPTS, sign)
-        last = _observe(trainer, [adapter, merged])
+        last = _observe(trainer, clients)
         # two steps: B moves in the first, A too in the second
         push_first_completion(trainer, last["batch"], PROMPTS, sign)
-        report[f"stale_{version}"] = _observe(trainer, [adapter, merged])
+        report[f"stale_{version}"] = _observe(trainer, clients)
         adapters = trainer.weight_export(dst=0, prefetch_bytes=1 << 20)
         report[f"adapter_stats_{version}"] = send_export(adapters, senders[adapter_url], version)
-        full = DirectExport(trainer.model, dst=0, prefetch_bytes=1 << 20)
-        report[f"merged_stats_{version}"] = send_export(full, senders[merged_url], version)
-        report[f"v{version}"] = last = _observe(trainer, [adapter, merged])
-    fresh = EngineClient(fresh_url, timeout=120)   # a restarted engine: base from disk
-    with BucketedWeightSender([EngineClient(fresh_url, timeout=120)], mode="distributed",
-                              backend="gloo", bucket_bytes=1 << 20,
-                              group_name="sync_fresh") as sender:
-        sender.connect()
-        send_export(trainer.weight_export(dst=0, prefetch_bytes=1 << 20), sender, 3)
-        report["fresh"] = _observe(trainer, [fresh, merged])
+        if merged_url:
+            full = DirectExport(trainer.model, dst=0, prefetch_bytes=1 << 20)
+            report[f"merged_stats_{version}"] = send_export(full, senders[merged_url], version)
+        report[f"v{version}"] = last = _observe(trainer, clients)
+    if fresh_url:   # a restarted engine: base from disk
+        with BucketedWeightSender([EngineClient(fresh_url, timeout=120)], mode="distributed",
+                                  backend="gloo", bucket_bytes=1 << 20,
+                                  group_name="sync_fresh") as sender:
+            sender.connect()
+            send_export(trainer.weight_export(dst=0, prefetch_bytes=1 << 20), sender, 3)
+            report["fresh"] = _observe(trainer, [EngineClient(fresh_url, timeout=120),
+                                                 clients[1]])
     for s in senders.values():
         s.close()
     for report_item in report.values():
@@ -105,3 +112,20 @@ def test_adapter_only_sync_serves_the_merged_weights(tiny_model):
         assert sent.num_bytes * 20 < full.num_bytes, (sent.num_bytes, full.num_bytes)
     (f_ids, f_lp), (m_ids, m_lp) = [list(zip(*e)) for e in report["fresh"]["engines"]]
     assert f_ids == m_ids and _diff(f_lp, m_lp) < 1e-5
+
+
+@pytest.mark.slow
+def test_adapter_only_sync_into_a_mixture_of_experts_serves_the_trainers_weights(tiny_model):
+    hf_dir = tiny_model("qwen3_moe")
+    with engines_started_together(hf_dir, {"lora_targets": TARGETS}, dtype="float32",
+                                  cpu_threads=1) as (engine,):
+        [report] = run_workers(_worker, 1, str(hf_dir), engine.url, timeout=900)
+        log = engine.log_file.read_text()
+    # 2 layers x (q, k, v, o and 4 experts x gate, up, down) + the LM head
+    assert "lora_merge: base weights of 33 adapted modules kept" in log
+    for version in (1, 2):
+        stale, synced = report[f"stale_{version}"], report[f"v{version}"]
+        (_, stale_lp), (_, lp) = [list(zip(*r["engines"][0])) for r in (stale, synced)]
+        assert _diff(stale_lp, stale["trainer"]) > 1e-2   # trained away from what it serves
+        assert _diff(lp, synced["trainer"]) < 1e-4, _diff(lp, synced["trainer"])
+        assert report[f"adapter_stats_{version}"].num_bytes > 0

@@ -409,11 +409,12 @@ def hf_to_shard(global_name: str, hf_tensors: Sequence[torch.Tensor], spec: Mode
 
 
 def adaptable_rules(spec: ModelSpec, role: str = "actor") -> list[Rule]:
-    """The linears a LoRA adapter may wrap: a dense layer's TP-split ones (attention's qkv and
-    output projection, the MLP's fc1 and fc2) and an actor's untied LM head. Experts, the
-    embedding and a critic's value head are not among them."""
+    """The linears a LoRA adapter may wrap: a layer's TP-split ones (attention's qkv and
+    output projection, the MLP's fc1 and fc2: a dense MLP's, each expert's and the shared
+    expert's) and an actor's untied LM head. The router, the embedding and a critic's value
+    head are not among them."""
     layer = [r for r in rules(spec, role) if r.place == "layer" and r.tp_dim is not None
-             and r.expert is None and r.megatron.endswith(".weight")]
+             and r.megatron.endswith(".weight")]
     head = [r for r in rules(spec, role) if r.place == "head" and r.vocab and r.export]
     return layer + ([] if spec.tie_word_embeddings else head)
 

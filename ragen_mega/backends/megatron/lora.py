@@ -26,6 +26,14 @@ pair):
 Pipeline stages hold the adapters of their own layers; data parallelism and the distributed
 optimizer see ordinary trainable parameters.
 
+Mixtures of experts: each expert's ``linear_fc1`` / ``linear_fc2`` takes the adapters of HF's
+per-expert ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (the keys PEFT reads onto
+transformers' fused experts, and the names SGLang's loader takes per expert); the shared
+expert's linears are a dense MLP's. An expert-parallel rank holds the adapters of its own
+experts, marked as expert parameters (``allreduce = False``, megatron-core's mark on the experts'
+weights) so that DDP and the distributed optimizer reduce their gradients over the
+expert-data-parallel ranks only; checkpoints and gathers take them from their owner.
+
 Initialisation is PEFT's (A uniform in +-1/sqrt(in), B zero), drawn whole per HF module from a
 generator seeded by the run's seed and the module's name, then sliced: every TP x PP layout
 starts from the same adapters.
@@ -35,9 +43,10 @@ weight sync sends: computed afresh from the frozen base each time, in fp32, so n
 Checkpoints hold the adapters only (:func:`sharded_state_dict`), under their HF names with
 whole shapes, so they reshard across TP x PP like the base checkpoints do.
 
-Not supported (``check_supported`` says so before anything is built): mixtures of experts
-(their MLPs are experts; sequence parallelism comes with them) and TransformerEngine's layer
-spec (its linears take the norm's input: LoRA builds the local spec).
+Not supported (``check_supported`` says so before anything is built): a mixture of experts at
+TP > 1 (megatron-core trains experts there under sequence parallelism, whose sequence-sharded
+inputs the adapters do not take) and TransformerEngine's layer spec (its linears take the
+norm's input: LoRA builds the local spec).
 """
 from __future__ import annotations
 
@@ -72,14 +81,15 @@ class LoraSettings:
                 "target_modules": sorted(self.target_modules)}
 
 
-def check_supported(spec: ModelSpec, settings: LoraSettings, role: str = "actor") -> None:
+def check_supported(spec: ModelSpec, settings: LoraSettings, role: str = "actor",
+                    tp: int = 1) -> None:
     if role == "critic" and "lm_head" in settings.target_modules:
         raise ValueError("lora.target_modules: a critic has no lm_head (its head is the value "
                          "head, trained whole); leave it out")
-    if spec.is_moe:
-        raise ValueError("lora: mixtures of experts are not supported yet (their MLPs are "
-                         "experts, trained under sequence parallelism); train all weights "
-                         "(lora.rank: 0)")
+    if spec.is_moe and tp > 1:
+        raise ValueError(f"lora: adapters on a mixture of experts need tp: 1, got {tp} (at "
+                         "TP > 1 megatron-core trains experts under sequence parallelism, "
+                         "which the adapters do not support yet); split the experts with ep")
     if "lm_head" in settings.target_modules and spec.tie_word_embeddings:
         raise ValueError("lora.target_modules: lm_head of a model with tied embeddings (the "
                          "head is the input embedding, which adapters do not wrap); leave it out")
@@ -120,6 +130,7 @@ class LoraLinear(nn.Module):
         hf = list(mapping.hf_names(weight_name, spec))
         shapes = [mapping.hf_shape(n, spec) for n in hf]
         self.column, self.whole_b, self.enabled = rule.tp_dim == 0, rule.vocab, True
+        self.expert = rule.expert is not None   # a routed expert's linear
         self.settings, self.tp = settings, tp
         self.hf_names = {_short(n): _module_name(n) for n in hf
                          if _short(n) in settings.target_modules}
@@ -237,22 +248,26 @@ def apply_lora(chunks, settings: LoraSettings, seed: int) -> None:
     for chunk in chunks:
         model = unwrap(chunk)
         spec, role = model.ragen_spec, model.ragen_role
-        check_supported(spec, settings, role)
+        check_supported(spec, settings, role, tp)
         model.requires_grad_(False)
         if role == "critic" and model.post_process:   # the value head trains whole
             model.output_layer.requires_grad_(True)
         rules = [r for r in mapping.adaptable_rules(spec, role)
                  if any(_short(n) in settings.target_modules for n in r.hf)]
+        experts = model.ragen_experts   # this expert-parallel rank's
         wrapped = [r.megatron.format(i=i) for i in model.ragen_layers
-                   for r in rules if r.place == "layer"]
+                   for r in rules if r.place == "layer" and r.expert in (None, *experts)]
         if model.post_process:
             wrapped += [r.megatron for r in rules if r.place == "head"]
         for name in wrapped:
-            local = mapping.to_local(name, model.ragen_layers.start)
+            local = mapping.to_local(name, model.ragen_layers.start, experts.start)
             linear = model.get_submodule(local[: -len(".weight")])
             base = linear.weight
             linear.lora = LoraLinear(name, spec, settings, tp_rank, tp, seed, base.dtype,
                                      base.device)
+            if linear.lora.expert:
+                for param in linear.lora.parameters():
+                    param.allreduce = False   # megatron-core's mark of an expert parameter
             linear.register_forward_hook(_hook)
         model.ragen_lora = settings
 
@@ -286,11 +301,17 @@ def adapter_tensors(model: nn.Module):
     is PEFT's name without its ``base_model.model.`` prefix
     (``model.layers.3.self_attn.q_proj.lora_A.weight``: global layer index, whole shape); the
     TP axis is the one the parameter is this rank's slice along (None: whole on every rank)."""
+    for key, param, axis, _ in _adapter_tensors(model):
+        yield key, param, axis
+
+
+def _adapter_tensors(model: nn.Module):
+    """:func:`adapter_tensors`, each with whether it is a routed expert's."""
     for _, lora in adapters(model):
         for short, hf in lora.hf_names.items():
-            yield f"{hf}.lora_A.weight", lora.A[short], None if lora.column else 1
+            yield f"{hf}.lora_A.weight", lora.A[short], None if lora.column else 1, lora.expert
             yield (f"{hf}.lora_B.weight", lora.B[short],
-                   0 if lora.column and not lora.whole_b else None)
+                   0 if lora.column and not lora.whole_b else None, lora.expert)
 
 
 def sharded_state_dict(model: nn.Module) -> dict:
@@ -302,13 +323,16 @@ def sharded_state_dict(model: nn.Module) -> dict:
 
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
+    expert_dp_rank = mpu.get_expert_data_parallel_rank() if model.ragen_spec.is_moe else dp_rank
     out = {}
-    for key, param, axis in adapter_tensors(model):
+    for key, param, axis, expert in _adapter_tensors(model):
+        # an expert's adapters have one owner per expert-parallel rank, replicas over expert DP
+        dp = expert_dp_rank if expert else dp_rank
         if axis is None:   # replicas on the other TP and DP ranks: one of them writes
-            out[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(0, tp_rank, dp_rank))
+            out[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(0, tp_rank, dp))
         else:
             out[key] = ShardedTensor.from_rank_offsets(key, param, (axis, tp_rank, tp),
-                                                       replica_id=(0, 0, dp_rank))
+                                                       replica_id=(0, 0, dp))
     trained = {id(p) for n, p in model.named_parameters() if p.requires_grad and not is_adapter(n)}
     if trained:
         out.update({k: v for k, v in model.sharded_state_dict().items()
@@ -358,7 +382,7 @@ def load_adapters(chunks, tensors) -> None:
 
 def gather_adapters(chunks) -> dict[str, torch.Tensor]:
     """Every adapter of the whole model as whole tensors, on every rank (collective over the
-    TP and PP groups; small: rank x (in + out) values per linear)."""
+    TP, EP and PP groups; small: rank x (in + out) values per linear)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
@@ -374,6 +398,10 @@ def gather_adapters(chunks) -> dict[str, torch.Tensor]:
                 dist.all_gather(parts, tensor, group=tp_group)
                 tensor = torch.cat(parts, dim=axis)
             mine[key] = tensor.cpu()
+    if mpu.get_expert_model_parallel_world_size() > 1:   # each holds its own experts'
+        ranks = [None] * mpu.get_expert_model_parallel_world_size()
+        dist.all_gather_object(ranks, mine, group=mpu.get_expert_model_parallel_group())
+        mine = {k: v for rank in ranks for k, v in rank.items()}
     if mpu.get_pipeline_model_parallel_world_size() == 1:
         return mine
     stages = [None] * mpu.get_pipeline_model_parallel_world_size()
