@@ -4,7 +4,9 @@ their adapters), on one 2-process launch.
 
 * qwen2_moe (with a gated shared expert): log-probs and each adapter's gradient of rows split
   over the data-parallel ranks against transformers with every adapted weight replaced by
-  ``W + s * B A`` of leaf adapter tensors (the experts fused as transformers keeps them).
+  ``W + s * B A`` of leaf adapter tensors (the experts fused as transformers keeps them); the
+  merged export (what ``convert`` writes and a merged-weight sync sends) against the
+  checkpoint's weights plus ``s * B A``.
 * qwen3_moe, the trainer: a step at EP 2 equals the step at EP 1 (an expert's adapters reduced
   over the expert-data-parallel ranks only; a rank that summed them over all data-parallel
   ranks would add other experts' gradients in), the step after it equals that step resumed at
@@ -73,7 +75,8 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_d
     from ragen_mega.backends.megatron import lora
     from ragen_mega.backends.megatron.config import LoraConfig
     from ragen_mega.backends.megatron.forward import forward_logprobs
-    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import (build_model, export_hf_state,
+                                                    load_hf_checkpoint)
     from ragen_mega.backends.megatron.parallel import init_parallel
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
@@ -83,7 +86,9 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_d
     lora.apply_lora(chunks, lora.LoraSettings(RANK, ALPHA, 0.0, TARGETS), seed=0)
     lora.load_adapters(chunks, adapters)
     out = {"held": sorted(key for key, _, _ in lora.adapter_tensors(chunks[0])),
-           "lp": forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0]}
+           "lp": forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0],
+           # what `convert` writes and a merged-weight sync sends: base + s * B A, every expert
+           "merged": {k: v.clone() for k, v in export_hf_state(chunks)}}
     # this DP rank's micro-batch: together the two of the reference's
     out["grads"] = training_grads(chunks, ids[slice(0, 2) if rank == 0 else slice(2, 3)],
                                   mask[slice(0, 2) if rank == 0 else slice(2, 3)], rank,
@@ -192,6 +197,15 @@ def results(hf_dir, adapters, trained_dir, actor_batch, tmp_path_factory):
 def test_expert_adapters_at_ep2_match_transformers_with_merged_weights(results, hf_dir,
                                                                       adapters):
     ids, mask = results["ids"], results["mask"]
+    base = _checkpoint_tensors(hf_dir)
+    for r, out in enumerate(results["ranks"]):
+        assert out["merged"].keys() == base.keys(), r
+        for name, weight in base.items():
+            module = name[: -len(".weight")]
+            want = weight + (ALPHA / RANK * adapters[f"{module}.lora_B.weight"]
+                             @ adapters[f"{module}.lora_A.weight"]
+                             if f"{module}.lora_A.weight" in adapters else 0)
+            torch.testing.assert_close(out["merged"][name], want, atol=1e-6, rtol=0, msg=name)
     ref_lp, ref_grads = _merged_reference(hf_dir, adapters, ids, mask)
     valid = mask[:, 1:].bool()
     experts = [{k.split(".mlp.experts.")[1].split(".")[0] for k in out["held"]
