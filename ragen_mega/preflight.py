@@ -14,8 +14,8 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
 - the model (``model.path``'s config.json) splits over the actor's and the critic's parallel
   layout (TP divides the heads and MLP widths, PP the layers, EP the experts) and over the
   engines' expert parallelism; routing replay has experts to replay; LoRA adapters
-  (``actor.lora``, ``critic.lora``) fit the model (experts at TP 1 only; ``lm_head`` only on
-  an actor's untied head).
+  (``actor.lora``, ``critic.lora``) fit the model (``lm_head`` only on an actor's untied
+  head).
 
 ``ragen-mega train``, ``eval`` and ``sft`` run it right after loading the config.
 """
@@ -102,7 +102,7 @@ def check_model_layout(cfg: RunConfig) -> None:
         lora = getattr(cfg, role).lora.settings()
         if lora is not None:
             try:
-                check_supported(spec, lora, role, getattr(cfg, role).tp)
+                check_supported(spec, lora, role)
             except ValueError as e:
                 raise ConfigError(f"{role}.{e}") from e
 

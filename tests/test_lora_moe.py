@@ -1,19 +1,22 @@
-"""LoRA on a mixture of experts: adapters on attention, on every routed expert's gate/up/down
-and on the shared expert, at expert parallelism 2 (each rank holds two of the 4 experts and
-their adapters), on one 2-process launch.
+"""LoRA on a mixture of experts: adapters on attention, on every routed expert's gate/up/down,
+on the shared expert and on the LM head, on one 2-process launch at two layouts: expert
+parallelism 2 (each rank holds two of the 4 experts and their adapters) and TP 2 (every
+expert's linears split over the ranks, under the sequence parallelism megatron-core trains
+experts with at TP > 1).
 
-* qwen2_moe (with a gated shared expert): log-probs and each adapter's gradient of rows split
-  over the data-parallel ranks against transformers with every adapted weight replaced by
-  ``W + s * B A`` of leaf adapter tensors (the experts fused as transformers keeps them); the
-  merged export (what ``convert`` writes and a merged-weight sync sends) against the
+* qwen2_moe (with a gated shared expert), at each layout: log-probs and each adapter's gradient
+  of rows split over the data-parallel ranks against transformers with every adapted weight
+  replaced by ``W + s * B A`` of leaf adapter tensors (the experts fused as transformers keeps
+  them); the merged export (what ``convert`` writes and a merged-weight sync sends) against the
   checkpoint's weights plus ``s * B A``.
-* qwen3_moe, the trainer: a step at EP 2 equals the step at EP 1 (an expert's adapters reduced
-  over the expert-data-parallel ranks only; a rank that summed them over all data-parallel
-  ranks would add other experts' gradients in), the step after it equals that step resumed at
-  EP 1 from the checkpoint EP 2 saved (each expert's adapters written by their owner), the base
-  weights do not move, and the PEFT directory it exports gives its log-probs in PEFT, which
-  reads the per-expert keys onto transformers' fused experts. (PEFT 0.21 on transformers 5.19
-  does not read them onto qwen2_moe's experts: it drops them as unexpected keys, so that
+* qwen3_moe, the trainer: a step at EP 2 and at TP 2 equals the step at EP 1 (DP 2): loss,
+  gradient norm (every rank's slice counted once) and adapters; an expert's adapters are
+  reduced over the expert-data-parallel ranks only (summed over all data-parallel ranks they
+  would take other experts' gradients in). The step after it at EP 2 equals that step resumed
+  at EP 1 from the checkpoint EP 2 saved (each expert's adapters written by their owner), the
+  base weights do not move, and the PEFT directory it exports gives its log-probs in PEFT,
+  which reads the per-expert keys onto transformers' fused experts. (PEFT 0.21 on transformers
+  5.19 does not read them onto qwen2_moe's experts: it drops them as unexpected keys, so that
   export is checked on qwen3_moe.)
 """
 from __future__ import annotations
@@ -26,10 +29,14 @@ from ragen_mega.backends.megatron.launch import run_workers
 
 RANK, ALPHA = 4, 8.0
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
-#: EP 2 and EP 1 sum an expert's gradient in another order (all-to-all, or locally and then
-#: all-reduced); Adam's first step turns that rounding into up to ~1e-4 of its lr (1e-2) where
-#: a gradient entry is near Adam's eps. Summing other experts' gradients in moves them by ~lr.
-ATOL = 1e-5
+#: the layouts sum a gradient in other orders (all-to-all, TP all-reduces, or locally and then
+#: over DP): ~1e-10 apart on entries that are themselves near Adam's eps (1e-8), which its
+#: first step, lr * g / (|g| + eps), turns into up to ~3e-3 of the lr (1e-2). A gradient
+#: reduced wrongly (other experts' summed in, a TP part missing) moves entries by ~lr.
+ATOL = 1e-4
+#: expert parallelism 2 (DP 2; each rank two experts), and TP 2 (each expert's linears split
+#: over the ranks under sequence parallelism, as megatron-core trains experts at TP > 1)
+LAYOUTS = ({"ep": 2}, {"tp": 2})
 
 
 def _checkpoint_tensors(hf_dir) -> dict[str, torch.Tensor]:
@@ -81,20 +88,25 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_d
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
 
-    chunks = build_model(hf_dir)
-    load_hf_checkpoint(chunks, hf_dir)
-    lora.apply_lora(chunks, lora.LoraSettings(RANK, ALPHA, 0.0, TARGETS), seed=0)
-    lora.load_adapters(chunks, adapters)
-    out = {"held": sorted(key for key, _, _ in lora.adapter_tensors(chunks[0])),
-           "lp": forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0],
-           # what `convert` writes and a merged-weight sync sends: base + s * B A, every expert
-           "merged": {k: v.clone() for k, v in export_hf_state(chunks)}}
-    # this DP rank's micro-batch: together the two of the reference's
-    out["grads"] = training_grads(chunks, ids[slice(0, 2) if rank == 0 else slice(2, 3)],
-                                  mask[slice(0, 2) if rank == 0 else slice(2, 3)], rank,
-                                  reduce_over_dp=True)[0]
-    del chunks
-    gc.collect()
+    out = {}
+    for layout in LAYOUTS:
+        init_parallel(rank, world, None, **layout)
+        chunks = build_model(hf_dir)
+        load_hf_checkpoint(chunks, hf_dir)
+        lora.apply_lora(chunks, lora.LoraSettings(RANK, ALPHA, 0.0, TARGETS), seed=0)
+        lora.load_adapters(chunks, adapters)
+        key = _name(layout)
+        out[key] = {
+            "held": sorted(key for key, _, _ in lora.adapter_tensors(chunks[0])),
+            "lp": forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0],
+            # what `convert` writes and a merged-weight sync sends: base + s * B A
+            "merged": {k: v.clone() for k, v in export_hf_state(chunks)}}
+        # at DP 2 this rank's micro-batch (together the two of the reference's), else both
+        rows = slice(None) if layout.get("tp") == 2 else slice(0, 2) if rank == 0 else slice(2, 3)
+        out[key]["grads"] = training_grads(chunks, ids[rows], mask[rows], rank,
+                                           reduce_over_dp=True)[0]
+        del chunks
+        gc.collect()
 
     def step(trainer):
         old = trainer.compute_logprobs(batch) + batch["noise"]
@@ -107,25 +119,31 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_d
 
     config = dict(lr=1e-2, micro_batch_size=2, grad_clip=1.0,
                   lora=LoraConfig(rank=RANK, alpha=ALPHA, target_modules=list(TARGETS)))
-    for ep in (2, 1):
-        init_parallel(rank, world, None, ep=ep)
-        trainer = MegatronTrainer(ActorConfig(ep=ep, **config), trained_dir, total_steps=10,
+    for layout in (*LAYOUTS, {"ep": 1}):
+        init_parallel(rank, world, None, **layout)
+        trainer = MegatronTrainer(ActorConfig(**layout, **config), trained_dir, total_steps=10,
                                   seed=3)
         before = base(trainer)
+        ep = _name(layout)
         out["step", ep] = step(trainer)
         out["base_same", ep] = all(torch.equal(before[n], p) for n, p in base(trainer).items())
-        if ep == 2:
+        if ep == "ep2":
             saved = trainer.save_checkpoint(ckpt_root, 1)
-            out["second", 2] = step(trainer)
+            out["second", "ep2"] = step(trainer)
             out["lp_after"] = trainer.compute_logprobs(batch)
             if rank == 0:
-                lora.write_peft_adapter(peft_dir, out["second", 2][1], trainer.lora, trained_dir)
+                lora.write_peft_adapter(peft_dir, out["second", "ep2"][1], trainer.lora,
+                                        trained_dir)
         del trainer
         gc.collect()
     trainer = MegatronTrainer(ActorConfig(ep=1, **config), trained_dir, total_steps=10, seed=3)
     trainer.load_checkpoint(saved)
-    out["second", 1] = step(trainer)
+    out["second", "ep1"] = step(trainer)
     return out
+
+
+def _name(layout: dict) -> str:
+    return "".join(f"{k}{v}" for k, v in layout.items())
 
 
 def _merged_reference(hf_dir, adapters, ids, mask):
@@ -194,11 +212,13 @@ def results(hf_dir, adapters, trained_dir, actor_batch, tmp_path_factory):
     return dict(ranks=out, ids=ids, mask=mask, peft=str(root / "peft"))
 
 
-def test_expert_adapters_at_ep2_match_transformers_with_merged_weights(results, hf_dir,
-                                                                      adapters):
+@pytest.mark.parametrize("layout", ["ep2", "tp2"])
+def test_expert_adapters_match_transformers_with_merged_weights(results, hf_dir, adapters,
+                                                                layout):
     ids, mask = results["ids"], results["mask"]
+    ranks = [out[layout] for out in results["ranks"]]
     base = _checkpoint_tensors(hf_dir)
-    for r, out in enumerate(results["ranks"]):
+    for r, out in enumerate(ranks):
         assert out["merged"].keys() == base.keys(), r
         for name, weight in base.items():
             module = name[: -len(".weight")]
@@ -209,32 +229,35 @@ def test_expert_adapters_at_ep2_match_transformers_with_merged_weights(results, 
     ref_lp, ref_grads = _merged_reference(hf_dir, adapters, ids, mask)
     valid = mask[:, 1:].bool()
     experts = [{k.split(".mlp.experts.")[1].split(".")[0] for k in out["held"]
-                if ".mlp.experts." in k} for out in results["ranks"]]
-    assert experts == [{"0", "1"}, {"2", "3"}]           # each rank its own experts' adapters
-    assert any(".shared_expert." in k for k in results["ranks"][0]["held"])
-    for r, out in enumerate(results["ranks"]):
+                if ".mlp.experts." in k} for out in ranks]
+    # at EP 2 each rank holds its own experts' adapters; at TP 2 a part of every one's
+    assert experts == ([{"0", "1"}, {"2", "3"}] if layout == "ep2" else [{"0", "1", "2", "3"}] * 2)
+    assert any(".shared_expert." in k for k in ranks[0]["held"])
+    for r, out in enumerate(ranks):
         assert (out["lp"] - ref_lp)[valid].abs().max() < 1e-5, r
-    grads = results["ranks"][0]["grads"]
+    grads = ranks[0]["grads"]
     assert grads.keys() == ref_grads.keys()
     for key, ref in ref_grads.items():
         scale = ref.abs().max().clamp_min(1e-6)
         assert (grads[key] - ref).abs().max() / scale < 1e-4, key
 
 
-def test_a_step_at_ep2_is_the_step_at_ep1_and_resumes_there(results):
+def test_a_step_at_ep2_and_at_tp2_is_the_step_at_ep1_and_resumes_there(results):
     rank0 = results["ranks"][0]
-    (m2, a2), (m1, a1) = rank0["step", 2], rank0["step", 1]
-    assert m2["loss"] == pytest.approx(m1["loss"], rel=1e-6)
-    assert m2["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-6)
-    assert a2.keys() == a1.keys()
-    for key, tensor in a1.items():
-        torch.testing.assert_close(a2[key], tensor, atol=ATOL, rtol=0, msg=key)
-    assert all(out["base_same", ep] for out in results["ranks"] for ep in (2, 1))
-    (s2, b2), (s1, b1) = rank0["second", 2], rank0["second", 1]
+    m1, a1 = rank0["step", "ep1"]
+    for layout in ("ep2", "tp2"):
+        m, a = rank0["step", layout]
+        assert m["loss"] == pytest.approx(m1["loss"], rel=1e-6), layout
+        assert m["grad_norm"] == pytest.approx(m1["grad_norm"], rel=1e-6), layout
+        assert a.keys() == a1.keys()
+        for key, tensor in a1.items():
+            torch.testing.assert_close(a[key], tensor, atol=ATOL, rtol=0, msg=f"{layout} {key}")
+    assert all(out["base_same", ep] for out in results["ranks"] for ep in ("ep2", "tp2", "ep1"))
+    (s2, b2), (s1, b1) = rank0["second", "ep2"], rank0["second", "ep1"]
     assert s1["loss"] == pytest.approx(s2["loss"], rel=1e-6)
     for key, tensor in b2.items():
         torch.testing.assert_close(b1[key], tensor, atol=ATOL, rtol=0, msg=key)
-        assert not torch.equal(tensor, a2[key]), key    # the second step moved every adapter
+        assert not torch.equal(tensor, a1[key]), key    # the second step moved every adapter
 
 
 def test_the_peft_export_of_expert_adapters_gives_the_trainers_logprobs(results, trained_dir,

@@ -23,8 +23,20 @@ pair):
 - row-parallel (o_proj, fc2): A by input columns as the base weight, B [out, r] whole. The
   partial ``A_r x_r`` are summed over the ranks (``reduce_from_tensor_model_parallel_region``)
   before B, which is r values a token instead of the output's hidden.
-Pipeline stages hold the adapters of their own layers; data parallelism and the distributed
-optimizer see ordinary trainable parameters.
+- under sequence parallelism (a mixture of experts at TP > 1) each rank holds its slice of
+  the tokens outside the linears: a column-parallel ``h = A x`` is gathered over the tokens
+  (``gather_from_sequence_parallel_region``) as the linear gathers x, a row-parallel partial
+  ``A_r x_r`` reduce-scattered to the tokens as the output is. Each rank then sees only its
+  tokens' part of the whole matrix's gradient (A of a column-, B of a row-parallel linear),
+  so that matrix is read through ``copy_to_tensor_model_parallel_region``: its gradient is
+  summed over the ranks.
+- an expert's linears leave their communication to the token dispatcher (every TP rank of an
+  expert gets all its tokens, and the partial outputs of fc2 are summed after): ``A x`` and
+  ``B A_r x_r`` need no collective, and the whole matrix's gradient, a part per rank, is
+  summed the same way.
+The sharded matrices carry megatron-core's TP attributes, so the gradient norm counts every
+rank's slice and a replica's once. Pipeline stages hold the adapters of their own layers; data
+parallelism and the distributed optimizer see ordinary trainable parameters.
 
 Mixtures of experts: each expert's ``linear_fc1`` / ``linear_fc2`` takes the adapters of HF's
 per-expert ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (the keys PEFT reads onto
@@ -43,10 +55,8 @@ weight sync sends: computed afresh from the frozen base each time, in fp32, so n
 Checkpoints hold the adapters only (:func:`sharded_state_dict`), under their HF names with
 whole shapes, so they reshard across TP x PP like the base checkpoints do.
 
-Not supported (``check_supported`` says so before anything is built): a mixture of experts at
-TP > 1 (megatron-core trains experts there under sequence parallelism, whose sequence-sharded
-inputs the adapters do not take) and TransformerEngine's layer spec (its linears take the
-norm's input: LoRA builds the local spec).
+Not supported: TransformerEngine's layer spec (its linears take the norm's input: LoRA builds
+the local spec).
 """
 from __future__ import annotations
 
@@ -81,15 +91,10 @@ class LoraSettings:
                 "target_modules": sorted(self.target_modules)}
 
 
-def check_supported(spec: ModelSpec, settings: LoraSettings, role: str = "actor",
-                    tp: int = 1) -> None:
+def check_supported(spec: ModelSpec, settings: LoraSettings, role: str = "actor") -> None:
     if role == "critic" and "lm_head" in settings.target_modules:
         raise ValueError("lora.target_modules: a critic has no lm_head (its head is the value "
                          "head, trained whole); leave it out")
-    if spec.is_moe and tp > 1:
-        raise ValueError(f"lora: adapters on a mixture of experts need tp: 1, got {tp} (at "
-                         "TP > 1 megatron-core trains experts under sequence parallelism, "
-                         "which the adapters do not support yet); split the experts with ep")
     if "lm_head" in settings.target_modules and spec.tie_word_embeddings:
         raise ValueError("lora.target_modules: lm_head of a model with tied embeddings (the "
                          "head is the input embedding, which adapters do not wrap); leave it out")
@@ -124,14 +129,18 @@ class LoraLinear(nn.Module):
     region``, so B's gradient is summed over the ranks and equal on all of them."""
 
     def __init__(self, weight_name: str, spec: ModelSpec, settings: LoraSettings,
-                 tp_rank: int, tp: int, seed: int, dtype: torch.dtype, device):
+                 tp_rank: int, tp: int, seed: int, dtype: torch.dtype, device,
+                 comm: str | None = None, group=None):
         super().__init__()
+        # how the linear's TP ranks meet (None at TP 1; see delta): "tensor" (plain TP),
+        # "sequence" (sequence parallelism), "expert" (the token dispatcher's), over ``group``
+        self.comm, self.group = comm, group
         rule = mapping.rule_of(weight_name, spec)   # the layers' rules are the actor's
         hf = list(mapping.hf_names(weight_name, spec))
         shapes = [mapping.hf_shape(n, spec) for n in hf]
         self.column, self.whole_b, self.enabled = rule.tp_dim == 0, rule.vocab, True
         self.expert = rule.expert is not None   # a routed expert's linear
-        self.settings, self.tp = settings, tp
+        self.settings = settings
         self.hf_names = {_short(n): _module_name(n) for n in hf
                          if _short(n) in settings.target_modules}
         self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
@@ -170,10 +179,18 @@ class LoraLinear(nn.Module):
             self.A[short] = nn.Parameter(a.to(dtype=dtype, device=device).contiguous())
             self.B[short] = nn.Parameter(torch.zeros(shape[0], r, dtype=dtype, device=device))
 
+    def tensors(self):
+        """(PEFT key, parameter, the TP axis it is this rank's slice along, or None)."""
+        for short, hf in self.hf_names.items():
+            yield f"{hf}.lora_A.weight", self.A[short], None if self.column else 1
+            yield (f"{hf}.lora_B.weight", self.B[short],
+                   0 if self.column and not self.whole_b else None)
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """``s * B A dropout(x)`` in the layout of the linear's output shard."""
         from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region)
+            copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region,
+            reduce_from_tensor_model_parallel_region, reduce_scatter_to_sequence_parallel_region)
 
         p = self.settings.dropout
         if p and self.training and torch.is_grad_enabled():   # training passes only
@@ -181,17 +198,34 @@ class LoraLinear(nn.Module):
         if not self.column:
             (short,) = self.A
             h = F.linear(x, self.A[short])
-            if self.tp > 1:
-                h = reduce_from_tensor_model_parallel_region(h)
-            return F.linear(h, self.B[short]) * self.settings.scaling
+            if self.comm == "tensor":
+                h = reduce_from_tensor_model_parallel_region(h, self.group)
+            elif self.comm == "sequence":   # summed, and cut by tokens as the output is
+                h = reduce_scatter_to_sequence_parallel_region(h, self.group)
+            # "expert": B A_r x_r is partial like the output, which the dispatcher sums
+            return F.linear(h, self._shared(self.B[short])) * self.settings.scaling
         parts = []
         for short in self.A:
-            h = F.linear(x, self.A[short])
-            if self.tp > 1:
-                h = copy_to_tensor_model_parallel_region(h)
+            h = F.linear(x, self._shared(self.A[short]))
+            if self.comm == "tensor":
+                h = copy_to_tensor_model_parallel_region(h, self.group)
+            elif self.comm == "sequence":   # this rank's tokens -> all, as the linear gathers x
+                h = gather_from_sequence_parallel_region(h, group=self.group)
             parts.append(F.linear(h, self._b(short)))
-        parts.append(x.new_zeros(*x.shape[:-1], 1))
+        parts.append(parts[0].new_zeros(*parts[0].shape[:-1], 1))   # (rows of x: all tokens)
         return torch.cat(parts, dim=-1).index_select(-1, self.order) * self.settings.scaling
+
+    def _shared(self, param: torch.Tensor) -> torch.Tensor:
+        """A matrix whole on every rank (column-parallel A, row-parallel B) read through
+        ``copy_to_tensor_model_parallel_region`` where each rank's backward gives only part of
+        its gradient: its own tokens (sequence parallelism), its own output rows or partial
+        sum (an expert, whose linear leaves its communication to the token dispatcher). The
+        parts are summed over the ranks, so the gradient is whole and equal on all of them."""
+        if self.comm not in ("sequence", "expert"):
+            return param
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        return copy_to_tensor_model_parallel_region(param, self.group)
 
     def _b(self, short: str) -> torch.Tensor:
         """This rank's rows of ``B[short]`` (all of it but the LM head's)."""
@@ -199,7 +233,8 @@ class LoraLinear(nn.Module):
             return self.B[short]
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
-        b = copy_to_tensor_model_parallel_region(self.B[short]) if self.tp > 1 else self.B[short]
+        b = (copy_to_tensor_model_parallel_region(self.B[short], self.group) if self.comm
+             else self.B[short])
         return b[self.rows[short]]
 
     def merged(self, base: torch.Tensor) -> torch.Tensor:
@@ -240,15 +275,14 @@ def adapters_off(chunks):
 def apply_lora(chunks, settings: LoraSettings, seed: int) -> None:
     """Adapters on every targeted linear of ``chunks`` (bare GPTModels or their wrappers, base
     weights loaded), every other parameter frozen. Call before wrapping them in DDP."""
-    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     from ragen_mega.backends.megatron.chunk import unwrap
 
-    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     for chunk in chunks:
         model = unwrap(chunk)
         spec, role = model.ragen_spec, model.ragen_role
-        check_supported(spec, settings, role, tp)
+        check_supported(spec, settings, role)
         model.requires_grad_(False)
         if role == "critic" and model.post_process:   # the value head trains whole
             model.output_layer.requires_grad_(True)
@@ -262,12 +296,17 @@ def apply_lora(chunks, settings: LoraSettings, seed: int) -> None:
         for name in wrapped:
             local = mapping.to_local(name, model.ragen_layers.start, experts.start)
             linear = model.get_submodule(local[: -len(".weight")])
-            base = linear.weight
-            linear.lora = LoraLinear(name, spec, settings, tp_rank, tp, seed, base.dtype,
-                                     base.device)
-            if linear.lora.expert:
-                for param in linear.lora.parameters():
-                    param.allreduce = False   # megatron-core's mark of an expert parameter
+            base, group = linear.weight, linear.tp_group   # an expert's: the expert TP group
+            tp = group.size()
+            comm = (None if tp == 1 else "expert" if linear.explicit_expert_comm
+                    else "sequence" if linear.sequence_parallel else "tensor")
+            linear.lora = LoraLinear(name, spec, settings, group.rank(), tp, seed, base.dtype,
+                                     base.device, comm, group)
+            for _, param, axis in linear.lora.tensors():
+                # megatron-core's marks: a TP slice's norm counts on every rank, a replica's
+                # once; an expert's gradient is reduced over the expert-data-parallel ranks
+                set_tensor_model_parallel_attributes(param, axis is not None, axis or 0, 1)
+                param.allreduce = not linear.lora.expert
             linear.register_forward_hook(_hook)
         model.ragen_lora = settings
 
@@ -308,10 +347,8 @@ def adapter_tensors(model: nn.Module):
 def _adapter_tensors(model: nn.Module):
     """:func:`adapter_tensors`, each with whether it is a routed expert's."""
     for _, lora in adapters(model):
-        for short, hf in lora.hf_names.items():
-            yield f"{hf}.lora_A.weight", lora.A[short], None if lora.column else 1, lora.expert
-            yield (f"{hf}.lora_B.weight", lora.B[short],
-                   0 if lora.column and not lora.whole_b else None, lora.expert)
+        for key, param, axis in lora.tensors():
+            yield key, param, axis, lora.expert
 
 
 def sharded_state_dict(model: nn.Module) -> dict:
