@@ -129,3 +129,48 @@ def test_adapter_only_sync_into_a_mixture_of_experts_serves_the_trainers_weights
         assert _diff(stale_lp, stale["trainer"]) > 1e-2   # trained away from what it serves
         assert _diff(lp, synced["trainer"]) < 1e-4, _diff(lp, synced["trainer"])
         assert report[f"adapter_stats_{version}"].num_bytes > 0
+
+
+@pytest.mark.slow
+def test_engines_serving_the_adapters_by_name_follow_the_trainer_and_its_restart(
+        tiny_run_overrides, tmp_path, private_ray, monkeypatch):
+    """``actor.lora.sync: native``, the whole loop (actor at TP 2, critic, one engine serving
+    the adapters with SGLang's own LoRA kernels, ``torch_native`` on CPU): after each step's
+    sync the engine's log-probs under the newest adapter version are the trainer's; its server
+    is SIGKILLed after step 2's update, and the restarted one, which starts from the base
+    weights, is given that version by the sync; each engine keeps the newest two versions on
+    disk and unloads the one before."""
+    import json
+    import os
+    import signal
+
+    from conftest import server_pids
+    from ragen_mega.config import load_run_config
+    from ragen_mega.train import train
+    import ragen_mega.train as train_module
+
+    real_update = train_module.update_models
+
+    def killed_after_update(cfg, run, step, played, metrics):
+        out = real_update(cfg, run, step, played, metrics)
+        if step == 2:
+            os.kill(server_pids(tmp_path)[-1], signal.SIGKILL)
+        return out
+
+    monkeypatch.setattr(train_module, "update_models", killed_after_update)
+    overrides = tiny_run_overrides(tmp_path, total_steps=3) + [
+        "trainer.save_every=0", "rollout.max_engine_restarts_per_step=1", "actor.lr=2e-2",
+        "actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.sync=native"]
+    history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
+    assert [h["step"] for h in history] == [1, 2, 3]
+    assert [h["fault/engine_restarts"] for h in history] == [0, 1, 0]
+    for h in history:
+        assert h["sync/max_logprob_diff"] < 1e-3, h
+    log = (tmp_path / "logs" / "engine_0.log").read_text()
+    assert len(server_pids(tmp_path)) == 2
+    assert sorted(p.name for p in (tmp_path / "lora_adapters").iterdir()) == [
+        "ragen_mega_v2", "ragen_mega_v3"]
+    config = json.loads((tmp_path / "lora_adapters" / "ragen_mega_v3" /
+                         "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"]) == (4, 8.0)
+    assert "ragen_mega_v1" in log and "ragen_mega_v3" in log

@@ -90,6 +90,9 @@ class EngineGroup:
     servers record, and every generation returns, the experts each token was routed to
     (routing replay). ``lora_targets`` (a LoRA run whose syncs send adapters): the servers keep
     those modules' base weights and merge the adapters in (``backends/sglang/lora_merge.py``).
+    ``lora_serving`` ((rank, target modules) of a run whose engines serve the adapters by
+    name, ``backends/sglang/lora_serving.py``): each request names :attr:`adapter`, the
+    version the last sync loaded, and its tokens carry that version.
     ``resync({engine: url})``: loads the current weights into restarted engines (None: the
     engines serve ``model_path`` as it is, so a new server already has them). :attr:`supervisor`
     finds, restarts and resyncs dead engines, and describes each restart in ``fault_log``."""
@@ -101,7 +104,8 @@ class EngineGroup:
                  max_restarts_per_step: int = 0, ep: int = 1,
                  routed_experts: tuple[int, int, int] | None = None,
                  resync: Callable[[dict[int, str]], Any] | None = None,
-                 fault_log: str | Path | None = None, lora_targets: tuple[str, ...] = ()):
+                 fault_log: str | Path | None = None, lora_targets: tuple[str, ...] = (),
+                 lora_serving: tuple[int, tuple[str, ...]] | None = None):
         from ragen_mega.backends.sglang.client import AsyncEngineClient
         from ragen_mega.ray.devices import bundle_gpu_ids
 
@@ -116,7 +120,10 @@ class EngineGroup:
                                                 memory_saver=memory_saver,
                                                 api_key=self.api_key,
                                                 lora_targets=lora_targets,
+                                                lora_serving=lora_serving,
                                                 extra_args=_server_args(ep, routed_experts))))
+        #: (name, version) of the adapter requests use (None: the base weights)
+        self.adapter: tuple[str, int] | None = None
         self.urls = self.group.call("url", timeout_s=startup_timeout)
         self.tp_sizes = [tp] * len(self.urls)
         self.clients = [AsyncEngineClient(u, api_key=self.api_key) for u in self.urls]
@@ -141,10 +148,12 @@ class EngineGroup:
 
         engine = await self._serving_engine() if engine is None else engine
         life = self.supervisor.lives[engine]
+        adapter = self.adapter   # a sync may change it meanwhile: this request keeps its own
         try:
             out = await self.clients[engine].generate(
                 prompt_ids, sampling, return_logprob=True,
-                return_routed_experts=self.routed_shape is not None)
+                return_routed_experts=self.routed_shape is not None,
+                lora_path=adapter[0] if adapter else None)
         except ContextLengthExceeded as e:
             raise PromptTooLong(str(e)) from e
         except EngineError as e:  # blocking Ray calls: off the loop the episodes run on
@@ -157,8 +166,10 @@ class EngineGroup:
             dtype = torch.uint8 if self.routed_shape[2] <= 256 else torch.int16
             routed = torch.from_numpy(out.routed_experts.copy()).view(
                 -1, *self.routed_shape[:2]).to(dtype)
+        versions = ([adapter[1]] * len(out.output_ids) if adapter else
+                    [int(v) if v.isdigit() else -1 for v in out.token_versions])
         return Generation(out.output_ids, out.output_logprobs, out.finish_reason, routed,
-                          [int(v) if v.isdigit() else -1 for v in out.token_versions])
+                          versions)
 
     async def _serving_engine(self) -> int:
         """The next engine in turn that serves the trainer's weights: one restarted under a

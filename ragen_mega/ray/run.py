@@ -98,6 +98,10 @@ class Run:
                     if self.cfg.trainer.colocate:
                         self.engines.resume_memory(["weights"])
         supervisor.synced(restarted)
+        if self.cfg.actor.lora.rank and self.cfg.actor.lora.sync == "native":
+            from ragen_mega.backends.sglang.lora_serving import adapter_name
+
+            self.engines.adapter = (adapter_name(version), version)   # new requests use it
         self.weight_version = version
         if self.cfg.trainer.colocate:
             self.engines.resume_memory(["kv_cache"])
@@ -116,13 +120,22 @@ def _lora_targets(cfg: RunConfig) -> tuple[str, ...]:
     run, or one whose syncs send merged weights (said in the log: a sync then moves the whole
     model)."""
     lora = cfg.actor.lora
-    if not lora.rank:
+    if not lora.rank or lora.sync == "native":
         return ()
     if lora.sync == "merged":
         print("ragen-mega: actor.lora.sync=merged: every weight sync sends the merged weights "
               "whole, not the adapters alone", file=sys.stderr, flush=True)
         return ()
     return tuple(lora.target_modules)
+
+
+def _lora_serving(cfg: RunConfig) -> tuple[int, tuple[str, ...]] | None:
+    """(rank, target modules) of the adapters the engines serve by name
+    (``actor.lora.sync: native``); None otherwise."""
+    lora = cfg.actor.lora
+    if not lora.rank or lora.sync != "native":
+        return None
+    return lora.rank, tuple(lora.target_modules)
 
 
 @contextlib.contextmanager
@@ -194,7 +207,8 @@ def _place(run: Run, with_trainers: bool) -> None:
                               routed_experts=_routing_shape(run.model_dir),
                               resync=run.resync_engines if with_trainers else None,
                               fault_log=Path(t.run_dir) / "faults.jsonl",
-                              lora_targets=_lora_targets(cfg) if with_trainers else ())
+                              lora_targets=_lora_targets(cfg) if with_trainers else (),
+                              lora_serving=_lora_serving(cfg) if with_trainers else None)
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)
@@ -209,9 +223,12 @@ def _place(run: Run, with_trainers: bool) -> None:
     if t.colocate:  # the trainer ranks about to be built need the shared devices
         run.engines.release_memory()
         _start_trainers(run)
+    native = _lora_serving(cfg) is not None
     run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
-                              mode="tensor" if t.colocate else "distributed",
-                              bucket_bytes=t.sync_bucket_mb << 20, api_key=run.engines.api_key)
+                              mode="lora" if native else "tensor" if t.colocate
+                              else "distributed",
+                              bucket_bytes=t.sync_bucket_mb << 20, api_key=run.engines.api_key,
+                              adapter_dir=str((Path(t.run_dir) / "lora_adapters").resolve()))
 
 
 def _start_trainers(run: Run) -> None:

@@ -42,6 +42,8 @@ class TrainerWorker:
         self.store = None  # rank 0: the rendezvous store it hosts (host_rendezvous)
         self.trainer = None  # built by start
         self.sender = None
+        self.served = None  # rank 0 of a run whose engines serve its adapters by name
+        self.sync_mode = None  # set by connect_engines, on every rank
         self.sync_bucket_bytes = None  # set by connect_engines, on every rank
         self.engine_key = None  # rank 0: the engines' key, for restarted engines too
 
@@ -98,17 +100,25 @@ class TrainerWorker:
         return self.trainer.load_checkpoint(path)
 
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], mode: str,
-                        bucket_bytes: int, api_key: str | None) -> None:
+                        bucket_bytes: int, api_key: str | None,
+                        adapter_dir: str | None = None) -> None:
         """Rank 0 opens the weight-update channel to every engine, with the engines' key (the
-        others only remember the bucket size: it bounds the bytes each rank keeps in flight
-        during a sync)."""
-        self.sync_bucket_bytes = bucket_bytes
+        others only remember the mode and the bucket size: it bounds the bytes each rank keeps
+        in flight during a sync). ``mode`` "lora": the engines serve the adapters by name,
+        each version written under ``adapter_dir`` (``backends/sglang/lora_serving.py``)."""
+        self.sync_mode, self.sync_bucket_bytes = mode, bucket_bytes
         if self.rank != 0:
             return
         from ragen_mega.backends.sglang.client import EngineClient
         from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
 
         self.engine_key = api_key
+        if mode == "lora":
+            from ragen_mega.backends.sglang.lora_serving import ServedAdapters
+
+            self.served = ServedAdapters([EngineClient(u, api_key=api_key) for u in urls],
+                                         adapter_dir, self.trainer.hf_dir)
+            return
         self.sender = BucketedWeightSender(
             [EngineClient(u, api_key=api_key) for u in urls], mode=mode, bucket_bytes=bucket_bytes,
             master_addr=_node_ip(), engine_tp_sizes=engine_tp_sizes)
@@ -132,6 +142,9 @@ class TrainerWorker:
         from ragen_mega.backends.sglang.client import EngineClient
         from ragen_mega.backends.sglang.weight_sender import send_export
 
+        if self.sync_mode == "lora":
+            return self._publish_adapters(version, new_engines)
+
         def take_them_in() -> None:
             self.sender.replace_engines({i: EngineClient(u, api_key=self.engine_key)
                                          for i, u in sorted(new_engines.items())})
@@ -144,8 +157,27 @@ class TrainerWorker:
         return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes),
                 "sync/buckets": float(stats.num_buckets)}
 
+    def _publish_adapters(self, version: int, new_engines: dict[int, str] | None
+                          ) -> dict[str, float]:
+        """``sync_weights`` of a run whose engines serve the adapters by name: gathered to
+        every rank (collective), written and loaded into the engines by rank 0."""
+        from ragen_mega.backends.megatron.lora import gather_adapters
+        from ragen_mega.backends.sglang.client import EngineClient
+
+        tensors = gather_adapters(self.trainer.model)
+        if self.rank != 0:
+            return {}
+        if new_engines:
+            self.served.replace_engines({i: EngineClient(u, api_key=self.engine_key)
+                                         for i, u in new_engines.items()})
+        stats = self.served.publish(tensors, self.trainer.lora, version)
+        return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes)}
+
     def close(self) -> None:
         """Tear down the weight-update channel (its process group and HTTP sessions)."""
+        if self.served is not None:
+            self.served.close()
+            self.served = None
         if self.sender is not None:
             self.sender.close()
             for client in self.sender.engines:
@@ -221,8 +253,10 @@ class TrainerGroup:
         return self._first("load_checkpoint", path)
 
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], *, mode: str,
-                        bucket_bytes: int, api_key: str | None) -> None:
-        self._call("connect_engines", urls, engine_tp_sizes, mode, bucket_bytes, api_key)
+                        bucket_bytes: int, api_key: str | None,
+                        adapter_dir: str | None = None) -> None:
+        self._call("connect_engines", urls, engine_tp_sizes, mode, bucket_bytes, api_key,
+                   adapter_dir)
 
     def sync_weights(self, version: int, new_engines: dict[int, str] | None = None
                      ) -> dict[str, float]:

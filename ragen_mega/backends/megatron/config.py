@@ -31,9 +31,11 @@ class LoraConfig:
     #: ``lm_head`` (an untied head only) may be added
     target_modules: list[str] = dataclasses.field(default_factory=lambda: list(LORA_TARGETS[:7]))
     #: what a weight sync sends the engines: "adapters" (the engines' plugin merges them into
-    #: the base weights it kept: backends/sglang/lora_merge.py), or "merged" (every adapted
-    #: weight whole, as a full-weight run sends: for engines started without that plugin)
-    sync: Literal["adapters", "merged"] = "adapters"
+    #: the base weights it kept: backends/sglang/lora_merge.py), "merged" (every adapted
+    #: weight whole, as a full-weight run sends: for engines started without that plugin), or
+    #: "native" (SGLang serves the base and the adapters by name, each version loaded from a
+    #: PEFT directory under the run directory: backends/sglang/lora_serving.py)
+    sync: Literal["adapters", "merged", "native"] = "adapters"
 
     def validate(self):
         check_declared(self)

@@ -16,7 +16,8 @@ Endpoints (SGLang 0.5.23, sglang/srt/entrypoints/http_server.py): /generate, /he
 /model_info, /server_info, /flush_cache, /begin_weight_update, /end_weight_update,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed,
 /update_weights_from_tensor, /update_weights_from_disk, /update_weight_version,
-/pause_generation, /continue_generation, /release_memory_occupation, /resume_memory_occupation.
+/pause_generation, /continue_generation, /release_memory_occupation, /resume_memory_occupation,
+/load_lora_adapter, /unload_lora_adapter.
 Every weight update must happen inside a ``begin_weight_update``/``end_weight_update`` session
 (:meth:`AsyncEngineClient.weight_update`); SGLang refuses updates outside one.
 """
@@ -31,6 +32,7 @@ import functools
 import json
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Coroutine, Sequence
 
 import aiohttp
@@ -272,17 +274,21 @@ class AsyncEngineClient:
                               f"{str(item)[:300]}") from None
 
     async def _generate_request(self, input_ids, sampling_params: dict, return_logprob: bool,
-                                timeout: float | None, return_routed_experts: bool) -> list:
+                                timeout: float | None, return_routed_experts: bool,
+                                lora_path: str | None = None) -> list:
         body = {"input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": return_logprob}
         if return_routed_experts:
             body["return_routed_experts"] = True
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         out = await self.request("POST", "/generate", body, timeout=timeout)
         return out if isinstance(out, list) else [out]
 
     async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
                        sampling_params: dict | None = None, *, return_logprob: bool = True,
-                       timeout: float | None = None, return_routed_experts: bool = False):
+                       timeout: float | None = None, return_routed_experts: bool = False,
+                       lora_path: str | None = None):
         """Sample completions for one prompt or a batch of prompts, given as token ids.
 
         ``sampling_params`` is SGLang's dict (``temperature``, ``top_p``, ``top_k``,
@@ -292,6 +298,8 @@ class AsyncEngineClient:
         a list with that per prompt. A batch with ``n == 1`` is one engine request; with
         ``n > 1`` each prompt is its own concurrent request (SGLang's advice for n > 1).
         ``return_routed_experts``: each completion's ``routed_experts`` (see :class:`Completion`).
+        ``lora_path``: the name of a LoRA adapter the engine serves (:meth:`load_lora_adapter`)
+        to generate with; None: the base weights.
         """
         single = _check_input_ids(input_ids)
         params = dict(sampling_params or {})
@@ -302,12 +310,13 @@ class AsyncEngineClient:
 
         if n == 1:
             items = await self._generate_request(prompts[0] if single else prompts, params,
-                                                 return_logprob, timeout, return_routed_experts)
+                                                 return_logprob, timeout, return_routed_experts,
+                                                 lora_path)
             per_prompt = [[item] for item in items]
         else:
             per_prompt = await asyncio.gather(*(
                 self._generate_request(p, params, return_logprob, timeout,
-                                       return_routed_experts) for p in prompts))
+                                       return_routed_experts, lora_path) for p in prompts))
         if len(per_prompt) != len(prompts) or any(len(x) != n for x in per_prompt):
             raise EngineError(f"POST {self.url}/generate: malformed response: expected "
                               f"{len(prompts)} prompt(s) x n={n} completions, got "
@@ -433,6 +442,25 @@ class AsyncEngineClient:
         await self._control("/update_weight_version", {
             "new_version": str(new_version), "abort_all_requests": abort_all_requests})
 
+    # ----- LoRA adapters (a server started with --enable-lora) -----
+
+    async def load_lora_adapter(self, name: str, path: str | Path, *,
+                                timeout: float | None = None) -> None:
+        """Serve the PEFT adapter directory ``path`` (read by the server) as ``name``."""
+        await self._lora_control("/load_lora_adapter", {"lora_name": name,
+                                                        "lora_path": str(path)}, timeout)
+
+    async def unload_lora_adapter(self, name: str, *, timeout: float | None = None) -> None:
+        """Stop serving adapter ``name``; the server answers once the requests that use it
+        have finished."""
+        await self._lora_control("/unload_lora_adapter", {"lora_name": name}, timeout)
+
+    async def _lora_control(self, path: str, payload: dict, timeout: float | None) -> None:
+        out = await self.request("POST", path, payload, timeout=timeout, retry=False)
+        if not isinstance(out, dict) or not out.get("success"):
+            message = out.get("error_message") if isinstance(out, dict) else out
+            raise EngineError(f"POST {self.url}{path} ({payload['lora_name']}) failed: {message}")
+
 
 def _blocking(method):
     """The synchronous form of ``AsyncEngineClient.<method>``, with its signature and doc."""
@@ -509,3 +537,5 @@ class EngineClient:
     update_weights_from_tensor = _blocking(AsyncEngineClient.update_weights_from_tensor)
     update_weights_from_disk = _blocking(AsyncEngineClient.update_weights_from_disk)
     update_weight_version = _blocking(AsyncEngineClient.update_weight_version)
+    load_lora_adapter = _blocking(AsyncEngineClient.load_lora_adapter)
+    unload_lora_adapter = _blocking(AsyncEngineClient.unload_lora_adapter)

@@ -5,14 +5,24 @@ SGLang allocates some host-side buffers through ``ALLOC_MEMORY_FUNCS[device]``
 (``cudaHostRegister``) so that device copies into it can be asynchronous. A CPU server has no
 CUDA, so the first such buffer fails the start-up: the one that ``--enable-return-routed-experts``
 makes for the experts each token was routed to (``state_capturer/base.py``, ``BaseHostCache``),
-which routing replay needs. On the CPU every buffer is host memory already: the plugin gives
-the ``cpu`` device a plain ``torch.empty``.
+which routing replay needs. SGLang's LoRA serving (``--enable-lora``) stages its adapter
+weights and per-batch indices in page-locked tensors too (``pin_memory=True``,
+``Tensor.pin_memory()``), which torch refuses without an accelerator. On the CPU every buffer
+is host memory already: the plugin gives the ``cpu`` device a plain ``torch.empty``, makes
+``Tensor.pin_memory`` return the tensor itself and drops ``pin_memory=True`` from torch's
+tensor factories.
 """
 from __future__ import annotations
 
+import functools
+
+#: the factories SGLang calls with ``pin_memory=True``
+PINNED_FACTORIES = ("tensor", "empty", "zeros", "ones", "full")
+
 
 def unpinned_host_buffers_plugin() -> None:
-    """SGLang general plugin: ``ALLOC_MEMORY_FUNCS["cpu"]`` allocates ordinary host memory."""
+    """SGLang general plugin: ``ALLOC_MEMORY_FUNCS["cpu"]`` allocates ordinary host memory, and
+    no tensor asks to be page-locked."""
     import torch
 
     if torch.cuda.is_available():
@@ -24,3 +34,13 @@ def unpinned_host_buffers_plugin() -> None:
         return torch.empty(dims, dtype=dtype, device="cpu")
 
     common.ALLOC_MEMORY_FUNCS["cpu"] = alloc_host
+    torch.Tensor.pin_memory = lambda self, *args, **kwargs: self
+    for name in PINNED_FACTORIES:
+        setattr(torch, name, _unpinned(getattr(torch, name)))
+
+
+def _unpinned(factory):
+    @functools.wraps(factory)
+    def make(*args, pin_memory=False, **kwargs):
+        return factory(*args, **kwargs)
+    return make

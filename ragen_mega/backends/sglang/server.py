@@ -24,7 +24,7 @@ whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU an
 CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also get the
 ``warm_receive.py`` plugin (weight-sync receives into reused memory, loaded as they land) and
 ``host_buffers.py`` (host buffers that need no CUDA, which ``--enable-return-routed-experts``
-allocates) and ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path).
+and ``--enable-lora`` allocate) and ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from ragen_mega.backends.parent_death import die_with_parent
 from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
 from ragen_mega.backends.sglang.engine_key import KEY_ENV
 from ragen_mega.backends.sglang.lora_merge import TARGETS_ENV as LORA_TARGETS_ENV
+from ragen_mega.backends.sglang.lora_serving import server_args as lora_server_args
 from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
 logger = logging.getLogger(__name__)
@@ -203,9 +204,10 @@ class EngineServer:
 def build_command(model_path: str | Path, *, host: str, port: int, tp: int, device: str,
                   dtype: str | None, mem_fraction: float | None, max_total_tokens: int | None,
                   seeded_sampling: bool = False, memory_saver: bool = False,
+                  lora_serving: tuple[int, Sequence[str]] | None = None,
                   extra_args: Sequence[str] = ()) -> list[str]:
-    """The ``sglang.launch_server`` command line for these settings (``seeded_sampling`` and
-    ``memory_saver``: see :func:`launch_server`)."""
+    """The ``sglang.launch_server`` command line for these settings (``seeded_sampling``,
+    ``memory_saver`` and ``lora_serving``: see :func:`launch_server`)."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_path),
            "--host", host, "--port", str(port), "--tp-size", str(tp)]
     if device == "cpu":
@@ -225,6 +227,8 @@ def build_command(model_path: str | Path, *, host: str, port: int, tp: int, devi
         cmd += ["--mem-fraction-static", str(mem_fraction)]
     if max_total_tokens is not None:
         cmd += ["--max-total-tokens", str(max_total_tokens)]
+    if lora_serving:
+        cmd += lora_server_args(*lora_serving, device)
     return cmd + [str(a) for a in extra_args]
 
 
@@ -310,7 +314,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
                   seeded_sampling: bool = False, memory_saver: bool = False,
                   gpu_ids: Sequence[str | int] | None = None,
                   api_key: str | None = None,
-                  lora_targets: Sequence[str] = ()) -> EngineServer:
+                  lora_targets: Sequence[str] = (),
+                  lora_serving: tuple[int, Sequence[str]] | None = None) -> EngineServer:
     """Start an SGLang server for the HF checkpoint at ``model_path``; return its handle.
 
     ``port=None`` picks a free port; ``device="auto"`` is ``cuda`` when CUDA is available, else
@@ -334,6 +339,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     reaches the server through its environment, never its command line or log
     (``engine_key.py``). ``lora_targets`` (a LoRA run's adapted HF modules): the server keeps
     their base weights and merges the adapters each sync sends (``lora_merge.py``).
+    ``lora_serving`` (rank, target modules): the server serves LoRA adapters by name, loaded
+    with ``load_lora_adapter`` (``lora_serving.py``; on CPU SGLang's ``torch_native`` kernels).
     With ``wait=True`` (default) this returns once the server is healthy, or raises
     :class:`EngineStartupError` (after stopping the process group) with the log tail. A port
     that :func:`free_port` picked can be taken by another process before the server binds it
@@ -357,7 +364,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
         cmd = build_command(model_path, host=host, port=chosen, tp=tp, device=device,
                             dtype=dtype, mem_fraction=mem_fraction,
                             max_total_tokens=max_total_tokens, seeded_sampling=seeded_sampling,
-                            memory_saver=memory_saver, extra_args=extra_args)
+                            memory_saver=memory_saver, lora_serving=lora_serving,
+                            extra_args=extra_args)
         server = _spawn(cmd, host, chosen, child_env, log_file)
         if not wait:
             return server
