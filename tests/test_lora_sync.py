@@ -8,6 +8,10 @@ shows the plugin merges onto the base it kept, not onto the last merge; and an e
 afresh with the plugin and given only the adapters serves the same. The same rounds on a
 mixture of experts (adapters on every expert's gate/up/down) into an engine with the plugin
 alone: its log-probs are the trainer's after each sync.
+
+SGLang's own serving by name (``actor.lora.sync: native``, ``lora_serving.py``): each request
+runs on the version it names, one in flight through two newer versions included, against PEFT;
+and a whole run's engine follows the trainer, a restarted one too.
 """
 from __future__ import annotations
 
@@ -174,3 +178,71 @@ def test_engines_serving_the_adapters_by_name_follow_the_trainer_and_its_restart
                          "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"]) == (4, 8.0)
     assert "ragen_mega_v1" in log and "ragen_mega_v3" in log
+
+
+@pytest.mark.slow
+def test_each_request_runs_on_the_adapter_version_it_names(tiny_model, tmp_path):
+    """Versions published into an engine that serves adapters by name
+    (``lora_serving.ServedAdapters``): a long greedy request names v1 and is decoding while v2
+    and v3 are published, v3's publish unloading v1 (SGLang answers that once the request has
+    finished); then a request names v2. Each one's tokens and log-probs are PEFT's on
+    transformers with that version's adapters, and v1 is no longer served."""
+    import time
+
+    from peft import get_peft_model_state_dict
+
+    from ragen_mega.backends.megatron.lora import LoraSettings
+    from ragen_mega.backends.sglang.client import EngineClient, EngineError
+    from ragen_mega.backends.sglang.lora_serving import ServedAdapters, adapter_name
+    from test_lora import _peft_model
+
+    hf_dir = str(tiny_model("qwen2", tied=False))
+    targets = TARGETS[:7]
+    models = {}
+    for version in (1, 2, 3):
+        torch.manual_seed(version)
+        models[version] = _peft_model(hf_dir, targets=targets)
+    settings = LoraSettings(4, 8.0, 0.0, targets)
+
+    def tensors(version):
+        state = get_peft_model_state_dict(models[version])
+        return {k[len("base_model.model."):]: v for k, v in state.items()}
+
+    def peft_logprobs(version, prompt, completion):
+        ids = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            logp = torch.log_softmax(models[version](input_ids=ids).logits[0, :-1].double(), -1)
+        return logp.gather(-1, ids[0, 1:, None])[len(prompt) - 1:, 0].tolist()
+
+    def peft_greedy(version, prompt, n):
+        with torch.no_grad():
+            out = models[version].generate(torch.tensor([prompt]), max_new_tokens=n,
+                                           do_sample=False)
+        return out[0, len(prompt):].tolist()
+
+    long = {"temperature": 0.0, "max_new_tokens": 1500, "ignore_eos": True}
+    with engines_started_together(hf_dir, {"lora_serving": (4, targets)}, dtype="float32",
+                                  cpu_threads=1) as (engine,):
+        client = EngineClient(engine.url, timeout=600)
+        served = ServedAdapters([EngineClient(engine.url)], tmp_path, hf_dir)
+        served.publish(tensors(1), settings, 1)
+        in_flight = client.submit(client.aio.generate(PROMPTS[2], long,
+                                                      lora_path=adapter_name(1)))
+        time.sleep(1.0)   # decoding by now (on a fast machine it may be done: still correct)
+        served.publish(tensors(2), settings, 2)
+        served.publish(tensors(3), settings, 3)   # unloads v1
+        assert in_flight.done()
+        first = in_flight.result()
+        second = client.generate(PROMPTS, GREEDY, lora_path=adapter_name(2))
+        with pytest.raises(EngineError, match="ragen_mega_v1"):
+            client.generate(PROMPTS[0], GREEDY, lora_path=adapter_name(1))
+        client.close()
+        served.close()
+    assert served.loaded == [[adapter_name(2), adapter_name(3)]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [adapter_name(2), adapter_name(3)]
+    assert len(first.output_ids) == 1500
+    assert _diff([first.output_logprobs],
+                 [peft_logprobs(1, PROMPTS[2], first.output_ids)]) < 1e-4
+    for prompt, out in zip(PROMPTS, second):
+        assert out.output_ids == peft_greedy(2, prompt, 8)
+        assert _diff([out.output_logprobs], [peft_logprobs(2, prompt, out.output_ids)]) < 1e-4
