@@ -138,7 +138,7 @@ def test_adapter_only_sync_into_a_mixture_of_experts_serves_the_trainers_weights
 @pytest.mark.slow
 def test_engines_serving_the_adapters_by_name_follow_the_trainer_and_its_restart(
         tiny_run_overrides, tmp_path, private_ray, monkeypatch):
-    """``actor.lora.sync: native``, the whole loop (actor at TP 2, critic, one engine serving
+    """``actor.lora.sync: native``, the whole loop (GRPO, actor at TP 2, one engine serving
     the adapters with SGLang's own LoRA kernels, ``torch_native`` on CPU): after each step's
     sync the engine's log-probs under the newest adapter version are the trainer's; its server
     is SIGKILLed after step 2's update, and the restarted one, which starts from the base
@@ -164,6 +164,7 @@ def test_engines_serving_the_adapters_by_name_follow_the_trainer_and_its_restart
     monkeypatch.setattr(train_module, "update_models", killed_after_update)
     overrides = tiny_run_overrides(tmp_path, total_steps=3) + [
         "trainer.save_every=0", "rollout.max_engine_restarts_per_step=1", "actor.lr=2e-2",
+        "critic.enable=false", "algo.adv_estimator=grpo",
         "actor.lora.rank=4", "actor.lora.alpha=8", "actor.lora.sync=native"]
     history = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
     assert [h["step"] for h in history] == [1, 2, 3]
