@@ -231,6 +231,13 @@ class RunConfig:
             raise ConfigError(f"actor.tis_cap: {mode} trains on samples of older weights and "
                               f"needs the truncated IS correction; set actor.tis_cap (slime "
                               f"uses 2)")
+        lora = self.actor.lora
+        if self.trainer.async_mode == "fully" and lora.rank and lora.sync == "native":
+            raise ConfigError(f"actor.lora.sync: native with {mode}: a sync pauses the "
+                              f"rollout's requests and has each engine unload the adapter "
+                              f"version before the last, which SGLang does once that "
+                              f"version's requests finish, so a paused one would hold the sync "
+                              f"for good; use sync: adapters (the engines merge them)")
 
     def _validate_replay(self):
         """What a replayed run rules out: with no engine there is nothing to evaluate, sync or
