@@ -18,8 +18,9 @@ GPU, the ``torch_native`` backend on a CPU):
   finished).
 
 Against the merge: no host copy of the base weights and no pause for a weight update, and a
-sync moves a few MB; generation pays the adapters' extra matmuls in every request, and on a
-CPU the ``torch_native`` kernels are slow (the merge stays the default).
+sync moves a few MB; generation pays the adapters' extra matmuls in every request. The merge
+stays the default: this serving has run on CPU engines only (SGLang's ``torch_native``
+kernels), and neither has been timed against the other on a GPU.
 """
 from __future__ import annotations
 
