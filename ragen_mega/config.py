@@ -170,6 +170,13 @@ class RunConfig:
             self._validate_user_agent()
         if self.trainer.async_mode != "off":
             self._validate_async_mode()
+        lora = self.actor.lora
+        if self.trainer.colocate and lora.rank and lora.sync == "native":
+            raise ConfigError("actor.lora.sync: native with trainer.colocate=true: colocated "
+                              "engines release their device memory for each train phase, and "
+                              "SGLang's LoRA memory pool, which holds the served adapters on the "
+                              "device, is not known to come back with them (untested); use "
+                              "sync: adapters")
         if self.trainer.collapse_every and not self.agent.think:
             raise ConfigError("trainer.collapse_every: the collapse probes cross-score each "
                               "answer's reasoning (<think>) with the batch's prompts, and with "

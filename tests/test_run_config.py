@@ -91,6 +91,8 @@ def test_defaults_are_ragen_starpo_s():
                                    "of older weights"),
     (["trainer.async_mode=fully", "actor.tis_cap=2", "actor.lora.rank=8",
       "actor.lora.sync=native"], "actor.lora.sync: native with trainer.async_mode=fully"),
+    (["trainer.colocate=true", "actor.lora.rank=8", "actor.lora.sync=native"],
+     "actor.lora.sync: native with trainer.colocate=true"),
     # the rollout filter (RAGEN-2's strategies): each value read by its strategy only
     (["filter.strategy=top_q"], "filter.strategy: must be one of ['min_p', 'top_k', 'top_p']"),
     (["filter.strategy=top_p", "filter.top_p=1.5"], "filter.top_p: must be in (0, 1], got 1.5"),
