@@ -37,7 +37,9 @@ _REFERENCE_STYLES = {"random_valid": (0, (1, 2)), "example_copy": (0, (4, 2)),
 
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
-    """The run's per-step metrics; a missing, empty or unreadable file is a clear error."""
+    """The run's per-step metrics, in step order; a missing, empty or unreadable file is a clear
+    error. A resumed run plays the steps after its checkpoint again and appends them: a step's
+    last line wins, the one the run went on from (as in ``ragen-mega view``)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"ragen-mega plot: no metrics file {path} (is {run_dir} a run "
@@ -52,7 +54,8 @@ def load_metrics(run_dir: str | Path) -> list[dict]:
             raise ValueError(f"ragen-mega plot: {path} line {n} is not JSON: {e}") from None
     if not rows:
         raise ValueError(f"ragen-mega plot: {path} has no steps yet")
-    return rows
+    by_step = {row.get("step"): row for row in rows}
+    return [by_step[step] for step in sorted(by_step, key=lambda s: (s is None, s))]
 
 
 def load_references(run_dir: str | Path) -> dict[str, float]:

@@ -46,6 +46,17 @@ def test_two_runs_overlaid(tmp_path):
     assert colours["vanilla train"] != colours["starpo_s train"]
 
 
+def test_a_resumed_runs_replayed_steps_are_drawn_once_with_the_replay(tmp_path):
+    """Resumed from step 1's checkpoint after step 3, the run appended steps 2 and 3 again."""
+    run = write_run(tmp_path / "resumed", [
+        {"step": 1, "rollout/success": 0.1}, {"step": 2, "rollout/success": 0.2},
+        {"step": 3, "rollout/success": 0.3}, {"step": 2, "rollout/success": 0.25},
+        {"step": 3, "rollout/success": 0.35}, {"step": 4, "rollout/success": 0.4}])
+    lines = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata()))
+             for ax in plot_runs([run]).axes for line in ax.lines}
+    assert lines["resumed train"] == ([1, 2, 3, 4], [0.1, 0.25, 0.35, 0.4])
+
+
 def test_missing_and_empty_metrics_name_the_path(tmp_path, capsys):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope" / "metrics.jsonl")):
         plot_runs([tmp_path / "nope"])
