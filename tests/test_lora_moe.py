@@ -95,15 +95,15 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_d
         load_hf_checkpoint(chunks, hf_dir)
         lora.apply_lora(chunks, lora.LoraSettings(RANK, ALPHA, 0.0, TARGETS), seed=0)
         lora.load_adapters(chunks, adapters)
-        key = _name(layout)
-        out[key] = {
+        name = _name(layout)
+        out[name] = {
             "held": sorted(key for key, _, _ in lora.adapter_tensors(chunks[0])),
             "lp": forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0],
             # what `convert` writes and a merged-weight sync sends: base + s * B A
             "merged": {k: v.clone() for k, v in export_hf_state(chunks)}}
         # at DP 2 this rank's micro-batch (together the two of the reference's), else both
         rows = slice(None) if layout.get("tp") == 2 else slice(0, 2) if rank == 0 else slice(2, 3)
-        out[key]["grads"] = training_grads(chunks, ids[rows], mask[rows], rank,
+        out[name]["grads"] = training_grads(chunks, ids[rows], mask[rows], rank,
                                            reduce_over_dp=True)[0]
         del chunks
         gc.collect()

@@ -98,7 +98,7 @@ class Run:
                     if self.cfg.trainer.colocate:
                         self.engines.resume_memory(["weights"])
         supervisor.synced(restarted)
-        if self.cfg.actor.lora.rank and self.cfg.actor.lora.sync == "native":
+        if _lora_serving(self.cfg) is not None:
             from ragen_mega.backends.sglang.lora_serving import adapter_name
 
             self.engines.adapter = (adapter_name(version), version)   # new requests use it

@@ -340,15 +340,8 @@ def adapter_tensors(model: nn.Module):
     is PEFT's name without its ``base_model.model.`` prefix
     (``model.layers.3.self_attn.q_proj.lora_A.weight``: global layer index, whole shape); the
     TP axis is the one the parameter is this rank's slice along (None: whole on every rank)."""
-    for key, param, axis, _ in _adapter_tensors(model):
-        yield key, param, axis
-
-
-def _adapter_tensors(model: nn.Module):
-    """:func:`adapter_tensors`, each with whether it is a routed expert's."""
     for _, lora in adapters(model):
-        for key, param, axis in lora.tensors():
-            yield key, param, axis, lora.expert
+        yield from lora.tensors()
 
 
 def sharded_state_dict(model: nn.Module) -> dict:
@@ -362,14 +355,16 @@ def sharded_state_dict(model: nn.Module) -> dict:
     dp_rank = mpu.get_data_parallel_rank(with_context_parallel=True)
     expert_dp_rank = mpu.get_expert_data_parallel_rank() if model.ragen_spec.is_moe else dp_rank
     out = {}
-    for key, param, axis, expert in _adapter_tensors(model):
+    for _, lora in adapters(model):
         # an expert's adapters have one owner per expert-parallel rank, replicas over expert DP
-        dp = expert_dp_rank if expert else dp_rank
-        if axis is None:   # replicas on the other TP and DP ranks: one of them writes
-            out[key] = ShardedTensor.from_rank_offsets(key, param, replica_id=(0, tp_rank, dp))
-        else:
-            out[key] = ShardedTensor.from_rank_offsets(key, param, (axis, tp_rank, tp),
-                                                       replica_id=(0, 0, dp))
+        dp = expert_dp_rank if lora.expert else dp_rank
+        for key, param, axis in lora.tensors():
+            if axis is None:   # replicas on the other TP and DP ranks: one of them writes
+                out[key] = ShardedTensor.from_rank_offsets(key, param,
+                                                           replica_id=(0, tp_rank, dp))
+            else:
+                out[key] = ShardedTensor.from_rank_offsets(key, param, (axis, tp_rank, tp),
+                                                           replica_id=(0, 0, dp))
     trained = {id(p) for n, p in model.named_parameters() if p.requires_grad and not is_adapter(n)}
     if trained:
         out.update({k: v for k, v in model.sharded_state_dict().items()
