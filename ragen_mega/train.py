@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from ragen_mega.algo.advantages import kl_penalized_rewards
+from ragen_mega.algo.advantages import advantage_metrics, kl_penalized_rewards
 from ragen_mega.algo.estimators import compute_advantages
 from ragen_mega.algo.losses import episode_loss_tokens, kl_penalty
 from ragen_mega.algo.filter import FILTER_SETTINGS
@@ -247,6 +247,7 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
                                bootstrap_values=batch.get("bootstrap_values"))
     if not bool((weights == 1).all()):  # filter.loss_scaling, filter.soft_reweight
         batch["advantages"] = batch["advantages"] * weights[:, None]
+    metrics.update(advantage_metrics(batch["advantages"], batch["loss_mask"]))
     if "step_advantages" in batch:
         metrics.update(step_group_metrics(batch["state_group"], batch["step_advantages"]))
     for key in ("advantages", "returns"):

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from ragen_mega.algo.advantages import (bi_level_token_gae, broadcast_to_tokens, gae, grpo,
-                                        kl_penalized_rewards, masked_whiten, normalize_scores,
+from ragen_mega.algo.advantages import (advantage_metrics, bi_level_token_gae,
+                                        broadcast_to_tokens, gae, grpo, kl_penalized_rewards, masked_whiten, normalize_scores,
                                         turn_level_gae)
 
 
@@ -100,6 +100,24 @@ def test_grpo_hand_values():
     torch.testing.assert_close(grpo(scores, groups), expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(grpo(scores, groups, norm_by_std=False),
                                torch.tensor([0.5, -0.5, 0.0, -0.5, 0.0, 0.5, 0.0]))
+
+
+def test_advantage_metrics_weigh_the_trained_tokens():
+    """One group: a win in one turn of 2 answer tokens, a loss in three such turns. GRPO gives
+    them +0.5 and -0.5, which sum to 0 over the episodes; over the tokens the loss has three
+    times the weight: (2 * 0.5 - 6 * 0.5) / 8 = -0.25."""
+    episodes = grpo(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), norm_by_std=False)
+    advantages = broadcast_to_tokens(episodes[torch.tensor([0, 1, 1, 1])],  # a row per turn
+                                     torch.tensor([[0.0, 1.0, 1.0, 0.0]] * 4))
+    advantages[:, 0] = 9.0  # a prompt token's value is never read
+    mask = torch.tensor([[0.0, 1.0, 1.0, 0.0]] * 4)
+    metrics = advantage_metrics(advantages, mask)
+    assert metrics == pytest.approx({"critic/advantages/mean": -0.25,
+                                     "critic/advantages/max": 0.5,
+                                     "critic/advantages/min": -0.5})
+    assert advantage_metrics(advantages, torch.zeros_like(mask)) == {}  # nothing trained
+    with pytest.raises(ValueError, match="shapes"):
+        advantage_metrics(advantages, mask[:, :3])
 
 
 def test_broadcast_to_tokens():

@@ -124,6 +124,14 @@ def test_the_run_writes_every_step_and_evaluation_as_trajectories(one_turn_run):
             assert t["advantage"] == pytest.approx(r["return"] - sum(group) / len(group),
                                                    abs=1e-6)
             assert r["kept"] is True
+        # verl's advantage scalars: over the trained answer tokens, so each turn's advantage
+        # counts as many times as its answer has tokens
+        weighted = [(t["advantage"], t["response_tokens"]) for r in records for t in r["turns"]]
+        assert metrics["critic/advantages/mean"] == pytest.approx(
+            sum(a * n for a, n in weighted) / sum(n for _, n in weighted), abs=1e-6)
+        assert (metrics["critic/advantages/min"], metrics["critic/advantages/max"]) == (
+            pytest.approx(min(a for a, _ in weighted), abs=1e-6),
+            pytest.approx(max(a for a, _ in weighted), abs=1e-6))
     evaluations = {0: json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0]),
                    8: history[-1]}
     for step, metrics in evaluations.items():

@@ -99,6 +99,24 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     return whitened * m
 
 
+@torch.no_grad()
+def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """verl's ``critic/advantages/{mean,max,min}`` over the loss tokens (none: no scalars).
+
+    The mean is what a ``token-mean`` loss pushes each trained token by on net. Group-relative
+    advantages sum to 0 over a group's episodes, not over its tokens: where the failed episodes
+    are the long ones (an agent wandering until ``env.max_turns``), the mean is below 0 step
+    after step, and what every answer shares (its end, its commonest move) is pushed down on
+    net."""
+    _check_tokens(advantages=advantages, mask=mask)
+    trained = advantages[mask.bool()]
+    if trained.numel() == 0:
+        return {}
+    return {"critic/advantages/mean": float(trained.mean()),
+            "critic/advantages/max": float(trained.max()),
+            "critic/advantages/min": float(trained.min())}
+
+
 class GroupStats(NamedTuple):
     """Statistics of ``scores`` per group; groups in ascending id order."""
 
