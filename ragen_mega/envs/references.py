@@ -6,7 +6,8 @@ and action budget (``max_turns`` turns of up to ``max_actions_per_turn`` actions
 - ``random_valid``: a uniformly random valid action at every move;
 - ``example_copy``: the prompt's example answer written every turn (only when the prompt shows
   one: ``agent.example_answer``);
-- ``best_fixed``: the best single answer written every turn;
+- ``best_fixed``: the best single answer written every turn, chosen for each map (so it is
+  not a map-blind line: one answer for every map can do much worse);
 - ``optimal``: the best policy that sees the map.
 
 Each entry of :data:`REFERENCES` maps ``(env_kwargs, seeds, max_turns, max_actions_per_turn,
