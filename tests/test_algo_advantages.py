@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from ragen_mega.algo.advantages import (advantage_metrics, bi_level_token_gae,
-                                        broadcast_to_tokens, gae, grpo, kl_penalized_rewards, masked_whiten, normalize_scores,
-                                        turn_level_gae)
+                                        broadcast_to_tokens, gae, grpo, kl_penalized_rewards,
+                                        masked_whiten, normalize_scores, turn_level_gae)
 
 
 def _naive_gae(rewards: list[float], values: list[float], gamma: float, lam: float,
