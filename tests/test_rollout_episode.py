@@ -148,25 +148,45 @@ def test_mixed_episodes_play_their_own_env(tokenizer, scripted):
     assert "Phoenix" in bandit_prompt and "Phoenix" not in sokoban_prompt
 
 
+def _frozen_lake_turn_rates(tokenizer, scripted, answers, key, **agent_kwargs):
+    """``(episode.metrics[key], turns)`` of one FrozenLake episode (seed 0, no slip, up to 4
+    turns) whose turns answer ``answers`` in order, the last one from there on."""
+    spec = EpisodeSpec("frozen_lake", {"is_slippery": False}, seed=0, episode_id=0, group_id=0)
+    agent = AgentConfig(think=False, **{"max_actions_per_turn": 2, **agent_kwargs})
+    gen = scripted(tokenizer, answers)
+
+    async def go():
+        return await run_episodes([spec], tokenizer=tokenizer, agent=agent,
+                                  generate=lambda ids, sp: gen(ids, {**sp, "episode_key": 0}),
+                                  sampling={}, max_turns=4)
+    [episode] = asyncio.run(go())
+    return episode.metrics[key], episode.metrics["num_turns"]
+
+
 def test_example_copy_rate_counts_turns_that_answer_the_prompts_example(tokenizer, scripted):
     """FrozenLake's example answer is ``Left || Down`` (its first two action words): a turn
     answering exactly that, case and spaces aside, copies it; another answer, or a prompt that
     shows no example, does not."""
-    spec = EpisodeSpec("frozen_lake", {"is_slippery": False}, seed=0, episode_id=0, group_id=0)
-
     def rate(answers, example_answer=True):
-        agent = AgentConfig(think=False, max_actions_per_turn=2, example_answer=example_answer)
-        gen = scripted(tokenizer, answers)
-
-        async def go():
-            return await run_episodes([spec], tokenizer=tokenizer, agent=agent,
-                                      generate=lambda ids, sp: gen(ids, {**sp, "episode_key": 0}),
-                                      sampling={}, max_turns=4)
-        [episode] = asyncio.run(go())
-        return episode.metrics["example_copy_rate"], episode.metrics["num_turns"]
+        return _frozen_lake_turn_rates(tokenizer, scripted, answers, "example_copy_rate",
+                                       example_answer=example_answer)
 
     copied, turns = rate([" Up </answer>", " left ||down </answer>"])  # the second on, every turn
     assert turns > 1 and copied == pytest.approx((turns - 1) / turns)
     assert rate([" Left || Down </answer>"])[0] == 1.0
     assert rate([" Down || Left </answer>"])[0] == 0.0
     assert rate([" Left || Down </answer>"], example_answer=False)[0] == 0.0
+
+
+def test_over_budget_rate_counts_turns_whose_answer_names_unplayed_actions(tokenizer, scripted):
+    """An answer's actions past ``agent.max_actions_per_turn`` are dropped unplayed (RAGEN's
+    parser); a turn that named any counts, whatever how many: exactly the budget does not."""
+    def rate(answers, max_actions=2):
+        return _frozen_lake_turn_rates(tokenizer, scripted, answers, "over_budget_rate",
+                                       max_actions_per_turn=max_actions)
+
+    over, turns = rate([" Up || Up || Up || Up </answer>", " Up </answer>"])
+    assert turns > 1 and over == pytest.approx(1 / turns)
+    assert rate([" Up || Up </answer>"])[0] == 0.0
+    assert rate([" Up || Up || Up </answer>"], max_actions=3)[0] == 0.0
+    assert rate([" Up || Up || Up </answer>"])[0] == 1.0

@@ -20,7 +20,9 @@ answer-only mode) plus its env manager's penalty for an answer without actions:
 - stray tags inside thought or answer (nested or duplicated ``<think>``/``<answer>``...) are
   deleted, then both are stripped;
 - the answer splits on ``action_sep``; pieces are stripped and empty ones dropped; the first
-  ``max_actions_per_turn`` are kept and the rest counted in ``n_dropped`` (not penalised);
+  ``max_actions_per_turn`` are kept and the rest counted in ``n_dropped`` (not penalised;
+  RAGEN then trains a response rewritten to the kept actions, this project the tokens as
+  sampled: docs/design.md, "Agent: what is trained of an answer");
 - an answer with no action at all breaks the format.
 
 A broken format gives no actions and ``penalty = config.format_penalty``. The work is linear in

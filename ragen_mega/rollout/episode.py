@@ -77,6 +77,7 @@ class EpisodeState:
     n_effective: int = 0
     n_format_ok: int = 0
     n_copied: int = 0           # turns whose answer is exactly the prompt's example answer
+    n_over_budget: int = 0      # turns whose answer named more actions than are played
     too_long: bool = False      # ended because the next prompt outgrew the engine's context
 
     @property
@@ -106,6 +107,7 @@ class EpisodeState:
                 "effective_action_rate": self.n_effective / n if n else 0.0,
                 "format_ok_rate": self.n_format_ok / self.turn if self.turn else 0.0,
                 "example_copy_rate": self.n_copied / self.turn if self.turn else 0.0,
+                "over_budget_rate": self.n_over_budget / self.turn if self.turn else 0.0,
                 "prompt_too_long": float(self.too_long)}
 
 
@@ -166,6 +168,7 @@ async def take_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
     state.turn += 1
     state.reward += reward
     state.n_format_ok += parsed.format_ok
+    state.n_over_budget += parsed.n_dropped > 0
     copied = state.builder.copies_example(parsed.actions)
     state.n_copied += copied
     state.history.record(gen.output_ids, parsed, reward)
