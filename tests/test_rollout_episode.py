@@ -180,7 +180,7 @@ def test_example_copy_rate_counts_turns_that_answer_the_prompts_example(tokenize
 
 def test_over_budget_rate_counts_turns_whose_answer_names_unplayed_actions(tokenizer, scripted):
     """An answer's actions past ``agent.max_actions_per_turn`` are dropped unplayed (RAGEN's
-    parser); a turn that named any counts, whatever how many: exactly the budget does not."""
+    parser); a turn that named any counts once, however many: exactly the budget does not."""
     def rate(answers, max_actions=2):
         return _frozen_lake_turn_rates(tokenizer, scripted, answers, "over_budget_rate",
                                        max_actions_per_turn=max_actions)
