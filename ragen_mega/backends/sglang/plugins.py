@@ -28,6 +28,7 @@ PLUGINS = {
     "ragen_mega_ep_native_moe": "ragen_mega.backends.sglang.ep_native_moe:ep_native_moe_plugin",
     "ragen_mega_engine_key": "ragen_mega.backends.sglang.engine_key:engine_key_plugin",
     "ragen_mega_lora_merge": "ragen_mega.backends.sglang.lora_merge:lora_merge_plugin",
+    "ragen_mega_forked_start": "ragen_mega.backends.sglang.forked_start:forked_start_plugin",
 }
 
 

@@ -22,9 +22,10 @@ model by default) and ``--sleep-on-idle``.
 Seeded sampling (``seeded_sampling=True``: requests carrying ``sampling_seed`` replay exactly,
 whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU and a plugin on
 CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also get the
-``warm_receive.py`` plugin (weight-sync receives into reused memory, loaded as they land) and
+``warm_receive.py`` plugin (weight-sync receives into reused memory, loaded as they land),
 ``host_buffers.py`` (host buffers that need no CUDA, which ``--enable-return-routed-experts``
-and ``--enable-lora`` allocate) and ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path).
+and ``--enable-lora`` allocate), ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path)
+and ``forked_start.py`` (the server's subprocesses forked, not spawned: half the start-up).
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ logger = logging.getLogger(__name__)
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native",
             "--sampling-backend", "pytorch", "--disable-cuda-graph", "--sleep-on-idle")
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+#: the plugins every CPU server loads (docs/cpu_stack.md, "Plugins")
+CPU_PLUGINS = ("ragen_mega_warm_receive", "ragen_mega_unpinned_host_buffers",
+               "ragen_mega_ep_native_moe", "ragen_mega_forked_start")
 LOG_TAIL_CHARS = 4000
 # what uvicorn logs when the HTTP port is held by another process; the server then hangs in its
 # shutdown instead of exiting, so start-up watches the log for it
@@ -283,9 +287,7 @@ def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
                 tp, sorted(os.sched_getaffinity(0)))
         if cpu_threads is not None:
             child_env["OMP_NUM_THREADS"] = str(cpu_threads)
-        plugins = ("ragen_mega_warm_receive", "ragen_mega_unpinned_host_buffers",
-                   "ragen_mega_ep_native_moe") + (
-            ("ragen_mega_seeded_sampling",) if seeded_sampling else ())
+        plugins = CPU_PLUGINS + (("ragen_mega_seeded_sampling",) if seeded_sampling else ())
         paths.append(server_pythonpath())
     if api_key:
         child_env[KEY_ENV] = api_key

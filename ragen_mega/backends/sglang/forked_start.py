@@ -1,0 +1,36 @@
+"""An SGLang server plugin for CPU servers: the scheduler and detokenizer processes are forked
+from the server's main process instead of spawned.
+
+Why: SGLang's launcher sets the ``spawn`` start method (``entrypoints/engine.py``,
+``_set_envs_and_config``) because a CUDA context cannot cross a fork. A spawned child starts a
+fresh interpreter and imports sglang, torch and transformers again, about 7 CPU-seconds each on
+a 2-core machine, and the scheduler and detokenizer do that side by side with the main process's
+own imports. That was most of a CPU server's start-up, and a start-up is paid by every run, every
+engine restarted after a fault, and every test that starts one (benchmarks/README.md: start-up
+spawned against forked, measured in one run). A forked child inherits the imported modules, and
+the plugins already applied (``load_plugins`` is guarded by a flag the child inherits too).
+
+Why a fork is safe here: a CPU server has no CUDA; the main process has computed nothing with
+torch when it forks (so no OpenMP thread pool is inherited half-alive), and none of our plugins
+starts a thread. GPU servers never load this plugin (``server.build_env`` adds it on CPU only).
+"""
+from __future__ import annotations
+
+import multiprocessing
+
+
+def forked_start_plugin() -> None:
+    """SGLang general plugin: the launcher's start-method setting ends with ``fork``.
+
+    Plugins load in the launcher's main process before ``_set_envs_and_config`` runs
+    (``sglang/launch_server.py``), so setting the method here would be overwritten; wrapping it
+    makes ``fork`` the last word, before the first child starts."""
+    from sglang.srt.entrypoints import engine
+
+    spawning = engine._set_envs_and_config
+
+    def set_envs_and_config(server_args):
+        spawning(server_args)
+        multiprocessing.set_start_method("fork", force=True)
+
+    engine._set_envs_and_config = set_envs_and_config
