@@ -25,7 +25,8 @@ CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also 
 ``warm_receive.py`` plugin (weight-sync receives into reused memory, loaded as they land),
 ``host_buffers.py`` (host buffers that need no CUDA, which ``--enable-return-routed-experts``
 and ``--enable-lora`` allocate), ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path)
-and ``forked_start.py`` (the server's subprocesses forked, not spawned: a third of the start-up saved).
+and ``forked_start.py`` (the server's subprocesses forked, not spawned: a third of the start-up
+saved).
 """
 from __future__ import annotations
 
