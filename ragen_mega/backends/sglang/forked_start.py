@@ -7,8 +7,9 @@ fresh interpreter and imports sglang, torch and transformers again, about 7 CPU-
 a 2-core machine, and the scheduler and detokenizer do that side by side with the main process's
 own imports. Forking saves a third of a CPU server's start-up (half on busy cores), paid by
 every run, every engine restarted after a fault, and every test that starts one
-(benchmarks/README.md: start-up spawned against forked, measured in one run). A forked child inherits the imported modules, and
-the plugins already applied (``load_plugins`` is guarded by a flag the child inherits too).
+(benchmarks/README.md: start-up spawned against forked, measured in one run). A forked child
+inherits the imported modules, and the plugins already applied (``load_plugins`` is guarded by
+a flag the child inherits too).
 
 Why a fork is safe here: a CPU server has no CUDA; the main process has computed nothing with
 torch when it forks (so no OpenMP thread pool is inherited half-alive), and none of our plugins
