@@ -5,7 +5,8 @@ moves), then syncs: the adapters alone into an engine started with the merge plu
 weights whole into a plain engine, as a full-weight run would. Both engines must then give the
 same greedy tokens and log-probs, those of the trainer; a second round (after another step)
 shows the plugin merges onto the base it kept, not onto the last merge; and an engine started
-afresh with the plugin and given only the adapters serves the same. The same rounds on a
+afresh with the plugin at TP 2 and given only the adapters serves the same, each of its ranks
+keeping half the base the TP 1 engine keeps. The same rounds on a
 mixture of experts (adapters on every expert's gate/up/down) into an engine with the plugin
 alone: its log-probs are the trainer's after each sync.
 
@@ -14,6 +15,8 @@ runs on the version it names, one in flight through two newer versions included,
 and a whole run's engine follows the trainer, a restarted one too.
 """
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -90,6 +93,12 @@ def _worker(rank, world, hf_dir, adapter_url, merged_url=None, fresh_url=None):
     return report
 
 
+def _kept(log: str) -> list[tuple[int, int, float]]:
+    """Each server rank's ``lora_merge`` line: adapted modules, parameters, MiB kept."""
+    return [(int(m), int(p), float(mib)) for m, p, mib in re.findall(
+        r"base weights of (\d+) adapted modules kept: (\d+) parameters, ([\d.]+) MiB", log)]
+
+
 def _diff(a, b) -> float:
     return max(abs(x - y) for ra, rb in zip(a, b) for x, y in zip(ra, rb))
 
@@ -98,12 +107,17 @@ def _diff(a, b) -> float:
 def test_adapter_only_sync_serves_the_merged_weights(tiny_model):
     hf_dir = tiny_model("qwen2", tied=False)
     with engines_started_together(hf_dir, {"lora_targets": TARGETS}, {},
-                                  {"lora_targets": TARGETS}, dtype="float32", cpu_threads=1
-                                  ) as (adapter_engine, merged_engine, fresh_engine):
+                                  {"lora_targets": TARGETS, "tp": 2}, dtype="float32",
+                                  cpu_threads=1) as (adapter_engine, merged_engine, fresh_engine):
         [report] = run_workers(_worker, 1, str(hf_dir), adapter_engine.url, merged_engine.url,
                                fresh_engine.url, timeout=900)
-        log = adapter_engine.log_file.read_text()
-    assert "lora_merge: base weights of 15 adapted modules kept" in log  # 2 layers x 7 + head
+        [whole] = _kept(adapter_engine.log_file.read_text())
+        shards = _kept(fresh_engine.log_file.read_text())
+    # 2 layers x 7 modules + the head, in 2 x (qkv, o, gate_up, down) + the head's parameters;
+    # at TP 2 each rank keeps its own half (2 KV heads, a vocabulary of 2 x 64k rows)
+    assert whole[:2] == (15, 9)
+    assert len(shards) == 2 and all(s[:2] == (15, 9) for s in shards), shards
+    assert all(abs(s[2] - whole[2] / 2) < 1e-3 for s in shards), (whole, shards)
     for version in (1, 2):
         stale, synced = report[f"stale_{version}"], report[f"v{version}"]
         (stale_ids, stale_lp), _ = [list(zip(*e)) for e in stale["engines"]]
@@ -126,7 +140,8 @@ def test_adapter_only_sync_into_a_mixture_of_experts_serves_the_trainers_weights
         [report] = run_workers(_worker, 1, str(hf_dir), engine.url, timeout=900)
         log = engine.log_file.read_text()
     # 2 layers x (q, k, v, o and 4 experts x gate, up, down) + the LM head
-    assert "lora_merge: base weights of 33 adapted modules kept" in log
+    [(modules, params, _)] = _kept(log)   # experts go into their layer's w13 and w2
+    assert (modules, params) == (33, 9)
     for version in (1, 2):
         stale, synced = report[f"stale_{version}"], report[f"v{version}"]
         (_, stale_lp), (_, lp) = [list(zip(*r["engines"][0])) for r in (stale, synced)]

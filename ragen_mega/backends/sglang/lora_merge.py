@@ -6,16 +6,22 @@ with no LoRA kernel (SGLang's LoRA backends are Triton/CUDA, or per-request adap
 every rollout request would have to name): this plugin, enabled for a server by
 :data:`TARGETS_ENV` (the adapted HF module names, comma separated), merges on the engine's side.
 
-* At the initial load (and a reload from disk) it keeps a host copy of the base weight of every
-  adapted module as it streams past (``model.layers.3.self_attn.q_proj.weight``): each engine
-  rank holds the adapted modules' base weights whole, a second copy of them in host memory.
+* After the initial load (and a reload from disk) it keeps a host copy of every model parameter
+  an adapted module loads into (``model.layers.3.self_attn.q_proj`` goes into SGLang's fused
+  ``qkv_proj.weight``, an expert's ``gate_proj`` into its layer's ``experts.w13_weight``), as
+  the parameter holds it: this rank's shard under tensor parallelism, its own experts under
+  expert parallelism. The copy is taken before SGLang's post-load processing, in the layout its
+  weight loaders write, which is what a weight update writes too.
 * Every later ``load_weights`` (a sync through either transport) reads the run's scaling
   (:data:`SCALING_NAME`, a one-value tensor sent first) and the adapters under PEFT's keys
   (``model.layers.3.self_attn.q_proj.lora_A.weight``, ``...lora_B.weight``); once a module's A
-  and B are both in, the model is given ``W = W_base + s * B A``, computed in fp32 from the kept
-  base and cast to its dtype. Every sync starts from the base, so nothing accumulates or
-  drifts, and it is the trainer's own merge (``lora.LoraLinear.merged``) on the whole matrix.
-  Other names pass through unchanged (a full sync still works).
+  and B are both in, ``s * B A`` is computed in fp32 on the whole matrix and handed to the
+  model's own weight loader, which shards it; the loader writes it into an fp32 scratch of the
+  parameter filled with NaN, swapped in for that one load, so the entries it wrote are the
+  module's shard (``q`` of a fused ``qkv``, the rows this rank holds). Those entries become
+  ``W_base + s B A`` from the kept base, cast once to the parameter's dtype: every sync starts
+  from the base, so nothing accumulates or drifts, and each entry is the trainer's own merge
+  (``lora.LoraLinear.merged``). Other names pass through unchanged (a full sync still works).
 
 A restarted engine loads the base from disk, keeps it again, and takes the current adapters
 from the resync that follows, as every restarted engine takes the current weights.
@@ -34,7 +40,24 @@ TARGETS_ENV = "RAGEN_MEGA_LORA_TARGETS"
 #: the one-value tensor that carries alpha / rank, sent ahead of the adapters
 SCALING_NAME = "ragen_mega.lora_scaling"
 _ADAPTER = re.compile(r"^(.*)\.lora_([AB])\.weight$")
-_TARGET = "sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_and_postprocess"
+_EXPERT = re.compile(r"^(.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj)$")
+#: HF linears SGLang's dense models load into one fused parameter (their stacked_params_mapping)
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_TARGET = "sglang.srt.model_loader.loader.DefaultModelLoader.load_weights_only"
+
+
+def parameter_of(module: str) -> str:
+    """The SGLang parameter an HF module's weight loads into (``...qkv_proj.weight`` for
+    ``...q_proj``; an expert's linears into their layer's ``experts.w13_weight`` and
+    ``experts.w2_weight``)."""
+    expert = _EXPERT.match(module)
+    if expert is not None:
+        kind = "w2_weight" if expert[2] == "down_proj" else "w13_weight"
+        return f"{expert[1]}.{kind}"
+    parent, _, leaf = module.rpartition(".")
+    fused = _FUSED.get(leaf, leaf)
+    return f"{parent}.{fused}.weight" if parent else f"{fused}.weight"
 
 
 class AdapterMerger:
@@ -42,26 +65,53 @@ class AdapterMerger:
 
     def __init__(self, targets: set[str]):
         self.targets, self.base, self.scaling = targets, {}, None
+        self.modules: set[str] = set()
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self._swapped: tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor, str] | None = None
 
     def adapted(self, name: str) -> str | None:
-        """The module of a base weight this plugin keeps (``...q_proj``), else None."""
+        """The module of a base weight this plugin adapts (``...q_proj``), else None."""
         if not name.endswith(".weight"):
             return None
         module = name[: -len(".weight")]
         return module if module.rsplit(".", 1)[-1] in self.targets else None
 
-    def keep_base(self, weights):
-        """``weights`` unchanged, a copy of each adapted module's base weight kept."""
+    def note_adapted(self, weights):
+        """``weights`` unchanged, the adapted modules among them noted."""
         for name, tensor in weights:
             module = self.adapted(name)
             if module is not None:
-                self.base[module] = tensor.detach().to("cpu", copy=True)
+                self.modules.add(module)
             yield name, tensor
 
-    def merge(self, weights):
-        """``weights`` with the scaling and adapters replaced by merged module weights."""
+    def keep_base(self, model: torch.nn.Module) -> None:
+        """A host copy of each parameter the noted modules loaded into, as it is now."""
+        params = dict(model.named_parameters())
+        self.base = {}
+        for module in sorted(self.modules):
+            name = self._parameter(params, module, model)
+            if name not in self.base:
+                self.base[name] = params[name].detach().to("cpu", copy=True)
+        size = sum(t.numel() * t.element_size() for t in self.base.values())
+        logger.info("lora_merge: base weights of %d adapted modules kept: %d parameters, "
+                    "%.3f MiB (this rank's shards)", len(self.modules), len(self.base),
+                    size / 2**20)
+
+    @staticmethod
+    def _parameter(params: dict, module: str, model: torch.nn.Module) -> str:
+        name = parameter_of(module)
+        if name not in params:
+            raise KeyError(f"lora_merge: {type(model).__name__} has no parameter {name} for the "
+                           f"adapted module {module}")
+        return name
+
+    def merge(self, weights, model: torch.nn.Module):
+        """``weights`` with the scaling and adapters replaced by their products ``s B A``,
+        each loaded into a NaN scratch and merged onto the base once the loader is done
+        with it (when the loader asks for the next weight, or :meth:`finish`)."""
+        params = dict(model.named_parameters())
         for name, tensor in weights:
+            self.finish()
             if name == SCALING_NAME:
                 self.scaling = float(tensor.reshape(-1)[0])
                 continue
@@ -75,18 +125,43 @@ class AdapterMerger:
             if len(parts) < 2:                                # buffer is reused after the load
                 continue
             del self.pending[module]
-            yield f"{module}.weight", self.merged(module, parts["A"], parts["B"])
+            delta = self.delta(module, parts["A"], parts["B"])
+            self._swap_in(params[self._parameter(params, module, model)], module)
+            yield f"{module}.weight", delta
+        self.finish()
 
-    def merged(self, module: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def delta(self, module: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if self.scaling is None:
             raise ValueError(f"lora_merge: adapters of {module} arrived before "
                              f"{SCALING_NAME}, which every adapter sync sends first")
-        base = self.base.get(module)
-        if base is None:
+        delta = self.scaling * (b @ a)
+        if delta.isnan().any():
+            raise ValueError(f"lora_merge: the adapters of {module} hold NaN")
+        return delta
+
+    def _swap_in(self, param: torch.nn.Parameter, module: str) -> None:
+        name = parameter_of(module)
+        if name not in self.base:
             raise KeyError(f"lora_merge: no base weight of {module} was kept (the server was "
                            f"told to adapt {sorted(self.targets)}; the trainer's "
                            "actor.lora.target_modules must be the same)")
-        return (base.float() + self.scaling * (b @ a)).to(base.dtype)
+        served = param.data
+        scratch = torch.full(served.shape, float("nan"), dtype=torch.float32,
+                             device=served.device)
+        param.data = scratch
+        self._swapped = (param, served, scratch, name)
+
+    def finish(self) -> None:
+        """Put the served tensor back under the swapped parameter, the entries the loader
+        wrote into the scratch set to ``base + s B A``; the rest as they were."""
+        if self._swapped is None:
+            return
+        param, served, scratch, name = self._swapped
+        self._swapped = None
+        param.data = served
+        written = ~scratch.isnan()
+        base = self.base[name].to(served.device)
+        served[written] = (base[written].float() + scratch[written]).to(served.dtype)
 
 
 def lora_merge_plugin() -> None:
@@ -100,12 +175,19 @@ def lora_merge_plugin() -> None:
     merger = AdapterMerger(targets)
 
     def load_and_keep(original, model, weights, target_device):
-        result = original(model, merger.keep_base(weights), target_device)
+        result = original(model, merger.note_adapted(weights), target_device)
+        merger.keep_base(model)
         if not getattr(model, "_ragen_mega_lora_merge", False):
             load = model.load_weights
-            model.load_weights = lambda named: load(merger.merge(named))
+
+            def load_merged(named):
+                try:
+                    return load(merger.merge(named, model))
+                finally:
+                    merger.finish()    # the loader stopped early: no scratch left swapped in
+
+            model.load_weights = load_merged
             model._ragen_mega_lora_merge = True
-        logger.info("lora_merge: base weights of %d adapted modules kept", len(merger.base))
         return result
 
     HookRegistry.register(_TARGET, load_and_keep, HookType.AROUND)
