@@ -48,6 +48,11 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
         # a vocabulary padded to 50 000 rows: the LM head's last TP shard ends in padding
         chunks = build_model(model_spec(hf_dir, vocab_divisor=1000), use_te=False)
         load_hf_checkpoint(chunks, hf_dir)
+        # frozen first, as apply_lora leaves it: Megatron runs a frozen weight's linear on
+        # another path (linear_with_frozen_weight), which rounds one log-prob of this batch an
+        # ulp apart at TP 2 on an Intel Xeon; the fresh adapters below must add exactly nothing
+        for chunk in chunks:
+            chunk.requires_grad_(False)
         base_lp, _ = forward_logprobs(chunks, ids, mask, micro_batch_size=2)
         lora.apply_lora(chunks, settings, seed=0)
         fresh_lp, _ = forward_logprobs(chunks, ids, mask, micro_batch_size=2)
