@@ -16,12 +16,15 @@ every rollout request would have to name): this plugin, enabled for a server by
   (:data:`SCALING_NAME`, a one-value tensor sent first) and the adapters under PEFT's keys
   (``model.layers.3.self_attn.q_proj.lora_A.weight``, ``...lora_B.weight``); once a module's A
   and B are both in, ``s * B A`` is computed in fp32 on the whole matrix and handed to the
-  model's own weight loader, which shards it; the loader writes it into an fp32 scratch of the
-  parameter filled with NaN, swapped in for that one load, so the entries it wrote are the
-  module's shard (``q`` of a fused ``qkv``, the rows this rank holds). Those entries become
-  ``W_base + s B A`` from the kept base, cast once to the parameter's dtype: every sync starts
-  from the base, so nothing accumulates or drifts, and each entry is the trainer's own merge
-  (``lora.LoraLinear.merged``). Other names pass through unchanged (a full sync still works).
+  model's own weight loader, which shards it into an fp32 scratch of the parameter, swapped in
+  for that one load; at the first sync the scratch is filled with NaN, so the rows the loader
+  wrote show which are the module's shard (``q`` of a fused ``qkv``, the rows this rank
+  holds), and they are remembered. Those rows become ``W_base + s B A`` from the kept base,
+  cast once to the parameter's dtype: every sync starts from the base, so nothing accumulates
+  or drifts, and each entry is the trainer's own merge (``lora.LoraLinear.merged``). Other
+  names pass through unchanged (a full sync still works). This needs a model whose
+  ``load_weights`` loads each weight as it draws it from the iterator, as SGLang's Qwen2,
+  Qwen3, Llama and Qwen2/Qwen3-MoE do.
 
 A restarted engine loads the base from disk, keeps it again, and takes the current adapters
 from the resync that follows, as every restarted engine takes the current weights.
@@ -67,7 +70,11 @@ class AdapterMerger:
         self.targets, self.base, self.scaling = targets, {}, None
         self.modules: set[str] = set()
         self.pending: dict[str, dict[str, torch.Tensor]] = {}
-        self._swapped: tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor, str] | None = None
+        #: each module's rows in its parameter (as rows x last dim), None where not this rank's
+        self.blocks: dict[str, slice | None] = {}
+        self._swapped: tuple[torch.nn.Parameter, torch.Tensor, str, str] | None = None
+        #: the fp32 scratch of one load_weights call, reused parameter after parameter
+        self._buffer: torch.Tensor | None = None
 
     def adapted(self, name: str) -> str | None:
         """The module of a base weight this plugin adapts (``...q_proj``), else None."""
@@ -107,8 +114,8 @@ class AdapterMerger:
 
     def merge(self, weights, model: torch.nn.Module):
         """``weights`` with the scaling and adapters replaced by their products ``s B A``,
-        each loaded into a NaN scratch and merged onto the base once the loader is done
-        with it (when the loader asks for the next weight, or :meth:`finish`)."""
+        each loaded into a scratch and merged onto the base once the loader is done with it
+        (when the loader asks for the next weight, or :meth:`finish`)."""
         params = dict(model.named_parameters())
         for name, tensor in weights:
             self.finish()
@@ -134,10 +141,7 @@ class AdapterMerger:
         if self.scaling is None:
             raise ValueError(f"lora_merge: adapters of {module} arrived before "
                              f"{SCALING_NAME}, which every adapter sync sends first")
-        delta = self.scaling * (b @ a)
-        if delta.isnan().any():
-            raise ValueError(f"lora_merge: the adapters of {module} hold NaN")
-        return delta
+        return self.scaling * (b @ a)
 
     def _swap_in(self, param: torch.nn.Parameter, module: str) -> None:
         name = parameter_of(module)
@@ -146,22 +150,53 @@ class AdapterMerger:
                            f"told to adapt {sorted(self.targets)}; the trainer's "
                            "actor.lora.target_modules must be the same)")
         served = param.data
-        scratch = torch.full(served.shape, float("nan"), dtype=torch.float32,
-                             device=served.device)
+        if self._buffer is None or self._buffer.numel() < served.numel():
+            self._buffer = torch.empty(served.numel(), dtype=torch.float32, device=served.device)
+        scratch = self._buffer[: served.numel()].view(served.shape)
+        if module not in self.blocks:
+            scratch.fill_(float("nan"))
         param.data = scratch
-        self._swapped = (param, served, scratch, name)
+        self._swapped = (param, served, module, name)
+
+    def release(self) -> None:
+        """The end of a load: no scratch left swapped in, the scratch buffer freed."""
+        self.finish()
+        self._buffer = None
 
     def finish(self) -> None:
-        """Put the served tensor back under the swapped parameter, the entries the loader
-        wrote into the scratch set to ``base + s B A``; the rest as they were."""
+        """Put the served tensor back under the swapped parameter, the rows the loader wrote
+        into the scratch set to ``base + s B A``; the rest as they were."""
         if self._swapped is None:
             return
-        param, served, scratch, name = self._swapped
+        param, served, module, name = self._swapped
         self._swapped = None
-        param.data = served
-        written = ~scratch.isnan()
-        base = self.base[name].to(served.device)
-        served[written] = (base[written].float() + scratch[written]).to(served.dtype)
+        scratch, param.data = param.data, served
+        shape = (-1, scratch.shape[-1])
+        if module not in self.blocks:
+            self.blocks[module] = self._written_block(scratch.view(shape), module, name)
+        block = self.blocks[module]
+        if block is None:
+            return                                  # not this rank's (another EP rank's expert)
+        # added in fp32 (the scratch's dtype), rounded once into the served dtype
+        torch.add(self.base[name].view(shape)[block].to(served.device),
+                  scratch.view(shape)[block], out=served.view(shape)[block])
+
+    @staticmethod
+    def _written_block(scratch: torch.Tensor, module: str, name: str) -> slice | None:
+        """The rows of a NaN-filled scratch the loader wrote, as one block. SGLang's loaders
+        write a module's shard as whole rows of its parameter seen as (rows, last dim): a
+        fused linear's part, an expert's block, the LM head's rows and padding. The same
+        load writes the same rows every sync, so this runs at the first only (a NaN fill and
+        a mask over every entry, every sync, made a SmolLM2 sync several times slower)."""
+        rows = (~scratch[:, 0].isnan()).nonzero()
+        if not len(rows):
+            return None
+        block = slice(int(rows[0]), int(rows[-1]) + 1)
+        if len(rows) != block.stop - block.start or scratch[block].sum().isnan():
+            raise RuntimeError(f"lora_merge: {name} holds NaN after loading {module}'s "
+                               "s * B A: NaN adapters, or a loader that writes other than one "
+                               "block of whole rows (all this plugin merges)")
+        return block
 
 
 def lora_merge_plugin() -> None:
@@ -184,7 +219,7 @@ def lora_merge_plugin() -> None:
                 try:
                     return load(merger.merge(named, model))
                 finally:
-                    merger.finish()    # the loader stopped early: no scratch left swapped in
+                    merger.release()   # also where the loader stopped early
 
             model.load_weights = load_merged
             model._ragen_mega_lora_merge = True
