@@ -114,7 +114,7 @@ def test_adapter_only_sync_serves_the_merged_weights(tiny_model):
         [whole] = _kept(adapter_engine.log_file.read_text())
         shards = _kept(fresh_engine.log_file.read_text())
     # 2 layers x 7 modules + the head, in 2 x (qkv, o, gate_up, down) + the head's parameters;
-    # at TP 2 each rank keeps its own half (2 KV heads, a vocabulary of 2 x 64k rows)
+    # at TP 2 each rank keeps its own half (2 KV heads, 49 152 = 2 x 24 576 head rows)
     assert whole[:2] == (15, 9)
     assert len(shards) == 2 and all(s[:2] == (15, 9) for s in shards), shards
     assert all(abs(s[2] - whole[2] / 2) < 1e-3 for s in shards), (whole, shards)

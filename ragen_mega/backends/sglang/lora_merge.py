@@ -133,7 +133,7 @@ class AdapterMerger:
                 continue
             del self.pending[module]
             delta = self.delta(module, parts["A"], parts["B"])
-            self._swap_in(params[self._parameter(params, module, model)], module)
+            self._swap_in(params, self._parameter(params, module, model), module)
             yield f"{module}.weight", delta
         self.finish()
 
@@ -143,12 +143,13 @@ class AdapterMerger:
                              f"{SCALING_NAME}, which every adapter sync sends first")
         return self.scaling * (b @ a)
 
-    def _swap_in(self, param: torch.nn.Parameter, module: str) -> None:
-        name = parameter_of(module)
+    def _swap_in(self, params: dict, name: str, module: str) -> None:
+        """An fp32 scratch under parameter ``name`` for the load of ``module``'s ``s B A``."""
         if name not in self.base:
             raise KeyError(f"lora_merge: no base weight of {module} was kept (the server was "
                            f"told to adapt {sorted(self.targets)}; the trainer's "
                            "actor.lora.target_modules must be the same)")
+        param = params[name]
         served = param.data
         if self._buffer is None or self._buffer.numel() < served.numel():
             self._buffer = torch.empty(served.numel(), dtype=torch.float32, device=served.device)
