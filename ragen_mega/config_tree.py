@@ -1,7 +1,8 @@
 """Typed config trees from YAML files plus dotted command-line overrides.
 
 A config is a tree of dataclasses. ``load_config(Root, "run.yaml", ["trainer.lr=1e-6"])`` merges
-the YAML mapping and the overrides (``a.b.c=value``, value parsed as YAML) into a fresh ``Root()``
+the YAML mapping and the overrides (``a.b.c=value``, value parsed as YAML, with YAML 1.2's
+booleans: ``off`` is text, only ``true``/``false`` are booleans) into a fresh ``Root()``
 and checks everything before any process or server starts:
 
 - an unknown key names its full dotted path and lists the keys that section allows;
@@ -24,14 +25,40 @@ Kept generic (no ragen_mega sections here) so the rules are tested once, on smal
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
+from typing import (Any, Callable, Literal, NamedTuple, Sequence, TypeVar, get_args,
+                    get_origin, get_type_hints)
 
 import yaml
 
 T = TypeVar("T")
+
+
+class _CoreSchemaLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's core-schema booleans: only ``true`` and ``false``
+    (any case PyYAML accepts: ``True``, ``FALSE``) are booleans. YAML 1.1's ``on``/``off``/
+    ``yes``/``no`` stay strings, so ``trainer.async_mode: off`` means the choice ``"off"``."""
+
+
+_CoreSchemaLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_CoreSchemaLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+    list("tTfF"))
+
+
+#: the words YAML 1.1 (PyYAML's default) reads as booleans and the core schema reads as text
+YAML11_BOOLEAN_WORDS = ("y", "yes", "n", "no", "on", "off")
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` parsed as YAML with the core schema's booleans (:class:`_CoreSchemaLoader`); the
+    one YAML reader of config files and ``key=value`` overrides alike."""
+    return yaml.load(text, Loader=_CoreSchemaLoader)
 
 
 class ConfigError(ValueError):
@@ -91,6 +118,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             return float(value)
         except ValueError:
             pass
+    if tp is bool and isinstance(value, str) and value.lower() in YAML11_BOOLEAN_WORDS:
+        raise ConfigError(f"{key}: expected true or false, got {value!r} (YAML 1.2: only "
+                          f"true and false are booleans)")
     if tp in (int, float, str, bool):
         if type(value) is not tp:
             raise ConfigError(f"{key}: expected {tp.__name__}, got {type(value).__name__} {value!r}")
@@ -148,7 +178,7 @@ def _override_value(item: str, raw: str) -> Any:
     if raw == "":
         return ""
     try:
-        return yaml.safe_load(raw)
+        return load_yaml(raw)
     except yaml.YAMLError as e:
         raise ConfigError(f"override {item!r}: value {raw!r} is not valid YAML: "
                           f"{_yaml_problem(e, raw)}") from e
@@ -183,11 +213,25 @@ class Bounds:
         return f"{text} ({self.note})" if self.note else text
 
 
-def bounded(default, *, ge=None, gt=None, le=None, lt=None, note: str = ""):
-    """A dataclass field with ``default`` and declared bounds (:class:`Bounds`), which
-    :func:`check_bounds` enforces before the section's own ``validate``."""
+def bounded(default, *, ge=None, gt=None, le=None, lt=None, note: str = "", help: str = ""):
+    """A dataclass field with ``default``, declared bounds (:class:`Bounds`), which
+    :func:`check_bounds` enforces before the section's own ``validate``, and the user's ``help``
+    (as :func:`setting`)."""
     return dataclasses.field(default=default,
-                             metadata={"bounds": Bounds(ge, gt, le, lt, note)})
+                             metadata={"bounds": Bounds(ge, gt, le, lt, note), "help": help})
+
+
+def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+            help: str, choices: Sequence[str] | Callable[[], Sequence[str]] = (),
+            also: str = ""):
+    """A dataclass field with ``default`` (or ``default_factory``) and ``help``, the text a user
+    reads for the key (``ragen-mega config --keys``, docs/configuration.md). A string field whose
+    values a registry names gives them as ``choices`` (the names, or a function returning them,
+    read when the keys are listed, so a registry's entries appear as registered) and ``also``
+    what else it takes (``a checkpoint directory``). The choices are shown, not enforced: the
+    section's ``validate`` checks the value against the same registry."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"help": help, "choices": choices, "also": also})
 
 
 def check_bounds(section: Any) -> None:
@@ -277,7 +321,7 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"config file {str(path)!r} is not text: byte {e.start} is not "
                           f"{e.encoding} ({e.reason})") from e
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: "
                           f"{_yaml_problem(e, text)}") from e
@@ -301,3 +345,93 @@ def load_config(root_type: type[T], path: str | Path | None = None,
 def to_dict(cfg: Any) -> dict:
     """The tree as plain nested dicts (for YAML dumps next to checkpoints and TensorBoard)."""
     return dataclasses.asdict(cfg)
+
+
+class _CoreSchemaDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, quoting by the loader's core schema: ``off`` is written bare (the
+    loader reads a string), ``'true'`` quoted (else it would read a boolean)."""
+
+
+_CoreSchemaDumper.yaml_implicit_resolvers = _CoreSchemaLoader.yaml_implicit_resolvers
+
+
+def dump_yaml(data: Any, **options) -> str:
+    """``data`` as YAML that :func:`load_yaml` reads back to equal ``data``, keys in order."""
+    return yaml.dump(data, Dumper=_CoreSchemaDumper, sort_keys=False, **options)
+
+
+def yaml_value(value: Any) -> str:
+    """``value`` written as in a YAML config, on one line: ``null``, ``true``, ``[tensorboard]``,
+    ``{}``, ``off``."""
+    text = dump_yaml(value, default_flow_style=True, width=float("inf")).strip()
+    return text.removesuffix("\n...").strip()
+
+
+class KeyDoc(NamedTuple):
+    """One key of a config tree as its user reads it."""
+    key: str          # dotted path; the fields of a list's items as ``env.mix[].tag``
+    default: Any      # the default value (a section's: None)
+    values: tuple     # the values it takes, written as YAML (a Literal's, a registry's names)
+    words: str        # what else it takes, in words (its bounds, ``a checkpoint directory``)
+    nullable: bool    # it may be null
+    listed: bool      # a list of such values
+    help: str         # the field's help (metadata ``help``); "" where the field has none
+    section: bool     # a section of keys, not a value
+
+    def allowed(self, code: Callable[[str], str] = str) -> str:
+        """``values`` (each through ``code``: markdown puts them in backticks), then ``words``,
+        then null: ``>= 1 | null``, ``a list of: tensorboard | wandb | mlflow``."""
+        text = " | ".join([*map(code, self.values), *([self.words] if self.words else [])])
+        if self.listed:
+            text = f"a list of: {text}"
+        return f"{text} | {code('null')}" if self.nullable and "null" not in text else text
+
+
+_TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
+
+
+def _key_doc(key: str, field: dataclasses.Field, tp: Any, default: Any) -> KeyDoc:
+    """The :class:`KeyDoc` of a value field: its annotation, bounds and choices in words."""
+    meta, args = field.metadata, get_args(tp)
+    nullable = get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args
+    if nullable:
+        others = [a for a in args if a is not type(None)]
+        tp = others[0] if len(others) == 1 else tp
+    listed = (get_origin(tp) or tp) is list
+    if listed:
+        tp = get_args(tp)[0] if get_args(tp) else Any
+    values = [yaml_value(a) for a in get_args(tp)] if get_origin(tp) is Literal else \
+        ["true", "false"] if tp is bool else []
+    choices = meta.get("choices", ())
+    values += [str(c) for c in (choices() if callable(choices) else choices)]
+    words = meta["bounds"].describe() if meta.get("bounds") else meta.get("also", "")
+    if not values and not words:
+        words = _TYPE_WORDS.get(tp, "")
+    return KeyDoc(key, default, tuple(values), words, nullable, listed, meta.get("help", ""),
+                  False)
+
+
+def describe_keys(root_type: type) -> list[KeyDoc]:
+    """Every key of the config tree ``root_type``, depth first in declaration order: a section
+    (``actor.lora``) right before its keys; a list of sections (``env.mix``) before the fields of
+    its items (``env.mix[].tag``, defaults those of a fresh item)."""
+    docs: list[KeyDoc] = []
+
+    def walk(section: Any, prefix: str) -> None:
+        hints = get_type_hints(type(section))
+        for f in dataclasses.fields(section):
+            key, value, tp = f"{prefix}{f.name}", getattr(section, f.name), hints[f.name]
+            item = get_args(tp)[0] if get_origin(tp) is list and get_args(tp) else None
+            if dataclasses.is_dataclass(value):
+                docs.append(KeyDoc(key, None, (), "", False, False, f.metadata.get("help", ""),
+                                   True))
+                walk(value, f"{key}.")
+            elif dataclasses.is_dataclass(item):
+                docs.append(KeyDoc(key, value, (), "mappings, each with the keys below", False,
+                                   True, f.metadata.get("help", ""), False))
+                walk(item(), f"{key}[].")
+            else:
+                docs.append(_key_doc(key, f, tp, value))
+
+    walk(root_type(), "")
+    return docs

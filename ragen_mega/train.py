@@ -41,8 +41,8 @@ from ragen_mega.algo.filter import FILTER_SETTINGS
 from ragen_mega.algo.gigpo import step_group_metrics
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.preflight import preflight
-from ragen_mega.config_tree import ConfigError, to_dict
-from ragen_mega import checkpoints, preemption, trajectories
+from ragen_mega.config_tree import ConfigError
+from ragen_mega import checkpoints, preemption, progress, run_intent, trajectories
 from ragen_mega.evaluate import REFERENCES_FILE, held_out_references
 from ragen_mega.logging import append_metrics, timed
 from ragen_mega.ray.sync_check import max_logprob_diff
@@ -71,15 +71,25 @@ def train(cfg: RunConfig) -> list[dict[str, float]]:
 
     run_dir = Path(cfg.trainer.run_dir)
     with holding_run_dir(run_dir):  # before anything is written: one run per run directory
+        plan = run_intent.start_plan(cfg)  # ConfigChanged: before any process starts
+        progress.say(plan.message)
+        if plan.complete:
+            return []
+        progress.say(f"writing to {run_dir} (metrics.jsonl, checkpoints/, trajectories/)"
+                     + (f"; watch: tensorboard --logdir {run_dir / 'tensorboard'}"
+                        if "tensorboard" in cfg.trainer.loggers else ""))
         init_ray(cfg.trainer.ray_address)  # first: ray.init puts its own handler on SIGTERM
+        progress.say("Ray ready")
         replay = cfg.trainer.replay_rollouts
         with preemption.stop_on_signals() as stop, \
                 build_run(cfg, with_engines=replay is None) as run:
             if replay is not None:  # the saved rollouts, in place of engines
                 run.rollouts = ReplayedRollouts(replay, run_dir / "faults.jsonl")
-            (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+            run_intent.record_start(cfg, plan)
             write_references(cfg, run_dir)
-            logger = RunLogger(run_dir / "tensorboard", cfg.trainer.total_steps, cfg.echo_trap)
+            logger = RunLogger(run_dir, cfg.trainer.total_steps, cfg.echo_trap,
+                               loggers=cfg.trainer.loggers, config=run_intent.config_record(cfg),
+                               resume=plan.resume_step is not None)
             try:
                 return run_loop(cfg, run, logger, stop)
             finally:
@@ -110,8 +120,11 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     start, saved_rollout, pending = checkpoints.resume(cfg, run.actor, run.critic)
     run.rollouts.load_state_dict(saved_rollout)
     run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
+    progress.say(f"trainer ranks ready, weights of step {start} "
+                 f"{'loaded and ' if start else ''}synced into the engines")
     if start == 0 and t.eval_every:  # step 0: the start weights, the base of every curve
         metrics = evaluate(cfg, run, 0)
+        progress.say("step-0 evaluation done")
         logger.log(0, metrics)
         append_metrics(run_dir, 0, metrics)
     #: trainer.async_mode=fully: the coming steps' episodes, played from here on
@@ -371,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="YAML config file (see examples/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. actor.lr=1e-6")
     args = parser.parse_args(argv)
+    progress.restart_clock()
     try:
         cfg = preflight(load_run_config(args.config, args.overrides))
     except ConfigError as e:
@@ -378,6 +392,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         train(cfg)
+    except run_intent.ConfigChanged as e:
+        print(f"ragen-mega train: {e}", file=sys.stderr)
+        return 2
     except RunDirInUse as e:
         print(f"ragen-mega train: {e}", file=sys.stderr)
         return 2

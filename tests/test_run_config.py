@@ -386,3 +386,64 @@ def test_the_configuration_page_names_every_key():
                for key in keys(section.name, getattr(run, section.name))
                if f"`{key}`" not in page]
     assert not missing, f"not in docs/configuration.md (run tools/config_reference.py): {missing}"
+
+
+def _choice_fields(section, prefix=""):
+    """(dotted key, choices) of every Literal field of the run config tree (a list of Literals
+    too), walked from the dataclasses themselves, so a choice field added later is covered."""
+    import dataclasses
+    from typing import Literal, get_args, get_origin, get_type_hints
+
+    hints = get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        value, tp = getattr(section, f.name), hints[f.name]
+        if dataclasses.is_dataclass(value):
+            yield from _choice_fields(value, f"{prefix}{f.name}.")
+            continue
+        for candidate in (tp, *get_args(tp)):
+            if get_origin(candidate) is Literal:
+                yield f"{prefix}{f.name}", get_args(candidate)
+
+
+YAML11_WORDS = {"y", "yes", "n", "no", "on", "off"}
+WORD_CHOICES = [(key, choice) for key, choices in _choice_fields(load_run_config())
+                for choice in choices if str(choice).lower() in YAML11_WORDS]
+
+
+def test_choice_fields_with_yaml11_words_exist():
+    """The walk finds the documented default ``trainer.async_mode: off`` (else the test below
+    would pass on an empty list)."""
+    assert ("trainer.async_mode", "off") in WORD_CHOICES
+    assert ("trainer.pack_trajectories", "off") in WORD_CHOICES
+
+
+@pytest.mark.parametrize("key, choice", WORD_CHOICES)
+def test_yaml11_boolean_words_are_choices_in_files_and_overrides(tmp_path, key, choice):
+    """``off``, ``on``, ``yes``, ``no`` read as the text they are (YAML 1.2's core schema), in a
+    config file and in a ``key=value`` override alike, in the spellings YAML 1.1 accepts."""
+    *sections, leaf = key.split(".")
+    for spelling in {choice, choice.capitalize(), choice.upper()}:
+        nested = f"{leaf}: {spelling}"
+        for section in reversed(sections):
+            nested = f"{section}:\n" + "\n".join("  " + line for line in nested.splitlines())
+        path = tmp_path / "c.yaml"
+        path.write_text(nested + "\n")
+        if spelling != choice:  # another spelling of the word is refused as text, not as False
+            with pytest.raises(ConfigError, match=f"{key}: {spelling!r} is not allowed"):
+                load_run_config(path)
+            continue
+        from_file = load_run_config(path)
+        from_override = load_run_config(None, [f"{key}={spelling}"])
+        for cfg in (from_file, from_override):
+            value = cfg
+            for part in key.split("."):
+                value = getattr(value, part)
+            assert value == choice
+
+
+def test_bool_fields_take_true_false_and_name_the_yaml12_rule():
+    cfg = load_run_config(None, ["trainer.colocate=true", "trainer.save_trajectories=False"])
+    assert cfg.trainer.colocate is True and cfg.trainer.save_trajectories is False
+    with pytest.raises(ConfigError, match=r"trainer.colocate: expected true or false, got 'yes' "
+                                          r"\(YAML 1.2"):
+        load_run_config(None, ["trainer.colocate=yes"])

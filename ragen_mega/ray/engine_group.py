@@ -32,7 +32,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from ragen_mega.ray.actor_group import ActorGroup
+from ragen_mega import progress
+from ragen_mega.ray.actor_group import ActorGroup, gather
 from ragen_mega.ray.engine_supervisor import EngineSupervisor
 from ragen_mega.rollout.types import EngineRestarted, Generation, PromptTooLong
 
@@ -124,7 +125,9 @@ class EngineGroup:
                                                 extra_args=_server_args(ep, routed_experts))))
         #: (name, version) of the adapter requests use (None: the base weights)
         self.adapter: tuple[str, int] | None = None
-        self.urls = self.group.call("url", timeout_s=startup_timeout)
+        refs = self.group.call_async("url")
+        progress.count_ready(refs, "engines", timeout_s=startup_timeout)
+        self.urls = gather(refs, what="url", timeout_s=startup_timeout)
         self.tp_sizes = [tp] * len(self.urls)
         self.clients = [AsyncEngineClient(u, api_key=self.api_key) for u in self.urls]
         self._next = itertools.cycle(range(len(self.clients)))
