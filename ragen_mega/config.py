@@ -39,6 +39,11 @@ def _presets() -> list[str]:
     return list(PRESETS)
 
 
+#: ``actor.tis_cap`` when ``trainer.async_mode`` is not off and the key is unset (slime's
+#: --use-tis cap)
+ASYNC_TIS_CAP = 2.0
+
+
 @dataclasses.dataclass
 class ModelConfig:
     path: str = setting(
@@ -297,7 +302,9 @@ class RunConfig:
                               f"needs group_size >= 2, got {self.env.group_size}")
 
     def _validate_async_mode(self):
-        """What a rollout played beside training rules out or needs (``trainer.async_mode``)."""
+        """What a rollout played beside training rules out or needs (``trainer.async_mode``):
+        it trains on samples of older weights, so the truncated IS correction is on, at slime's
+        cap (:data:`ASYNC_TIS_CAP`) unless ``actor.tis_cap`` is set."""
         mode = f"trainer.async_mode={self.trainer.async_mode}"
         if self.trainer.colocate:
             raise ConfigError(f"trainer.async_mode: {mode} plays rollouts while the trainer "
@@ -308,10 +315,8 @@ class RunConfig:
                               f"are of older weights; set it false so the actor recomputes the "
                               f"old log-probs and the engine's enter as the truncated IS weight "
                               f"(actor.tis_cap)")
-        if self.actor.tis_cap is None:
-            raise ConfigError(f"actor.tis_cap: {mode} trains on samples of older weights and "
-                              f"needs the truncated IS correction; set actor.tis_cap (slime "
-                              f"uses 2)")
+        if self.actor.tis_cap is None:  # its samples come from older weights: slime's cap
+            self.actor.tis_cap = ASYNC_TIS_CAP
         lora = self.actor.lora
         if self.trainer.async_mode == "fully" and lora.rank and lora.sync == "native":
             raise ConfigError(f"actor.lora.sync: native with {mode}: a sync pauses the "

@@ -1,10 +1,13 @@
-"""Bearer tokens for the project's own HTTP servers: the env server and the agent gateway.
+"""Bearer tokens for the project's own HTTP servers: the env server, the agent gateway and the
+trajectory viewer.
 
 On loopback only the machine's own users reach a server. On any other address anyone who
 reaches the node could open env sessions, or generate on the run's engines through the
-gateway, so these servers refuse to listen there without a token, and with a token every
-request must carry ``Authorization: Bearer TOKEN`` (401 otherwise). The token comes from an
-environment variable, never a flag: a command line is readable by every user of the node.
+gateway, or read a run's episodes through the viewer, so these servers refuse to listen there
+without a token, and with a token every request must carry ``Authorization: Bearer TOKEN`` (401
+otherwise); a browser, which cannot set that header, opens the viewer once at ``/?token=TOKEN``
+and is then known by a cookie (as Jupyter does). The token comes from an environment variable,
+never a flag: a command line is readable by every user of the node.
 """
 from __future__ import annotations
 
@@ -14,6 +17,9 @@ import secrets
 
 ENV_SERVER_TOKEN = "RAGEN_MEGA_ENV_SERVER_TOKEN"
 GATEWAY_TOKEN = "RAGEN_MEGA_GATEWAY_TOKEN"
+VIEW_TOKEN = "RAGEN_MEGA_VIEW_TOKEN"
+#: the viewer's cookie, set by a request that carried the token as ``?token=``
+COOKIE = "ragen_mega_token"
 
 
 def is_loopback(host: str) -> bool:
@@ -46,20 +52,28 @@ def bearer_headers(token: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def require_token(app, token: str | None) -> None:
-    """With ``token``, ``app`` (FastAPI) answers 401 to every request that does not carry it."""
+def require_token(app, token: str | None, *, browser: bool = False) -> None:
+    """With ``token``, ``app`` (FastAPI) answers 401 to every request that does not carry it.
+    ``browser``: the token may also come as the ``?token=`` query of a request, which then
+    sets it as an HTTP-only cookie, or as that cookie (the viewer's page and its fetches)."""
     if token is None:
         return
     from fastapi.responses import JSONResponse
 
-    expected = f"Bearer {token}"
+    def matches(given: str | None) -> bool:
+        return given is not None and secrets.compare_digest(given.encode(), token.encode())
 
     @app.middleware("http")
     async def check_token(request, call_next):
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), expected.encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        from_query = request.query_params.get("token") if browser else None
+        if not ((scheme == "Bearer" and matches(given)) or matches(from_query) or
+                (browser and matches(request.cookies.get(COOKIE)))):
             return JSONResponse({"error": {"message": "missing or wrong bearer token",
                                            "type": "invalid_request_error",
                                            "code": "invalid_api_key"}},
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
+        response = await call_next(request)
+        if matches(from_query):
+            response.set_cookie(COOKIE, token, httponly=True, samesite="strict")
+        return response

@@ -10,7 +10,8 @@ prompt's example, and puts one seed's episode at two steps side by side.
 
 The app reads only files under ``RUN_DIR/trajectories`` and ``RUN_DIR/metrics.jsonl``, named
 by their step numbers (typed integers: no path comes from a request), and serves on loopback
-unless told otherwise. A missing, corrupt or too-new file is a 4xx with a message the page
+unless told otherwise; elsewhere only with a token (``http_token.py``: ``RAGEN_MEGA_VIEW_TOKEN``,
+the browser opens ``/?token=TOKEN`` once). A missing, corrupt or too-new file is a 4xx with a message the page
 shows, never a 500.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Literal
 
+from ragen_mega.http_token import VIEW_TOKEN, check_listen, require_token, token_from_env
 from ragen_mega.trajectories import DIRNAME, read_records, step_file
 
 PAGE = Path(__file__).with_name("view_page.html")
@@ -157,14 +159,16 @@ def seed_view(run_dir: Path, kind: str, seed: int, steps: list[int],
     return {"seed": seed, "tag": tag, "episodes": out}
 
 
-def make_app(run_dir: str | Path):
-    """The viewer's FastAPI app over ``run_dir``."""
+def make_app(run_dir: str | Path, token: str | None = None):
+    """The viewer's FastAPI app over ``run_dir``; with ``token``, only for requests that carry
+    it (``http_token.require_token``, browser-style)."""
     from fastapi import FastAPI, HTTPException, Query
     from fastapi import Path as PathParam
     from fastapi.responses import HTMLResponse
 
     root = Path(run_dir).resolve()
     app = FastAPI(title=f"ragen-mega view {root.name}", docs_url=None, redoc_url=None)
+    require_token(app, token, browser=True)
 
     def answer(fn, *args):
         try:
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ragen-mega view", description=main.__doc__)
     parser.add_argument("run_dir", help="a run directory (trainer.run_dir)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default: loopback only)")
+                        help=f"address to listen on (default: loopback only; any other needs "
+                             f"a token in ${VIEW_TOKEN})")
     parser.add_argument("--port", type=int, default=8321)
     args = parser.parse_args(argv)
     run_dir = Path(args.run_dir)
@@ -217,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ragen-mega view: {run_dir} holds no trajectories/ and no metrics.jsonl "
               f"(is it a trainer.run_dir?)", file=sys.stderr)
         return 2
-    print(f"ragen-mega view: http://{args.host}:{args.port}/ ({run_dir})", flush=True)
-    uvicorn.run(make_app(run_dir), host=args.host, port=args.port, log_level="warning")
+    token = token_from_env(VIEW_TOKEN)
+    try:
+        check_listen(args.host, token, VIEW_TOKEN, "--host")
+    except ValueError as e:
+        print(f"ragen-mega view: {e}", file=sys.stderr)
+        return 2
+    query = "?token=TOKEN" if token else ""   # the token itself stays out of the terminal
+    print(f"ragen-mega view: http://{args.host}:{args.port}/{query} ({run_dir})", flush=True)
+    uvicorn.run(make_app(run_dir, token), host=args.host, port=args.port, log_level="warning")
     return 0

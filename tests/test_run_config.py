@@ -87,8 +87,6 @@ def test_defaults_are_ragen_starpo_s():
     (["trainer.async_mode=one_step_off", "algo.use_rollout_logprobs=true", "actor.tis_cap=2"],
      "algo.use_rollout_logprobs: with trainer.async_mode=one_step_off the engine's log-probs "
      "are of older weights"),
-    (["trainer.async_mode=fully"], "actor.tis_cap: trainer.async_mode=fully trains on samples "
-                                   "of older weights"),
     (["trainer.async_mode=fully", "actor.tis_cap=2", "actor.lora.rank=8",
       "actor.lora.sync=native"], "actor.lora.sync: native with trainer.async_mode=fully"),
     (["trainer.colocate=true", "actor.lora.rank=8", "actor.lora.sync=native"],
@@ -447,3 +445,13 @@ def test_bool_fields_take_true_false_and_name_the_yaml12_rule():
     with pytest.raises(ConfigError, match=r"trainer.colocate: expected true or false, got 'yes' "
                                           r"\(YAML 1.2"):
         load_run_config(None, ["trainer.colocate=yes"])
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully"])
+def test_async_modes_turn_truncated_is_on_at_slimes_cap_unless_set(mode):
+    """slime's cap (2, its --use-tis default) when actor.tis_cap is left unset; a value set is
+    kept; a synchronous run leaves it off."""
+    assert load_run_config(None, [f"trainer.async_mode={mode}"]).actor.tis_cap == 2.0
+    assert load_run_config(None, [f"trainer.async_mode={mode}",
+                                  "actor.tis_cap=1.5"]).actor.tis_cap == 1.5
+    assert load_run_config(None, []).actor.tis_cap is None

@@ -113,3 +113,25 @@ def test_bad_requests_and_bad_files_are_4xx_with_the_reason(run_dir):
 def test_view_refuses_a_directory_that_is_no_run(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "holds no trajectories/ and no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_off_loopback_the_viewer_needs_a_token(run_dir, monkeypatch, capsys):
+    """As the env server and the gateway: ``--host 0.0.0.0`` without RAGEN_MEGA_VIEW_TOKEN is
+    refused before serving; with a token, a request without it is 401, a browser opens
+    ``/?token=`` once and its cookie carries the token to the page's fetches."""
+    monkeypatch.delenv("RAGEN_MEGA_VIEW_TOKEN", raising=False)
+    assert main([str(run_dir), "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert "--host: 0.0.0.0 is not a loopback address" in err and "RAGEN_MEGA_VIEW_TOKEN" in err
+
+    browser = TestClient(make_app(run_dir, token="s3cret"))
+    assert browser.get("/api/run").status_code == 401
+    assert browser.get("/?token=wrong").status_code == 401
+    assert browser.get("/api/run").status_code == 401
+    assert browser.get("/?token=s3cret").status_code == 200          # sets the cookie
+    assert browser.get("/api/run").status_code == 200        # the page's fetch
+    other = TestClient(make_app(run_dir, token="s3cret"))
+    assert other.get("/api/run",
+                     headers={"Authorization": "Bearer s3cret"}).status_code == 200
+    assert other.get("/api/run",
+                     headers={"Authorization": "Bearer s3cre"}).status_code == 401
