@@ -1,4 +1,5 @@
-"""Run metrics: TensorBoard scalars, one console line per step, and echo-trap warnings.
+"""Run metrics: each step's scalars to the trackers (TensorBoard, wandb, MLflow), one console
+line per step, and echo-trap warnings.
 
 RAGEN's "echo trap" is a collapse where a policy locks into one repetitive answer: the in-group
 reward std falls toward zero (every rollout of a group scores the same), the policy's entropy
@@ -15,17 +16,25 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import IO, Iterator, Mapping
+from typing import IO, Iterator, Mapping, Sequence
+
+from ragen_mega.config_tree import setting
+from ragen_mega.progress import eta_text
 
 
 @dataclasses.dataclass
 class EchoTrapThresholds:
     """Warn when in-group reward std or entropy falls below, or grad norm rises above, these;
     and (collapse probes) when the reasoning's retrieval of its prompt is this close to chance."""
-    min_group_reward_std: float = 0.01   # filter/in_group_std below this: warn
-    min_entropy: float = 0.05            # actor/entropy below this: warn
-    max_grad_norm: float = 100.0         # actor/grad_norm above this: warn
-    min_retrieval_above_chance: float = 0.05  # collapse probes: retrieval this near chance
+    min_group_reward_std: float = setting(0.01, help=(
+        "warn when a step's in-group reward std (filter/in_group_std) falls below this"))
+    min_entropy: float = setting(0.05, help=(
+        "warn when the policy's entropy (actor/entropy) falls below this"))
+    max_grad_norm: float = setting(100.0, help=(
+        "warn when the actor's gradient norm (actor/grad_norm) rises above this"))
+    min_retrieval_above_chance: float = setting(0.05, help=(
+        "collapse probes (trainer.collapse_every): warn when a reasoning picks out its own prompt "
+        "no more often than this above chance"))
 
 
 class EchoTrapMonitor:
@@ -88,10 +97,13 @@ def _per_tag(metrics: Mapping[str, float], name: str) -> dict[str, float]:
     return out
 
 
-def format_console_line(step: int, total: int, metrics: Mapping[str, float]) -> str:
-    """``step 3/10 | succ 0.42 | rew 0.31 | ...`` with the metrics that exist this step; a
-    mixed-env run adds the per-tag values in brackets (one env: they equal the total)."""
+def format_console_line(step: int, total: int, metrics: Mapping[str, float],
+                        eta_s: float | None = None) -> str:
+    """``step 3/10 | eta 4m05s | succ 0.42 | rew 0.31 | ...`` with the metrics that exist this
+    step; a mixed-env run adds the per-tag values in brackets (one env: they equal the total)."""
     parts = [f"step {step}/{total}"]
+    if eta_s is not None:
+        parts.append(f"eta {eta_text(eta_s)}")
     for name, short in _CONSOLE_KEYS:
         if name in metrics:
             part = f"{short} {float(metrics[name]):.4g}"
@@ -119,28 +131,57 @@ def append_metrics(run_dir: str | Path, step: int, metrics: Mapping[str, float])
         f.write(json.dumps({"step": step, **metrics}) + "\n")
 
 
+class StepPace:
+    """The time a run has left, from the pace of the steps logged since this process began:
+    the wall time from the first logged training step to the latest (evaluations and saves
+    included) per step, or for the first one its own ``time/step_s``."""
+
+    def __init__(self):
+        self.first: tuple[int, float] | None = None
+
+    def eta_s(self, step: int, total: int, metrics: Mapping[str, float],
+              now: float | None = None) -> float | None:
+        now = time.perf_counter() if now is None else now
+        if step < 1:   # the step-0 evaluation: no training step yet
+            return None
+        if self.first is None or step <= self.first[0]:
+            self.first = (step, now)
+            per_step = metrics.get("time/step_s")
+        else:
+            per_step = (now - self.first[1]) / (step - self.first[0])
+        return None if per_step is None else float(per_step) * (total - step)
+
+
 class RunLogger:
-    """Writes every scalar to TensorBoard under ``log_dir`` and a short line to the console."""
+    """Writes every scalar to each of ``loggers`` (``trainer.loggers``: TensorBoard, wandb,
+    MLflow; :mod:`ragen_mega.trackers`) and a short line to the console. ``config`` (the
+    resolved run config) goes to the trackers that record one; ``resume`` continues the
+    trackers' runs of ``run_dir`` (a resumed training run) instead of starting new ones."""
 
-    def __init__(self, log_dir: str | Path, total_steps: int,
-                 thresholds: EchoTrapThresholds | None = None, stream: IO[str] | None = None):
-        from torch.utils.tensorboard import SummaryWriter
+    def __init__(self, run_dir: str | Path, total_steps: int,
+                 thresholds: EchoTrapThresholds | None = None, stream: IO[str] | None = None,
+                 loggers: Sequence[str] = ("tensorboard",), config: dict | None = None,
+                 resume: bool = False):
+        from ragen_mega.trackers import open_trackers
 
-        self.writer = SummaryWriter(log_dir=str(log_dir))
         self.total_steps = total_steps
         self.monitor = EchoTrapMonitor(thresholds or EchoTrapThresholds())
         self.stream = stream or sys.stdout
+        self.pace = StepPace()
+        self.trackers = open_trackers(list(loggers), run_dir, config or {}, resume, self.stream)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> list[str]:
         """Record ``metrics`` at ``step``; print the console line and any echo-trap warnings."""
-        for name, value in metrics.items():
-            self.writer.add_scalar(name, float(value), global_step=step)
-        self.writer.flush()
-        print(format_console_line(step, self.total_steps, metrics), file=self.stream, flush=True)
+        for tracker in self.trackers:
+            tracker.log(step, metrics)
+        eta = self.pace.eta_s(step, self.total_steps, metrics)
+        print(format_console_line(step, self.total_steps, metrics, eta), file=self.stream,
+              flush=True)
         warnings = self.monitor.check(metrics)
         for text in warnings:
             print(f"WARNING step {step}: {text}", file=self.stream, flush=True)
         return warnings
 
     def close(self) -> None:
-        self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()

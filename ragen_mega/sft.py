@@ -13,8 +13,9 @@ token-mean negative log-likelihood of the target tokens only, or with ``sft.prom
 token (a model trained from scratch then keeps the board in its states). ``sft.steps`` steps of
 ``sft.batch_size`` examples (epochs of a seeded shuffle), the held-out loss on ``sft.heldout``
 examples every ``sft.eval_every`` steps and at the first and last; scalars ``sft/loss``,
-``sft/heldout_loss``, ``sft/entropy``, ``sft/grad_norm``, ``sft/lr`` in TensorBoard
-(``trainer.run_dir/tensorboard``) and ``metrics.jsonl``. At the end the weights are saved as a
+``sft/heldout_loss``, ``sft/entropy``, ``sft/grad_norm``, ``sft/lr`` in ``metrics.jsonl`` and
+the trackers of ``trainer.loggers`` (TensorBoard: ``trainer.run_dir/tensorboard``; each sft run
+is a new wandb / MLflow run). At the end the weights are saved as a
 Megatron checkpoint (``trainer.run_dir/checkpoints/sft``) and written as a Hugging Face directory
 (``sft.out``, default ``trainer.run_dir/hf``) that ``train`` and ``eval`` take as
 ``model.path``.
@@ -174,6 +175,7 @@ def run(p: Prepared) -> list[dict[str, float]]:
     from ragen_mega.backends.megatron.convert import megatron_to_hf
     from ragen_mega.logging import RunLogger, append_metrics
     from ragen_mega.ray.cluster import init_ray
+    from ragen_mega.run_intent import config_record
     from ragen_mega.sft_data import collate_examples
 
     cfg, s = p.cfg, p.cfg.sft
@@ -182,7 +184,9 @@ def run(p: Prepared) -> list[dict[str, float]]:
     run_dir = Path(cfg.trainer.run_dir)
     with holding_run_dir(run_dir, "sft"):  # a second job in this directory exits here
         init_ray(cfg.trainer.ray_address)
-        logger, history = RunLogger(run_dir / "tensorboard", s.steps), []
+        logger = RunLogger(run_dir, s.steps, loggers=cfg.trainer.loggers,
+                           config=config_record(cfg))
+        history = []
 
         def log(step: int, metrics: dict[str, float]) -> None:
             logger.log(step, metrics)

@@ -29,6 +29,8 @@ from ragen_mega.config import load_run_config
 from ragen_mega.train import train
 from ragen_mega.trajectories import read_records, step_file
 from ragen_mega import checkpoints
+from ragen_mega.trackers import IDS_FILE
+from tracker_readers import mlflow_client, mlflow_history, wandb_runs
 
 DEMO = "examples/bandit_cpu_demo.yaml"
 
@@ -108,7 +110,8 @@ def checkpoint_weights(step_dir) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, private_ray):
+def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, private_ray,
+                                                monkeypatch):
     """Run 3 steps straight (checkpoint every step); turn the run directory into what a run
     killed right after step 2's checkpoint leaves; a fresh ``train`` resumes and its step 3
     must equal the straight run's step 3.
@@ -140,9 +143,16 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     penalty, 6 tokens); what checks that the resumed step sampled the same tokens are the
     actor's entropy, loss and grad norm over them (with ``rollout.seeded=false`` they differed,
     entropy by 1e-6, pg_loss and grad norms by 0.5-2%).
+
+    Both runs also log to wandb (offline) and MLflow (``trainer.loggers``): the resumed start
+    continues the straight run's wandb run and MLflow run, read back through their own files
+    and API (tests/tracker_readers.py).
     """
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     overrides = tiny_run_overrides(tmp_path, 3) + ["critic.warmup_steps=2",
-                                                   "trainer.save_rollouts=true"]
+                                                   "trainer.save_rollouts=true",
+                                                   "trainer.loggers=[tensorboard,wandb,mlflow]"]
     straight = train(load_run_config(DEMO, overrides))
     assert [h["step"] for h in straight] == [1, 2, 3]
     check_whole_run(straight, tmp_path)
@@ -184,6 +194,7 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
     assert got["sync/max_logprob_diff"] < 1e-3
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 3]  # the resumed step 3 is appended; nothing else is rewritten
+    check_trackers_continued(tmp_path, straight, got)
     # its trajectory file is written again, not beside the first: the same episodes, texts and
     # credit, turn by turn
     assert sorted(p.name for p in (tmp_path / "trajectories").iterdir()) == [
@@ -207,6 +218,24 @@ def test_resumed_step_replays_uninterrupted_run(tiny_run_overrides, tmp_path, pr
         final = checkpoint_weights(replay_dir / "checkpoints" / role / "step_3")
         for name, tensor in checkpoint_weights(ckpt / role / "step_3").items():
             assert torch.equal(final[name], tensor), (role, name)
+
+
+def check_trackers_continued(run_dir, straight: list[dict], resumed_step: dict) -> None:
+    """One MLflow run and one wandb run id hold the straight steps 1-3 and the resumed step 3
+    (wandb offline: a second log file under the same id, joined by ``wandb sync``)."""
+    ids = json.loads((run_dir / IDS_FILE).read_text())
+    client = mlflow_client(run_dir)
+    [run] = client.search_runs([client.get_experiment_by_name("ragen_mega").experiment_id])
+    assert run.info.run_id == ids["mlflow"] and run.info.run_name == run_dir.name
+    assert mlflow_history(client, ids["mlflow"], "critic/vf_loss") == [
+        (h["step"], h["critic/vf_loss"]) for h in [*straight, resumed_step]]
+    assert run.data.params["trainer.loggers"] == '["tensorboard", "wandb", "mlflow"]'
+    first, resumed = wandb_runs(run_dir)
+    assert first["id"] == resumed["id"] == ids["wandb"]
+    assert {s: h["critic/vf_loss"] for s, h in first["history"].items()} == {
+        h["step"]: h["critic/vf_loss"] for h in straight}
+    assert resumed["history"] == {3: {k: v for k, v in resumed_step.items() if k != "step"}}
+    assert first["config"]["actor"]["lr"] == 1e-3
 
 
 def check_whole_run(history: list[dict], run_dir) -> None:
