@@ -14,10 +14,16 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prepare-model": ("ragen_mega.models.prepare", "write a local HF model directory (no hub)"),
     "convert": ("ragen_mega.backends.megatron.convert", "convert checkpoints HF <-> Megatron"),
     "train": ("ragen_mega.train", "train with StarPO / StarPO-S (CONFIG.yaml [key=value ...])"),
+    "config": ("ragen_mega.config_command", "a config resolved, as YAML (CONFIG.yaml [key=value "
+               "...]), or every key's default and help (--keys [PREFIX])"),
     "sft": ("ragen_mega.sft", "supervised warm start on the same trainer (CONFIG.yaml [key=value ...])"),
     "eval": ("ragen_mega.evaluate", "held-out evaluation of a checkpoint (CONFIG.yaml --checkpoint PATH)"),
     "plot": ("ragen_mega.plot", "curves of runs' metrics.jsonl as a PNG (RUN_DIR ... --out FILE.png)"),
+    "sweep": ("ragen_mega.sweep", "variants x seeds of one config, one run each (SWEEP.yaml); "
+              "--sbatch: a Slurm job array; --report: IQM and intervals across seeds"),
     "view": ("ragen_mega.view", "the trajectory viewer: a run's episodes, turn by turn, in a browser"),
+    "plan": ("ragen_mega.plan", "a run's layout and per-GPU memory, checked without a GPU "
+             "(CONFIG.yaml [key=value ...] [--nodes N --gpus-per-node G --gpu-mem 80GiB])"),
 }
 
 

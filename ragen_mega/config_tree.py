@@ -10,6 +10,9 @@ and checks everything before any process or server starts:
 - a ``Literal[...]`` field lists the allowed values;
 - a field declared with :func:`bounded` (``lr: float = bounded(1e-6, gt=0)``) is checked
   against its bounds (``lr: must be > 0, got -1``); None passes, for an optional field unset;
+- each field carries the help its user reads (``bounded(..., help=...)``, or :func:`setting`
+  for a field with no bounds); :func:`describe_keys` lists every key of a tree with its default,
+  the values it takes and that help (``ragen-mega config --keys``, docs/configuration.md);
 - each section may define ``validate(self)`` for cross-field rules; it raises ``ConfigError``
   whose message starts with the key relative to the section (``lr: must be > 0``): the section's
   own path is put in front (``actor.lr: ...``), so one section class can serve several places;
@@ -383,11 +386,12 @@ class KeyDoc(NamedTuple):
         then null: ``>= 1 | null``, ``a list of: tensorboard | wandb | mlflow``."""
         text = " | ".join([*map(code, self.values), *([self.words] if self.words else [])])
         if self.listed:
-            text = f"a list of: {text}"
+            text = f"a list of: {text}" if self.values else f"a list of {text}"
         return f"{text} | {code('null')}" if self.nullable and "null" not in text else text
 
 
 _TYPE_WORDS = {int: "an integer", float: "a number", str: "a string", dict: "a mapping"}
+_TYPES_WORDS = {int: "integers", float: "numbers", str: "strings", dict: "mappings"}
 
 
 def _key_doc(key: str, field: dataclasses.Field, tp: Any, default: Any) -> KeyDoc:
@@ -406,7 +410,7 @@ def _key_doc(key: str, field: dataclasses.Field, tp: Any, default: Any) -> KeyDo
     values += [str(c) for c in (choices() if callable(choices) else choices)]
     words = meta["bounds"].describe() if meta.get("bounds") else meta.get("also", "")
     if not values and not words:
-        words = _TYPE_WORDS.get(tp, "")
+        words = (_TYPES_WORDS if listed else _TYPE_WORDS).get(tp, "")
     return KeyDoc(key, default, tuple(values), words, nullable, listed, meta.get("help", ""),
                   False)
 

@@ -32,6 +32,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from ragen_mega import progress
 from ragen_mega.algo.objectives import SFTObjective
 from ragen_mega.config import RunConfig, load_run_config
 from ragen_mega.preflight import preflight
@@ -184,6 +185,7 @@ def run(p: Prepared) -> list[dict[str, float]]:
     run_dir = Path(cfg.trainer.run_dir)
     with holding_run_dir(run_dir, "sft"):  # a second job in this directory exits here
         init_ray(cfg.trainer.ray_address)
+        progress.say("Ray ready")
         logger = RunLogger(run_dir, s.steps, loggers=cfg.trainer.loggers,
                            config=config_record(cfg))
         history = []
@@ -195,7 +197,10 @@ def run(p: Prepared) -> list[dict[str, float]]:
 
         try:
             with placed_actor(cfg, p.model_dir, s.steps) as actor:
-                log(0, {"sft/heldout_loss": heldout_loss(actor, held)})
+                loss = heldout_loss(actor, held)   # the first call waits for the ranks' build
+                progress.say(f"trainer ranks ready; training {s.steps} steps on "
+                             f"{len(p.train)} examples")
+                log(0, {"sft/heldout_loss": loss})
                 data = batches(p.train, s.batch_size, s.seed)
                 for step in range(1, s.steps + 1):
                     trained = actor.train(collate_examples(next(data), p.pad_id))
@@ -207,6 +212,7 @@ def run(p: Prepared) -> list[dict[str, float]]:
                                                    s.steps)
         finally:
             logger.close()
+        progress.say(f"writing the Hugging Face model to {output_dir(cfg)}")
         megatron_to_hf(checkpoint, output_dir(cfg))
     return history
 
@@ -225,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "sections, and sft (see examples/)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. sft.steps=40")
     args = parser.parse_args(argv)
+    progress.restart_clock()
     try:  # bad config or data fails before any process starts
         prepared = prepare(preflight(load_run_config(args.config, args.overrides)))
     except (ConfigError, FileNotFoundError, ValueError) as e:

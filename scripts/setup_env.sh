@@ -2,7 +2,7 @@
 # Creates .venv/ in the repo root with the pinned CPU stack (docs/cpu_stack.md says why each step):
 # torch 2.13.0 CPU, megatron-core 0.16.1, sglang 0.5.23 the CPU way, ray, transformers, envs.
 # Every pip call uses requirements/constraints-cpu.txt, so a CUDA torch is never pulled.
-# Re-running is a no-op (a few seconds) while the requirement files and setup.py are unchanged.
+# Re-running is a no-op (a few seconds) while the requirement files and pyproject.toml are unchanged.
 # GPU clusters install differently: see requirements/gpu.txt and docs/cluster.md.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,7 +11,7 @@ cd "$root"
 venv="${RAGEN_MEGA_VENV:-$root/.venv}"
 python_bin="${PYTHON:-python3.11}"
 stamp="$venv/.ragen_mega_setup_stamp"
-want="$(cat requirements/*.txt scripts/setup_env.sh setup.py | sha256sum | cut -d' ' -f1)"
+want="$(cat requirements/*.txt scripts/setup_env.sh pyproject.toml | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   echo "setup_env: ${venv#"$root"/} is up to date"
   exit 0

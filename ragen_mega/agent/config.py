@@ -9,45 +9,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ragen_mega.config_tree import ConfigError
+from ragen_mega.config_tree import ConfigError, setting
 
 
 @dataclass
 class AgentConfig:
-    #: True: the model writes ``<think>...</think><answer>...</answer>`` and the prompt ends with
-    #: ``<think>``; False (RAGEN's "NoThinking"): the prompt ends with ``<answer>`` and the model
-    #: only completes the answer up to ``</answer>``.
-    think: bool = True
-    #: actions kept from one answer (split on ``action_sep``); extra ones are dropped and counted.
-    max_actions_per_turn: int = 5
-    #: separator between several actions in one answer (RAGEN: ``||``).
-    action_sep: str = "||"
-    #: added to the turn's reward when the response breaks the format (RAGEN: -0.1); must be <= 0.
-    format_penalty: float = -0.1
-    #: how many past turns the prompt shows before the current one; None = all of them (RAGEN's
-    #: classic growing chat); a small number = Verlog's memory window for long episodes.
-    memory_turns: int | None = None
-    #: past turns show the model's whole sampled response (True) or only its parsed actions as
-    #: ``<answer>a || b</answer>`` (False: shorter prompts, no copying of old reasoning).
-    include_thoughts_in_memory: bool = True
-    #: prompt length limit in tokens, None = no limit. Over it, a bounded window (memory_turns set)
-    #: drops its oldest turns until the prompt fits; otherwise building the prompt raises.
-    max_prompt_tokens: int | None = None
-    #: answer-only mode: the answer is the response's first line, ended by ``</answer>``, a
-    #: newline, or the model's own end of turn (not a cut at max_new_tokens). Small models rarely
-    #: close the tag within a few tokens; this reads what they meant without guessing.
-    answer_line: bool = False
-    #: the format rule shows an example answer made of the env's own first action words
-    #: (``<answer> Left || Down </answer>``) instead of ``[your answer]``, as RAGEN's FrozenLake
-    #: prompt shows one. A small model that copies the placeholder or the grid starts writing
-    #: actions with it; the example is also a prior on the moves, so it is off unless asked for.
-    example_answer: bool = False
-    #: the prompt carries RAGEN's words around the game: the system message, the env's
-    #: instruction and action list, and the format rule after every observation. False: only the
-    #: turns (``Turn k:``, the observation, the reward), for a model trained from scratch, which
-    #: cannot read English: on a 4x4 FrozenLake those words are 280 of a prompt's 380 tokens, so
-    #: they cost most of a step's compute and only dilute the board (docs/results.md).
-    instructions: bool = True
+    think: bool = setting(True, help=(
+        "true: the model writes `<think>...</think><answer>...</answer>` and the prompt ends with "
+        "`<think>`; false (RAGEN's `NoThinking`): the prompt ends with `<answer>` and the model "
+        "only completes the answer up to `</answer>`."))
+    max_actions_per_turn: int = setting(5, help=(
+        "actions kept from one answer (split on `action_sep`); extra ones are dropped and "
+        "counted."))
+    action_sep: str = setting("||", help=(
+        "separator between several actions in one answer (RAGEN: `||`)."))
+    format_penalty: float = setting(-0.1, help=(
+        "added to the turn's reward when the response breaks the format (RAGEN: -0.1); must be <= "
+        "0."))
+    memory_turns: int | None = setting(None, help=(
+        "how many past turns the prompt shows before the current one; null = all of them (RAGEN's "
+        "classic growing chat); a small number = Verlog's memory window for long episodes."))
+    include_thoughts_in_memory: bool = setting(True, help=(
+        "past turns show the model's whole sampled response (true) or only its parsed actions as "
+        "`<answer>a || b</answer>` (false: shorter prompts, no copying of old reasoning)."))
+    max_prompt_tokens: int | None = setting(None, help=(
+        "prompt length limit in tokens, null = no limit. Over it, a bounded window (memory_turns "
+        "set) drops its oldest turns until the prompt fits; otherwise building the prompt raises."))
+    answer_line: bool = setting(False, help=(
+        "answer-only mode: the answer is the response's first line, ended by `</answer>`, a "
+        "newline, or the model's own end of turn (not a cut at max_new_tokens). Small models "
+        "rarely close the tag within a few tokens; this reads what they meant without guessing."))
+    example_answer: bool = setting(False, help=(
+        "the format rule shows an example answer made of the env's own first action words "
+        "(`<answer> Left || Down </answer>`) instead of `[your answer]`, as RAGEN's FrozenLake "
+        "prompt shows one. A small model that copies the placeholder or the grid starts writing "
+        "actions with it; the example is also a prior on the moves, so it is off unless asked "
+        "for."))
+    instructions: bool = setting(True, help=(
+        "the prompt carries RAGEN's words around the game: the system message, the env's "
+        "instruction and action list, and the format rule after every observation. false: only "
+        "the turns (`Turn k:`, the observation, the reward), for a model trained from scratch, "
+        "which cannot read English: on a 4x4 FrozenLake those words are 280 of a prompt's 380 "
+        "tokens, so they cost most of a step's compute and only dilute the board "
+        "(docs/results.md)."))
 
     def __post_init__(self):
         _check_bool("think", self.think)

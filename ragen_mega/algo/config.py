@@ -9,7 +9,7 @@ from typing import Literal, Optional
 
 from ragen_mega.algo.estimators import ESTIMATORS, resolve_estimator
 from ragen_mega.algo.filter import GROUP_METRICS, STRATEGIES
-from ragen_mega.config_tree import ConfigError, bounded
+from ragen_mega.config_tree import ConfigError, bounded, setting
 from ragen_mega.user_code import is_code_path
 
 
@@ -23,28 +23,32 @@ class FilterConfig:
     """Which rollout groups the step trains on (``algo/filter.py`` says each option and where
     it differs from RAGEN's code). The defaults are StarPO-S: the top ``ratio`` of groups by
     in-group reward std; ``ratio: 1.0`` is plain StarPO."""
-    #: top_k: the top ``ratio`` of groups; top_p: the fewest top groups holding ``top_p`` of the
-    #: score mass (RAGEN-2); min_p: every group scoring >= ``min_p`` x the best
-    strategy: str = "top_k"
-    ratio: float = bounded(0.25, gt=0, le=1)  # strategy top_k: the share of groups kept
-    #: strategy top_p only, in (0, 1]; unset: RAGEN-2's 0.9 (``algo/filter.py``)
-    top_p: Optional[float] = bounded(None, gt=0, le=1)
-    #: strategy top_p: the mass of the scores, or of their softmax
-    top_p_mode: Literal["linear", "softmax"] = "linear"
-    selection_eps: float = bounded(0.01, ge=0)  # top_p linear: the threshold's slack (RAGEN's)
-    min_p: Optional[float] = bounded(None, gt=0, le=1)  # strategy min_p only; unset: 0.9
-    #: the group score: reward_std (StarPO-S), reward_variance, reward (mean), entropy (mean
-    #: token NLL of the sampled answers), length (mean response tokens)
-    metric: str = "reward_std"
-    #: largest or smallest scores first; std / std_rev are StarPO-S's names for largest /
-    #: smallest reward std. Unset: std for reward_std, else largest
-    mode: Optional[Literal["std", "std_rev", "largest", "smallest"]] = None
-    include_zero: bool = True             # false: groups scoring 0 are never kept
-    #: scale the kept samples' advantages by the kept share of groups (linear) or its root
-    loss_scaling: Literal["none", "linear", "sqrt"] = "none"
-    #: weigh each kept group's advantages by its reward std over the largest kept one
-    #: (RAGEN-2's soft reweighting; critic-free estimators only)
-    soft_reweight: bool = False
+    strategy: str = setting("top_k", choices=lambda: list(STRATEGIES), help=(
+        "top_k: the top `ratio` of groups; top_p: the fewest top groups holding `top_p` of the "
+        "score mass (RAGEN-2); min_p: every group scoring >= `min_p` x the best"))
+    ratio: float = bounded(0.25, gt=0, le=1, help=(
+        "strategy top_k: the share of groups kept (1.0: every group, plain StarPO)"))
+    top_p: Optional[float] = bounded(None, gt=0, le=1, help=(
+        "strategy top_p only: the share of the score mass kept; unset: RAGEN-2's 0.9"))
+    top_p_mode: Literal["linear", "softmax"] = setting("linear", help=(
+        "strategy top_p: the mass of the scores, or of their softmax"))
+    selection_eps: float = bounded(0.01, ge=0, help=(
+        "strategy top_p, top_p_mode linear: the threshold's slack (RAGEN's)"))
+    min_p: Optional[float] = bounded(None, gt=0, le=1, help=(
+        "strategy min_p only: keep groups scoring at least this times the best; unset: 0.9"))
+    metric: str = setting("reward_std", choices=lambda: list(GROUP_METRICS), help=(
+        "the group score: reward_std (StarPO-S), reward_variance, reward (mean), entropy (mean "
+        "token NLL of the sampled answers), length (mean response tokens)"))
+    mode: Optional[Literal["std", "std_rev", "largest", "smallest"]] = setting(None, help=(
+        "largest or smallest scores first; std / std_rev are StarPO-S's names for largest / "
+        "smallest reward std. Unset: std for reward_std, else largest"))
+    include_zero: bool = setting(True, help=(
+        "groups scoring 0 may be kept; false: never (RAGEN-2 recommends false)"))
+    loss_scaling: Literal["none", "linear", "sqrt"] = setting("none", help=(
+        "scale the kept samples' advantages by the kept share of groups (linear) or its root"))
+    soft_reweight: bool = setting(False, help=(
+        "weigh each kept group's advantages by its reward std over the largest kept one "
+        "(RAGEN-2's soft reweighting; critic-free estimators only)"))
 
     def validate(self):
         if self.strategy not in STRATEGIES:
@@ -66,38 +70,42 @@ class FilterConfig:
 
 @dataclasses.dataclass
 class AlgoConfig:
-    #: a name in algo/estimators.py's registry, or a function of the user's (MODULE:FUNCTION,
-    #: FILE.py:FUNCTION). gae: a critic, GAE over turns then over the tokens of each turn
-    #: (bi-level; RAGEN StarPO-S, Verlog for long horizons); grpo: critic-free, episode score
-    #: vs. its group; gigpo: critic-free, grpo plus a step term comparing the turns taken from
-    #: the same state within a group (verl-agent's GiGPO)
-    adv_estimator: str = "gae"
-    #: across turns (RAGEN uses 1.0; gigpo: its step returns' discount, 0.95 in verl-agent)
-    gamma: float = bounded(1.0, ge=0, le=1)
-    lam: float = bounded(1.0, ge=0, le=1)  # GAE lambda across turns
-    grpo_norm_by_std: bool = True  # group-relative advantages divided by the group's std
-    #: gae: whiten the advantages over the batch's response tokens (zero mean, unit variance),
-    #: as verl's GAE (and so RAGEN's and Verlog's) always does. An untrained critic biases
-    #: every advantage one way (all samples pushed up or all down, the answer format with
-    #: them); centring leaves the ranking the returns make. False: raw returns minus values.
-    whiten_advantages: bool = True
-    #: RAGEN's episode-score normalisation within a group (same seed) before advantages
-    reward_norm: Literal["identity", "mean", "mean_std", "asym_clip"] = "identity"
-    #: take the engine's sampled log-probs as the PPO "old" log-probs instead of recomputing
-    #: them with the actor (slime's --use-rollout-logprobs): saves a forward pass. Checked equal
-    #: to the trainer's in fp32 at temperature 1 only, hence allowed only there.
-    use_rollout_logprobs: bool = False
-    #: gigpo: the step term's weight omega in A = A_episode + omega * A_step (verl-agent's
-    #: step_advantage_w, 1.0)
-    gigpo_step_weight: float = bounded(1.0, ge=0, lt=float("inf"))
-    #: gigpo: None matches anchor states exactly (equal ``TextEnv.state_key``); a ratio in (0, 1)
-    #: also groups near-identical ones (difflib ratio; verl-agent's similarity_thresh, 0.9)
-    gigpo_similarity: Optional[float] = bounded(None, gt=0, lt=1,
-                                                note="leave it unset for exact matching")
-    #: KL in the reward (verl's use_kl_in_reward, Verlog's long-horizon option): each turn's
-    #: reward less this times its tokens' summed KL (actor.kl_kind) between the rollout policy
-    #: and the initial one (the actor keeps a reference model). 0 = off: StarPO-S is KL-free
-    kl_in_reward: float = bounded(0.0, ge=0, lt=float("inf"), note="0: off")
+    adv_estimator: str = setting(
+        "gae", choices=lambda: [name for name, _ in builtin_estimators()],
+        also="a function of yours as MODULE:FUNCTION or FILE.py:FUNCTION", help=(
+            "how each turn's advantage is computed. gae: a critic, GAE over turns then over the "
+            "tokens of each turn (bi-level; RAGEN StarPO-S, Verlog for long horizons); grpo: "
+            "critic-free, episode score vs. its group; gigpo: critic-free, grpo plus a step term "
+            "comparing the turns taken from the same state within a group (verl-agent's GiGPO)"))
+    gamma: float = bounded(1.0, ge=0, le=1, help=(
+        "the discount across turns (RAGEN uses 1.0; gigpo: its step returns' discount, 0.95 in "
+        "verl-agent)"))
+    lam: float = bounded(1.0, ge=0, le=1, help="GAE lambda across turns")
+    grpo_norm_by_std: bool = setting(True, help=(
+        "grpo, gigpo: group-relative advantages divided by the group's std (false: Dr. GRPO)"))
+    whiten_advantages: bool = setting(True, help=(
+        "gae: whiten the advantages over the batch's response tokens (zero mean, unit variance), "
+        "as verl's GAE (and so RAGEN's and Verlog's) always does. An untrained critic biases "
+        "every advantage one way (all samples pushed up or all down, the answer format with "
+        "them); centring leaves the ranking the returns make. false: raw returns minus values."))
+    reward_norm: Literal["identity", "mean", "mean_std", "asym_clip"] = setting("identity", help=(
+        "RAGEN's episode-score normalisation within a group (same seed) before advantages"))
+    use_rollout_logprobs: bool = setting(False, help=(
+        "take the engine's sampled log-probs as the PPO `old` log-probs instead of recomputing "
+        "them with the actor (slime's --use-rollout-logprobs): saves a forward pass. Checked "
+        "equal to the trainer's in fp32 at temperature 1 only, hence allowed only there."))
+    gigpo_step_weight: float = bounded(1.0, ge=0, lt=float("inf"), help=(
+        "gigpo: the step term's weight omega in A = A_episode + omega * A_step (verl-agent's "
+        "step_advantage_w, 1.0)"))
+    gigpo_similarity: Optional[float] = bounded(
+        None, gt=0, lt=1, note="leave it unset for exact matching", help=(
+            "gigpo: null matches anchor states exactly (equal `TextEnv.state_key`); a ratio in "
+            "(0, 1) also groups near-identical ones (difflib ratio; verl-agent's "
+            "similarity_thresh, 0.9)"))
+    kl_in_reward: float = bounded(0.0, ge=0, lt=float("inf"), note="0: off", help=(
+        "KL in the reward (verl's use_kl_in_reward, Verlog's long-horizon option): each turn's "
+        "reward less this times its tokens' summed KL (actor.kl_kind) between the rollout policy "
+        "and the initial one (the actor keeps a reference model). 0 = off: StarPO-S is KL-free"))
 
     def validate(self):
         try:

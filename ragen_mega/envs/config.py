@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from ragen_mega.config_tree import ConfigError, bounded, check_bounds
+from ragen_mega.config_tree import ConfigError, bounded, check_bounds, setting
 from ragen_mega.user_code import is_code_path
 
 _TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -30,16 +30,30 @@ def _check_env_name(name: str, name_key: str) -> None:
         raise ConfigError(f"{name_key}: {e}") from e
 
 
+def _env_names() -> list[str]:
+    """The registered envs' names, read when the keys are listed."""
+    from ragen_mega.envs import list_envs
+
+    return list(list_envs())
+
+
+_USER_ENV = "a class of yours as MODULE:CLASS or FILE.py:CLASS"
+
+
 @dataclasses.dataclass
 class EnvMixEntry:
     """One env of a mixed run (an ``env.mix`` item; RAGEN's ``env_configs`` tag + ``n_groups``)."""
-    tag: str = ""                # metric names: rollout/<tag>/success, val/<tag>/pass@k, ...
-    name: Optional[str] = None   # registered env; None: the tag is the env's name
-    kwargs: dict = dataclasses.field(default_factory=dict)
-    env_groups: int = bounded(1, ge=0)   # training groups per step (0: evaluated only)
-    val_groups: Optional[int] = bounded(None, ge=0)  # held-out groups; None: env.val_groups
-                                                     # (0: not evaluated)
-    max_turns: Optional[int] = bounded(None, ge=1, note="leave it out to use env.max_turns")
+    tag: str = setting("", help=(
+        "the env's name in metric names (rollout/<tag>/success, val/<tag>/pass@k, ...): letters, "
+        "digits, _ - ."))
+    name: Optional[str] = setting(None, choices=_env_names, also=_USER_ENV, help=(
+        "the env; null: the env registered under the tag"))
+    kwargs: dict = setting(default_factory=dict, help="the env's constructor arguments")
+    env_groups: int = bounded(1, ge=0, help="training groups per step (0: evaluated only)")
+    val_groups: Optional[int] = bounded(None, ge=0, help=(
+        "held-out groups; null: env.val_groups (0: not evaluated)"))
+    max_turns: Optional[int] = bounded(None, ge=1, note="leave it out to use env.max_turns", help=(
+        "turns an episode of this env may play"))
 
     @property
     def env_name(self) -> str:
@@ -77,26 +91,33 @@ class EnvConfig:
     gets its own consecutive range, the ranges end to end, so a step's seeds are a function of
     the step (resume) and no two envs share one (``rollout.seeding.mix_specs``).
     """
-    name: str = "bandit"         # a registered env, or MODULE:CLASS / FILE.py:CLASS
-    kwargs: dict = dataclasses.field(default_factory=dict)  # the env's constructor arguments
-    env_groups: int = bounded(8, ge=1)    # distinct seeds per step (RAGEN: env_groups)
-    group_size: int = bounded(16, ge=1)   # episodes per seed (RAGEN: group_size)
-    max_turns: int = bounded(5, ge=1)  # turns an episode may play; the last one ends it (truncated)
-    seed: int = 0                # first training seed; step k uses seeds after step k-1's
-    #: held-out evaluation: same env unless named; seeds start at ``val_seed``
-    val_name: Optional[str] = None
-    val_kwargs: dict = dataclasses.field(default_factory=dict)  # held-out env's kwargs
-    val_groups: int = bounded(16, ge=1)  # held-out seeds
-    #: episodes per held-out seed: > 1 logs pass@k (a seed counts if any of its k episodes won)
-    val_group_size: int = bounded(1, ge=1)
-    val_seed: int = 1_000_000  # the first held-out seed (far from the training seeds)
-    #: several envs in one run (the class docstring)
-    mix: list[EnvMixEntry] = dataclasses.field(default_factory=list)
-    #: env servers (``ragen-mega env-server``) the episodes are played on instead of local envs,
-    #: episode i on server i mod len (``rollout/remote_env.py``); each must serve ``name`` with
-    #: ``kwargs`` (checked at start-up). [] = local envs (or ``rollout.env_workers``)
-    remote: list[str] = dataclasses.field(default_factory=list)
-    remote_timeout_s: float = bounded(60.0, gt=0)  # an env server's answer; longer: a failure
+    name: str = setting("bandit", choices=_env_names, also=_USER_ENV, help=(
+        "the env a run plays (`ragen-mega play NAME` shows it)"))
+    kwargs: dict = setting(default_factory=dict, help="the env's constructor arguments")
+    env_groups: int = bounded(8, ge=1, help="distinct seeds per step (RAGEN: env_groups)")
+    group_size: int = bounded(16, ge=1, help="episodes per seed (RAGEN: group_size)")
+    max_turns: int = bounded(5, ge=1, help=(
+        "turns an episode may play; the last one ends it (truncated)"))
+    seed: int = setting(0, help="first training seed; step k uses seeds after step k-1's")
+    val_name: Optional[str] = setting(None, choices=_env_names, also=_USER_ENV, help=(
+        "the env of the held-out evaluation; null: env.name"))
+    val_kwargs: dict = setting(default_factory=dict, help=(
+        "the held-out env's constructor arguments"))
+    val_groups: int = bounded(16, ge=1, help="held-out seeds")
+    val_group_size: int = bounded(1, ge=1, help=(
+        "episodes per held-out seed: > 1 logs pass@k (a seed counts if any of its k episodes won)"))
+    val_seed: int = setting(1_000_000, help="the first held-out seed (far from the training seeds)")
+    mix: list[EnvMixEntry] = setting(default_factory=list, help=(
+        "several envs in one run (RAGEN's es_manager tags / n_groups), one entry per env; each "
+        "group plays one env and every metric is also logged per tag. With a mix, env.name, "
+        "env.kwargs, env.val_name and env.val_kwargs stay unset, and env.env_groups must equal "
+        "the entries' env_groups summed"))
+    remote: list[str] = setting(default_factory=list, help=(
+        "env servers (`ragen-mega env-server`) the episodes are played on instead of local envs, "
+        "episode i on server i mod len (`rollout/remote_env.py`); each must serve `name` with "
+        "`kwargs` (checked at start-up). []: local envs (or `rollout.env_workers`)"))
+    remote_timeout_s: float = bounded(60.0, gt=0, help=(
+        "seconds an env server may take to answer; longer counts as the env failing"))
 
     def validate(self):
         if self.remote:
