@@ -111,7 +111,7 @@ class TrainerConfig:
         "between two tokens of the requests in flight (partial rollouts), and a step's episodes "
         "start only while their first token is within trainer.max_staleness versions of the "
         "weights they train (AReaL's asynchronous RL). Both need separate engines "
-        "(trainer.colocate: false) and actor.tis_cap"))
+        "(trainer.colocate: false); actor.tis_cap corrects for the stale samples"))
     max_staleness: int = bounded(1, ge=1, help=(
         "async_mode=fully: the most weight versions between a trained token and the weights it "
         "trains (1: at most as stale as one_step_off)"))

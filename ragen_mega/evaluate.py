@@ -12,8 +12,9 @@ them as JSON: ``success``, ``valid_action_rate``, ``episodes``, ``mean_turns``,
 ``example_copy``, ``best_fixed``, ``optimal``, those that apply; left out when an env has none),
 and ``per_tag`` (tag -> the same keys).
 
-``PATH`` is ``smollm2``, a Hugging Face model directory, a run directory (``trainer.run_dir``:
-its newest complete step) or one step's actor checkpoint (``.../checkpoints/actor/step_N``).
+``PATH`` is ``smollm2``, a Hugging Face model directory or Hub id (as ``model.path`` takes
+them), a run directory (``trainer.run_dir``: its newest complete step) or one step's actor
+checkpoint (``.../checkpoints/actor/step_N``).
 Megatron checkpoints are converted to a temporary Hugging Face directory first.
 """
 from __future__ import annotations
@@ -57,15 +58,18 @@ def hf_weights(path: str):
     """Yield a Hugging Face directory holding the weights at ``path`` (see the module docstring);
     a Megatron checkpoint is exported into a temporary directory removed afterwards."""
     from ragen_mega.backends.megatron import checkpoint as ckpt
-    from ragen_mega.models.prepare import PRESETS, resolve_model
+    from ragen_mega.models.prepare import PRESETS, is_hub_id, resolve_model
 
     p = Path(path)
-    if not (path in PRESETS or p.is_dir()):
+    if path in PRESETS or is_hub_id(path):
+        yield resolve_model(path)
+        return
+    if not p.is_dir():
         raise FileNotFoundError(f"--checkpoint: {path} does not exist")
     # a run dir holds the run's config.json too: look for checkpoints before an HF config
     is_run, is_step = (p / "checkpoints").is_dir(), (p / ckpt.STATE_FILE).exists()
-    if path in PRESETS or (p / "config.json").is_file() and not (is_run or is_step):
-        yield resolve_model(path)
+    if (p / "config.json").is_file() and not (is_run or is_step):
+        yield path
         return
     step_dir = run_step_checkpoint(p) if is_run else p
     if not (step_dir / ckpt.STATE_FILE).is_file():
@@ -170,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="the run's YAML config (its env.val_* / env.mix entries)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. env.val_groups=64")
     parser.add_argument("--checkpoint", required=True,
-                        help="smollm2, an HF model dir, a run dir or a step_N checkpoint dir")
+                        help="smollm2, an HF model dir or Hub id, a run dir or a step_N "
+                             "checkpoint dir")
     parser.add_argument("--out", default=None, help="also write the numbers to this JSON file")
     args = parser.parse_args(argv)
     try:  # a bad config or checkpoint fails before any engine starts

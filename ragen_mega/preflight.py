@@ -15,11 +15,15 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
   layout (TP divides the heads and MLP widths, PP the layers, EP the experts) and over the
   engines' expert parallelism; routing replay has experts to replay; LoRA adapters
   (``actor.lora``, ``critic.lora``) fit the model (``lm_head`` only on an actor's untied
-  head).
+  head);
+- ``actor.load`` is a complete torch_dist checkpoint of the model ``model.path`` describes.
 
 ``ragen-mega train``, ``eval`` and ``sft`` run it right after loading the config.
 """
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import torch
 
@@ -67,20 +71,22 @@ def preflight(cfg: RunConfig) -> RunConfig:
             raise ConfigError(f"{role}.moe_grouped_gemm: {GROUPED_GEMM_NEEDS_TE} (set "
                               f"{role}.moe_grouped_gemm=false: one linear per expert)")
     check_model_layout(cfg)
+    check_start_checkpoint(cfg)
     return cfg
 
 
 def check_model_layout(cfg: RunConfig) -> None:
     """The model's config.json against each trained role's TP / PP / EP layout. A preset
     (``smollm2``, ``textgame-small``) is written on first use, which a check must not start: the
-    trainer checks its layout when it builds the model."""
+    trainer checks its layout when it builds the model. A Hugging Face Hub id not in the cache
+    is downloaded here, before anything starts (``models/prepare.py``: ``hub_snapshot``)."""
     from ragen_mega.models.hf_config import model_spec
-    from ragen_mega.models.prepare import PRESETS
+    from ragen_mega.models.prepare import PRESETS, resolve_model
 
     if cfg.model.path in PRESETS:
         return
     try:
-        spec = model_spec(cfg.model.path)
+        spec = model_spec(resolve_model(cfg.model.path))
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: {e}") from e
     for role in ("actor", "critic") if cfg.critic.enable else ("actor",):
@@ -105,6 +111,39 @@ def check_model_layout(cfg: RunConfig) -> None:
                 check_supported(spec, lora, role)
             except ValueError as e:
                 raise ConfigError(f"{role}.{e}") from e
+
+
+def check_start_checkpoint(cfg: RunConfig) -> None:
+    """``actor.load``: a complete checkpoint (``step_N``, or a root holding one) whose files
+    are all there, of the architecture in ``model.path``'s config.json (compared with the copy
+    the checkpoint keeps in ``hf/``; a preset's is not written yet: the trainer compares the
+    built model's architecture with the checkpoint's when it loads it)."""
+    from ragen_mega.backends.megatron import checkpoint as ckpt
+    from ragen_mega.models.hf_config import model_spec
+    from ragen_mega.models.prepare import PRESETS, resolve_model
+
+    if cfg.actor.load is None:
+        return
+    path = Path(cfg.actor.load)
+    if (path / "config.json").is_file():
+        raise ConfigError(f"actor.load: {path} is a Hugging Face model directory; give it as "
+                          f"model.path (actor.load takes a Megatron torch_dist checkpoint: "
+                          f"ragen-mega convert hf-to-megatron's output, or a run's "
+                          f"checkpoints/actor/step_N)")
+    try:
+        found = ckpt.find_checkpoint(path)
+        ckpt.verify_checkpoint(found)
+    except (OSError, ValueError, RuntimeError) as e:  # missing, corrupt, or an older version's
+        raise ConfigError(f"actor.load: {e}") from e
+    if cfg.model.path in PRESETS or not (found / "hf" / "config.json").is_file():
+        return
+    saved, wanted = model_spec(found / "hf"), model_spec(resolve_model(cfg.model.path))
+    differ = [f"{f.name}={getattr(saved, f.name)!r} (model.path: {getattr(wanted, f.name)!r})"
+              for f in dataclasses.fields(wanted)
+              if getattr(saved, f.name) != getattr(wanted, f.name)]
+    if differ:
+        raise ConfigError(f"actor.load: {found} holds another model than model.path "
+                          f"{cfg.model.path}: {', '.join(differ)}")
 
 
 def env_builds(cfg: RunConfig) -> list[tuple[str, str, dict]]:

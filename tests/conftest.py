@@ -270,6 +270,38 @@ def make_batch(vocab: int, lengths=LENGTHS, seed: int = 0):
     return ids * mask + 2 * (1 - mask), mask     # pad id 2 (SmolLM2's) on the right
 
 
+def policy_batch(vocab: int) -> dict:
+    """4 rows of 10 tokens, the last 6 trained, with advantages and old log-probs: what an
+    actor's ``train`` takes."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (4, 10), generator=g)
+    mask = torch.zeros(4, 10)
+    mask[:, 4:] = 1
+    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(4, 10, generator=g),
+            "old_logprobs": torch.full((4, 10), -11.0)}
+
+
+def perturbed_copy(hf_dir, out_dir: Path, scale: float, seed: int = 0) -> Path:
+    """A copy of the HF directory ``hf_dir`` in ``out_dir`` whose every weight is moved by
+    Gaussian noise of ``scale`` times its tensor's std: a start that is visibly not ``hf_dir``'s
+    (``actor.load`` tests convert it, then start from it with ``model.path: hf_dir``)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    g = torch.Generator().manual_seed(seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for item in sorted(Path(hf_dir).iterdir()):
+        if item.suffix == ".safetensors":
+            moved = {name: t + scale * (t.std() if t.numel() > 1 else 1.0)
+                     * torch.randn(t.shape, generator=g, dtype=t.dtype)
+                     for name, t in load_file(str(item)).items()}
+            save_file(moved, str(out_dir / item.name), metadata={"format": "pt"})
+        elif item.is_file():
+            shutil.copy2(item, out_dir / item.name)
+    return out_dir
+
+
 def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
     """One training-mode schedule run with a loss on log-probs and entropy; HF-named grads.
 

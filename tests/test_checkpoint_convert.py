@@ -14,6 +14,8 @@ from ragen_mega.backends.megatron import checkpoint as ckpt
 from ragen_mega.backends.megatron.convert import main
 from ragen_mega.backends.megatron.launch import WorkerError, run_workers
 
+from conftest import policy_batch
+
 TRAIN = dict(micro_batch_size=2, lr=1e-3, lr_warmup_steps=3, lr_decay_style="cosine",
              weight_decay=0.1, grad_clip=1.0)
 
@@ -88,15 +90,6 @@ def test_config_json_that_is_no_json_is_named_with_line_and_column(tmp_path, cap
     assert f"{hf / 'config.json'} must hold a JSON object, got list" in capsys.readouterr().err
 
 
-def _batch(vocab):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, vocab, (4, 10), generator=g)
-    mask = torch.zeros(4, 10)
-    mask[:, 4:] = 1
-    return {"input_ids": ids, "loss_mask": mask, "advantages": torch.randn(4, 10, generator=g),
-            "old_logprobs": torch.full((4, 10), -11.0)}
-
-
 def _ckpt_worker(rank, world_size, hf_dir, other_hf_dir, converted_root, root, batch):
     from ragen_mega.backends.megatron.parallel import init_parallel
     from ragen_mega.backends.megatron.train import MegatronTrainer
@@ -155,7 +148,7 @@ def resumed(hf_dir, tiny_model, converted, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ckpt")
     other = tiny_model("qwen2", tied=True, num_layers=4)
-    batch = _batch(AutoConfig.from_pretrained(hf_dir).vocab_size)
+    batch = policy_batch(AutoConfig.from_pretrained(hf_dir).vocab_size)
     results = run_workers(_ckpt_worker, 2, str(hf_dir), str(other), str(converted / "mcore"),
                           str(root), batch, timeout=900)
     return results, root, batch

@@ -10,6 +10,7 @@ from ragen_mega.config import load_run_config
 from ragen_mega.config_tree import ConfigError
 from ragen_mega.train import main as train_main, train
 
+from conftest import perturbed_copy
 from user_code_examples import CREDIT, USER_ENV, USER_ESTIMATOR
 
 
@@ -81,17 +82,52 @@ def test_user_code_paths_are_checked_at_load_naming_the_key(user_code, tmp_path,
         load_run_config(base[0], [f"algo.adv_estimator={credit}", "critic.enable=true"])
 
 
-def test_a_user_env_and_estimator_named_from_yaml_train_a_step(user_code, tiny_run_overrides,
-                                                               tmp_path, private_ray):
+def test_a_user_env_and_estimator_named_from_yaml_train_a_step(user_code, tiny_model,
+                                                               tiny_run_overrides, tmp_path,
+                                                               private_ray):
     """``env.name`` and ``algo.adv_estimator`` given as files of the user's: the rollout plays
     the user's game (its rewards in the step's metrics) and the loss is the user's credit: every
     advantage is CREDIT, so the first update's loss (ratio 1, old log-probs recomputed by the
-    same actor) is exactly -CREDIT."""
+    same actor) is exactly -CREDIT.
+
+    The run starts from ``actor.load``: a perturbed copy of ``model.path`` converted at TP1,
+    loaded by the TP2 actor; the first rollout's engine log-probs are those transformers gives
+    the perturbed weights, so the checkpoint reached the trainer ranks and the engines served
+    it from the first rollout on."""
+    import torch
+
+    from ragen_mega.backends.megatron.convert import main as convert_main
+    from ragen_mega.rollout.replay import rollout_file
+
     env, credit = user_code
     log = tmp_path / "resets.txt"
+    base = tiny_model("qwen2")
+    start = perturbed_copy(base, tmp_path / "start_hf", scale=0.5)
+    assert convert_main(["hf-to-megatron", "--hf-dir", str(start), "--out-dir",
+                         str(tmp_path / "start")]) == 0
     overrides = tiny_run_overrides(tmp_path / "run", total_steps=1) + [
         f"env.name={env}", f"env.kwargs={{log: '{log}'}}", f"algo.adv_estimator={credit}",
-        "critic.enable=false", "trainer.save_every=0"]
+        "critic.enable=false", "trainer.save_every=0", f"actor.load={tmp_path / 'start'}",
+        "trainer.save_rollouts=true"]
     [metrics] = train(load_run_config("examples/bandit_cpu_demo.yaml", overrides))
     assert len(log.read_text().split()) == 4  # 2 groups x 2 episodes of the user's game
     assert metrics["actor/pg_loss"] == pytest.approx(-CREDIT, abs=1e-6)
+    samples = torch.load(rollout_file(tmp_path / "run", 1), weights_only=True)["samples"]
+    engine = torch.tensor([lp for s in samples for lp in s["rollout_logprobs"]])
+    assert (engine - _response_logprobs(start, samples)).abs().max() < 1e-3
+    assert (engine - _response_logprobs(base, samples)).abs().max() > 0.05
+
+
+def _response_logprobs(model_dir, samples: list[dict]):
+    """transformers' log-prob of each sampled response token (temperature 1), in order."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.tensor([s["prompt_ids"] + s["response_ids"]])
+            logp = torch.log_softmax(model(ids).logits[0, :-1], -1)
+            out.append(logp.gather(-1, ids[0, 1:, None])[-len(s["response_ids"]):, 0])
+    return torch.cat(out)

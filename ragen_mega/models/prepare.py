@@ -85,9 +85,63 @@ def prepare_smollm2(out_dir: str | Path | None = None) -> Path:
 
 def resolve_model(path: str) -> str:
     """A run's ``model.path`` as a directory: a preset name (:data:`PRESETS`) -> its prepared
-    directory; any other path (checked to be an HF directory when the config was loaded) as it
-    is."""
-    return str(PRESETS[path]()) if path in PRESETS else path
+    directory; a Hugging Face Hub id (:func:`is_hub_id`) -> its snapshot (:func:`hub_snapshot`);
+    any other path (checked to be an HF directory when the config was loaded) as it is."""
+    if path in PRESETS:
+        return str(PRESETS[path]())
+    return hub_snapshot(path) if is_hub_id(path) else path
+
+
+#: the files of a hub repository the stack reads: config, weights, tokenizer, chat template
+HUB_FILES = ("*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken")
+
+
+def is_hub_id(path: str) -> bool:
+    """``org/name`` that is no local path: a Hugging Face Hub repository id. A local directory
+    of the same name wins, as it does for transformers' ``from_pretrained``."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if path.count("/") != 1 or Path(path).exists():
+        return False
+    try:
+        validate_repo_id(path)
+    except HFValidationError:
+        return False
+    return True
+
+
+def hub_snapshot(repo_id: str, download: bool = True) -> str | None:
+    """The local directory of hub model ``repo_id``: its snapshot in the Hugging Face cache
+    (``HF_HUB_CACHE``, ``HF_HOME``) when one there holds config.json and safetensors weights,
+    found without a network call; else, unless the hub is off (``HF_HUB_OFFLINE``), downloaded
+    into that cache (:data:`HUB_FILES`), or None with ``download=False`` (a check that must not
+    start a download). A cached snapshot is taken as it is, so every process of a run gets the
+    same directory. FileNotFoundError saying what to do when it is neither cached nor
+    downloadable."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        cached = Path(snapshot_download(repo_id, local_files_only=True))
+    except LocalEntryNotFoundError:
+        cached = None
+    if cached is not None and (cached / "config.json").is_file() and any(
+            cached.glob("*.safetensors")):
+        return str(cached)
+    where = f"{repo_id!r} is neither a local directory nor a model in the Hugging Face cache"
+    where += (f" ({constants.HF_HUB_CACHE})" if cached is None else
+              f" (its snapshot {cached} lacks config.json or *.safetensors)")
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"{where}, and HF_HUB_OFFLINE is set: download it where the hub "
+                                f"is reachable (hf download {repo_id}) into that cache, or give "
+                                f"a local HF directory")
+    if not download:
+        return None
+    try:
+        return snapshot_download(repo_id, allow_patterns=list(HUB_FILES))
+    except (HfHubHTTPError, OSError) as e:
+        raise FileNotFoundError(f"{where}, and downloading it failed: {e}") from e
 
 
 #: the model types :func:`make_tiny_model` writes (transformers' ``model_type`` names)

@@ -387,6 +387,20 @@ def checkpoint_hf_dir(ckpt_dir) -> Path:
     return hf
 
 
+def find_checkpoint(path) -> Path:
+    """``path`` when it is a complete checkpoint (it holds ``ragen_state.pt``), else the newest
+    complete ``step_N`` under it (a root: ``convert hf-to-megatron``'s ``--out-dir``, a run's
+    ``checkpoints/actor``); FileNotFoundError naming what it looked for."""
+    path = Path(path)
+    if (path / STATE_FILE).exists():
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise FileNotFoundError(f"no complete ragen_mega checkpoint at or under {path} (a "
+                                f"step_N directory holding {STATE_FILE} and a torch_dist dist/)")
+    return found
+
+
 def latest_checkpoint(root) -> Path | None:
     """The newest complete ``step_N`` under ``root``, or None.
 

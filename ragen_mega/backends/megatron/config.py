@@ -164,11 +164,12 @@ class ActorConfig(ModelTrainingConfig):
             "weight of the KL-to-reference loss term (actor.kl_kind)"))
     kl_kind: KlKind = setting("low_var_kl", help=(
         "the estimator of the KL loss and of algo.kl_in_reward (verl's names)"))
-    tis_cap: float | None = bounded(None, gt=0, note="slime uses 2; null turns it off", help=(
+    tis_cap: float | None = bounded(None, gt=0, note="slime uses 2", help=(
         "truncated importance sampling: each token's PPO loss is weighted by min(exp(old - engine "
         "log-prob), tis_cap), the engine's sampled log-probs taken as the behaviour policy "
-        "(verl's tis_imp_ratio_cap, slime's --use-tis; slime caps at 2). null: off. "
-        "trainer.async_mode needs it: its samples come from older weights."))
+        "(verl's tis_imp_ratio_cap, slime's --use-tis; slime caps at 2). null: off, except with "
+        "trainer.async_mode one_step_off or fully, whose samples come from older weights: there "
+        "null means slime's 2."))
     routing_replay: bool = setting(False, help=(
         "mixtures of experts: train every token through the experts the engine routed it to "
         "(slime's --use-rollout-routing-replay), so the trainer's log-probs are those of the "

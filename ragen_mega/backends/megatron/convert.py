@@ -94,15 +94,6 @@ def hf_to_megatron(hf_dir, out_dir, tp: int = 1, pp: int = 1, role: str = "actor
 
 
 # ---------------------------------------------------------------------- Megatron -> HF
-def _resolve_checkpoint(megatron_dir: Path) -> Path:
-    if (megatron_dir / ckpt.STATE_FILE).exists():
-        return megatron_dir
-    found = ckpt.latest_checkpoint(megatron_dir)
-    if found is None:
-        raise FileNotFoundError(f"no complete ragen_mega checkpoint at or under {megatron_dir}")
-    return found
-
-
 def _target_dtype(hf_dir: Path) -> torch.dtype:
     from ragen_mega.models.hf_config import read_config_json
 
@@ -230,7 +221,7 @@ def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
     A LoRA checkpoint is merged into its base (``hf_dir``, else the directory the run trained
     from): the output is the full model with ``W_base + s * B A``.
     """
-    ckpt_dir = _resolve_checkpoint(Path(megatron_dir).resolve())
+    ckpt_dir = ckpt.find_checkpoint(Path(megatron_dir).resolve())
     if hf_dir:  # the user's config is checked before the checkpoint is opened
         _check_layout(Path(hf_dir).resolve(), tp, pp, ep)
     state = ckpt.read_checkpoint_state(ckpt_dir)
@@ -277,7 +268,7 @@ def megatron_to_peft(megatron_dir, out_dir) -> Path:
     base model."""
     from ragen_mega.backends.megatron.lora import write_peft_adapter
 
-    ckpt_dir = _resolve_checkpoint(Path(megatron_dir).resolve())
+    ckpt_dir = ckpt.find_checkpoint(Path(megatron_dir).resolve())
     state = ckpt.read_checkpoint_state(ckpt_dir)
     lora = _lora_settings(state)
     if lora is None:

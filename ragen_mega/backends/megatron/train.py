@@ -40,7 +40,6 @@ model outputs it needs and the global normaliser, and calls it per micro-batch.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -192,14 +191,19 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ construction
     def _load(self, role: str, lora: LoraSettings | None = None, seed: int = 0) -> list:
-        """The role's model chunks with the HF weights, and ``lora``'s adapters (seeded by
-        ``seed``) on the local layer spec: TransformerEngine's fuses the norm into the linears
-        whose input the adapters read."""
+        """The role's model chunks with the start weights: the HF directory's, or an actor's
+        ``load`` checkpoint's (torch_dist, saved at any layout; the KL reference starts from
+        them too); and ``lora``'s adapters (seeded by ``seed``) on the local layer spec:
+        TransformerEngine's fuses the norm into the linears whose input the adapters read."""
         chunks = build_model(self.hf_dir, role=role, dtype=self.dtype,
                              use_te=False if lora else None,
                              local_attention=self.config.local_attention,
                              config_overrides=self._moe_settings())
-        load_hf_checkpoint(chunks, self.hf_dir)
+        start = getattr(self.config, "load", None)  # an ActorConfig's; a critic has none
+        if start is not None:
+            ckpt.load_checkpoint(ckpt.find_checkpoint(start), chunks)
+        else:
+            load_hf_checkpoint(chunks, self.hf_dir)
         if lora is not None:
             apply_lora(chunks, lora, seed)
         return chunks
@@ -441,10 +445,7 @@ class MegatronTrainer:
 
         ``optimizer=False`` loads weights only (e.g. a converted HF checkpoint) and keeps the
         step count at 0."""
-        path = Path(path)
-        found = path if (path / ckpt.STATE_FILE).exists() else ckpt.latest_checkpoint(path)
-        if found is None:
-            raise FileNotFoundError(f"no complete checkpoint at or under {path}")
+        found = ckpt.find_checkpoint(path)
         loaded = ckpt.load_checkpoint(found, self.model, self.optimizer if optimizer else None,
                                       self.scheduler if optimizer else None)
         if optimizer:
