@@ -143,7 +143,7 @@ def play_held_out(cfg: RunConfig, model_dir: str) -> list:
             cfg, model=dataclasses.replace(cfg.model, path=model_dir),
             trainer=dataclasses.replace(cfg.trainer, run_dir=tmp, colocate=False))
         with build_run(cfg, with_trainers=False) as run:
-            episodes, _ = run.rollouts.episodes(0, evaluate=True)
+            episodes, _ = run.rollouts.episodes(0, evaluate=True, show_progress=True)
     return episodes
 
 

@@ -1,6 +1,7 @@
 """Console lines a user sees while a run starts: one per start-up stage, with the seconds since
 the command began (``[  12.3s] engines 1/2 ready``), so the minutes before step 1 (Ray, engine
-servers, trainer ranks, the first weight sync, the step-0 evaluation) are never silent.
+servers, trainer ranks, the first weight sync, the step-0 evaluation) are never silent. They go
+to stderr, as tqdm's bars do: stdout stays the command's result (eval's table, the step lines).
 
 Module-level on purpose, like :mod:`logging`: the stages happen in several modules (the loop,
 the engine group), and a line needs no object handed down to them.
@@ -21,7 +22,7 @@ def restart_clock() -> None:
 
 def say(text: str) -> None:
     """Print ``text`` as one start-up line, stamped with the seconds since the command began."""
-    print(f"[{time.perf_counter() - _started:7.1f}s] {text}", file=sys.stdout, flush=True)
+    print(f"[{time.perf_counter() - _started:7.1f}s] {text}", file=sys.stderr, flush=True)
 
 
 def count_ready(refs: list, noun: str, timeout_s: float | None = None) -> None:

@@ -120,8 +120,10 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     start, saved_rollout, pending = checkpoints.resume(cfg, run.actor, run.critic)
     run.rollouts.load_state_dict(saved_rollout)
     run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
-    progress.say(f"trainer ranks ready, weights of step {start} "
-                 f"{'loaded and ' if start else ''}synced into the engines")
+    source = (f"step {start}'s checkpoint" if start else
+              f"actor.load ({cfg.actor.load})" if cfg.actor.load else
+              f"model.path ({cfg.model.path})")
+    progress.say(f"trainer ranks ready; the weights of {source} synced into the engines")
     if start == 0 and t.eval_every:  # step 0: the start weights, the base of every curve
         metrics = evaluate(cfg, run, 0)
         progress.say("step-0 evaluation done")

@@ -211,7 +211,9 @@ def test_eval_of_learned_checkpoint(one_turn_run, learn_setup, tmp_path, capsys)
     out = tmp_path / "eval.json"
     with holding_run_dir(run_dir):  # a live run's directory can be evaluated: eval only reads
         assert eval_main([DEMO, *overrides, "--checkpoint", str(run_dir), "--out", str(out)]) == 0
-    header, *_ = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr()
+    header, *_ = printed.out.splitlines()   # stdout: the table only
+    assert "held-out episodes: 100%" in printed.err and "32/32" in printed.err  # the bar
     assert header.split()[1:6] == ["episodes", "success", "random_valid", "best_fixed", "optimal"]
     trained = json.loads(out.read_text())
     lines = {"random_valid": 0.5, "best_fixed": 1.0, "optimal": 1.0}

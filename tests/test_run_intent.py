@@ -143,27 +143,28 @@ def test_rerunning_a_command_says_what_it_does(tmp_path, tiny_run_overrides):
     first = _train(run_dir, tiny_run_overrides)
     assert first.returncode == 0, first.stderr[-3000:]
     for line in (f"new run in {run_dir}", "Ray ready", "engines 1/1 ready",
-                 "trainer ranks ready, weights of step 0 synced into the engines"):
-        assert line in first.stdout, first.stdout
+                 "trainer ranks ready; the weights of model.path ("):
+        assert line in first.stderr, first.stderr[-3000:]   # start-up lines: stderr
     assert "step 2/2" in first.stdout
     assert _kept_steps(run_dir) == {"actor": ["step_2"], "critic": ["step_2"]}
 
     again = _train(run_dir, tiny_run_overrides)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"{run_dir} is complete at step 2 (trainer.total_steps=2): nothing to do" in \
-        again.stdout
-    assert "Ray ready" not in again.stdout   # nothing was started
+        again.stderr
+    assert "Ray ready" not in again.stderr   # nothing was started
 
     changed = _train(run_dir, tiny_run_overrides, "actor.lr=3e-4")
     assert changed.returncode == 2
     assert "whose config differs in keys that change what it trains:\n  actor.lr: 0.001 -> " \
            "0.0003\n" in changed.stderr, changed.stderr[-3000:]
-    assert "Ray ready" not in changed.stdout
+    assert "Ray ready" not in changed.stderr
 
     longer = _train(run_dir, tiny_run_overrides, "trainer.total_steps=3")
     assert longer.returncode == 0, longer.stderr[-3000:]
     assert (f"resuming {run_dir} from step 2 of 3; changed since its last start: "
-            f"trainer.total_steps 2 -> 3") in longer.stdout, longer.stdout
+            f"trainer.total_steps 2 -> 3") in longer.stderr, longer.stderr[-3000:]
+    assert "the weights of step 2's checkpoint synced into the engines" in longer.stderr
     assert "step 3/3" in longer.stdout
     assert _kept_steps(run_dir) == {"actor": ["step_3"], "critic": ["step_3"]}
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text()

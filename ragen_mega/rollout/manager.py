@@ -158,11 +158,12 @@ class RolloutManager:
         threading.Thread(target=work, name="overlapped-rollout", daemon=True).start()
         return future
 
-    def episodes(self, step: int, *, evaluate: bool = False,
-                 faults: FaultCounters | None = None) -> tuple[list[Episode], float]:
+    def episodes(self, step: int, *, evaluate: bool = False, faults: FaultCounters | None = None,
+                 show_progress: bool = False) -> tuple[list[Episode], float]:
         """Play one step's episodes (training seeds, or the held-out seeds at eval temperature),
         all at once; seconds taken. An episode a restarted engine cut short is played again from
-        its start; one whose env raised is left out, counted in ``faults``."""
+        its start; one whose env raised is left out, counted in ``faults``. ``show_progress``:
+        a progress bar of finished episodes (``ragen-mega eval``)."""
         env = self.cfg.env
         specs = (mix_specs(val_parts(env), group_size=env.val_group_size,
                            first_seed=env.val_seed) if evaluate else self.train_specs(step))
@@ -170,6 +171,11 @@ class RolloutManager:
 
         async def play_all():
             async with (self.gateway.serving() if self.gateway else contextlib.nullcontext()):
+                if show_progress:   # tqdm's gather keeps the episodes in their order
+                    from tqdm.asyncio import tqdm
+
+                    return list(await tqdm.gather(*played, total=len(specs), unit="episode",
+                                                  desc="held-out episodes"))
                 return list(await asyncio.gather(*played))
 
         start = time.perf_counter()
