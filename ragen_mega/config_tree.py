@@ -102,7 +102,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return _merge(tp(), value, key)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{key}: expected a list, got {value!r}")
+            hint = f" (a list of one: [{value}])" if isinstance(value, (str, int, float)) else ""
+            raise ConfigError(f"{key}: expected a list, got {value!r}{hint}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(args) != len(value):
                 raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")

@@ -60,6 +60,7 @@ def test_int_widens_to_float_and_tuple_is_typed():
     (["optim=3"], "optim: expected a mapping"),
     (["steps"], "not of the form a.b.c=value"),
     (["a..b=1"], "not of the form a.b.c=value"),
+    (["tags=x"], "tags: expected a list, got 'x' (a list of one: [x])"),
     (["tags=[a"], "override 'tags=[a': value '[a' is not valid YAML: line 1, column 3: "
                   "expected ',' or ']'"),
 ])
