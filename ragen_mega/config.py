@@ -157,10 +157,6 @@ class TrainerConfig:
     def validate(self):
         from ragen_mega.trackers import missing_packages
 
-        if self.resume not in ("auto", "never", "force") and not (
-                Path(self.resume) / "actor").is_dir():
-            raise ConfigError(f"resume: auto, never, force, or a directory holding actor/ (and "
-                              f"critic/) checkpoints; {self.resume!r} is none of these")
         missing = missing_packages(self.loggers, self.run_dir)
         if missing:
             raise ConfigError("loggers: " + "; ".join(missing))

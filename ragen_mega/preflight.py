@@ -35,7 +35,8 @@ from ragen_mega.http_token import GATEWAY_TOKEN, check_listen, token_from_env
 
 
 def preflight(cfg: RunConfig) -> RunConfig:
-    """``cfg``, once every env builds and bf16 has a GPU; else ConfigError naming the key."""
+    """``cfg``, once every env builds, bf16 has a GPU and the checkpoints it starts from are
+    there; else ConfigError naming the key."""
     from ragen_mega.envs import make
     from ragen_mega.rollout.remote_env import check_servers
 
@@ -72,6 +73,10 @@ def preflight(cfg: RunConfig) -> RunConfig:
                               f"{role}.moe_grouped_gemm=false: one linear per expert)")
     check_model_layout(cfg)
     check_start_checkpoint(cfg)
+    resume = cfg.trainer.resume
+    if resume not in ("auto", "never", "force") and not (Path(resume) / "actor").is_dir():
+        raise ConfigError(f"trainer.resume: auto, never, force, or a directory holding actor/ "
+                          f"(and critic/) checkpoints; {resume!r} is none of these")
     return cfg
 
 

@@ -487,7 +487,8 @@ def test_whole_loop_trains_a_mixture_of_experts_at_ep2_and_resumes(moe_dirs, tin
                                     + ["actor.routing_replay=true", "trainer.colocate=true",
                                        "rollout.env_workers=2", "filter.strategy=min_p",
                                        "filter.min_p=1.0", "filter.metric=reward",
-                                       "filter.mode=largest", "filter.loss_scaling=linear"]))
+                                       "filter.mode=largest", "filter.loss_scaling=linear",
+                                       "trainer.resume=force"]))  # a changed config, on purpose
     assert [h["step"] for h in first + resumed] == [1, 2]
     for h in first + resumed:
         assert h["actor/update_successful"] == 1.0

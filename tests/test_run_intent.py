@@ -170,3 +170,18 @@ def test_rerunning_a_command_says_what_it_does(tmp_path, tiny_run_overrides):
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text()
              .splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_resume_from_a_directory_that_holds_no_checkpoint_fails_before_the_start(tmp_path,
+                                                                                   tiny_model):
+    """``trainer.resume=DIR`` is checked when the run starts (``preflight``), naming the key;
+    a directory holding ``actor/`` passes."""
+    from ragen_mega.config_tree import ConfigError
+    from ragen_mega.preflight import preflight
+
+    model = f"model.path={tiny_model('qwen2')}"
+    with pytest.raises(ConfigError, match=r"trainer.resume: auto, never, force, or a directory "
+                                          r"holding actor/ .*'.*nowhere' is none of these"):
+        preflight(load_run_config(DEMO, [model, f"trainer.resume={tmp_path / 'nowhere'}"]))
+    (tmp_path / "ckpt" / "actor").mkdir(parents=True)
+    preflight(load_run_config(DEMO, [model, f"trainer.resume={tmp_path / 'ckpt'}"]))
