@@ -149,7 +149,9 @@ class StepPace:
             per_step = metrics.get("time/step_s")
         else:
             per_step = (now - self.first[1]) / (step - self.first[0])
-        return None if per_step is None else float(per_step) * (total - step)
+        if per_step is None or step >= total:   # the last step: nothing left to estimate
+            return None
+        return float(per_step) * (total - step)
 
 
 class RunLogger:

@@ -58,6 +58,7 @@ def test_step_lines_carry_the_time_left_at_the_runs_pace():
     assert pace.eta_s(0, 10, {}, now=0.0) is None
     assert pace.eta_s(1, 10, {"time/step_s": 3.0}, now=5.0) == 27.0
     assert pace.eta_s(4, 10, {"time/step_s": 1.0}, now=35.0) == 60.0
+    assert pace.eta_s(10, 10, {"time/step_s": 1.0}, now=95.0) is None   # the last step
     assert format_console_line(4, 10, {"rollout/success": 0.5}, 3725.0) == \
         "step 4/10 | eta 1h02m | succ 0.5"
     assert format_console_line(4, 10, {}, 245.0) == "step 4/10 | eta 4m05s"
