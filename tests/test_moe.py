@@ -511,25 +511,16 @@ def test_whole_loop_trains_a_mixture_of_experts_at_ep2_and_resumes(moe_dirs, tin
     assert "/update_weights_from_distributed" not in second_run
 
 
-#: Qwen3-30B-A3B's config.json (the Hub's values; no weights needed to check a layout)
-QWEN3_30B_A3B = {
-    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
-    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-    "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
-    "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "vocab_size": 151936, "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-    "hidden_act": "silu"}
-
-
 def test_the_qwen3_30b_a3b_example_fits_the_model_and_the_nodes(tmp_path):
     """The multi-node MoE example against Qwen3-30B-A3B's real shape: its PP and EP split the
     layers and experts, the start-up check passes, and its 32 actor ranks are 4 nodes x 8."""
     from ragen_mega.config import load_run_config
+    from ragen_mega.models.known_configs import known_config
     from ragen_mega.preflight import check_model_layout
     from ragen_mega.ray.placement import plan_resources
 
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    # the Hub's config.json of Qwen3-30B-A3B (no weights needed to check a layout)
+    (tmp_path / "config.json").write_text(json.dumps(known_config("Qwen3-30B-A3B")))
     example = "examples/ragen_sokoban_qwen3_30b_a3b_multinode.yaml"
     cfg = load_run_config(example, [f"model.path={tmp_path}"])
     check_model_layout(cfg)
