@@ -5,7 +5,9 @@ A sweep file (docs/sweeps.md, examples/sweeps/) names a base run config, overrid
 shares, the variants (a list of named override sets, a grid of values, or both: the grid is
 crossed with each listed variant), the seeds, the keys a seed sets, and the sweep's directory.
 Run (variant V, seed S) is ``SWEEP_DIR/V/seed_S`` (its ``trainer.run_dir``), with the base
-config, the shared overrides, V's, then each seed key set to ``S x its stride``. Every run's
+config, the shared overrides, V's, then each seed key set to ``S x its stride``. The runs go
+seed by seed (every variant's seed 0, then seed 1, ...), so a study stopped part-way compares
+its variants on the same seeds. Every run's
 config is built and validated (:func:`~ragen_mega.config.load_run_config`) before any run
 starts, so a typo in a variant fails at once, naming the variant, the seed and the key.
 
@@ -179,13 +181,16 @@ def _override(key: str, value: Any) -> str:
     return f"{key}={yaml_value(value)}"
 
 
-def load_sweep(path: str | Path, overrides: Sequence[str] = ()
+def load_sweep(path: str | Path, overrides: Sequence[str] = (), sweep_dir: str | None = None
                ) -> tuple[SweepConfig, list[SweepRun]]:
     """The sweep file and its runs, every run's config validated; ConfigError names the sweep
     key, or the variant, seed and run config key. ``overrides`` (``key=value``, the command
-    line's) come after the file's shared overrides and before the variant's."""
+    line's) come after the file's shared overrides and before the variant's; ``sweep_dir``
+    replaces the file's ``dir``."""
     path = Path(path)
     sweep = load_config(SweepConfig, path)
+    if sweep_dir:
+        sweep = dataclasses.replace(sweep, dir=sweep_dir)
     clash = sorted({o.partition("=")[0] for o in overrides} & {*_SWEEP_KEYS, *sweep.seed_keys})
     if clash:
         raise ConfigError(f"{', '.join(clash)}: set by the sweep for every run (the run "
@@ -196,8 +201,9 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = ()
                           f"sweep file, {str(path)!r})")
     shared = [*(_override(k, v) for k, v in flatten(sweep.overrides).items()), *overrides]
     runs = []
-    for name, own in variant_overrides(sweep).items():
-        for seed in sweep.seeds:
+    # seed-major: a sweep stopped part-way has every variant on the same seeds so far
+    for seed in sweep.seeds:
+        for name, own in variant_overrides(sweep).items():
             run_dir = Path(sweep.dir).resolve() / name / f"seed_{seed}"
             args = (*shared, *(_override(k, v) for k, v in own.items()),
                     *(_override(k, seed * stride) for k, stride in sweep.seed_keys.items()),
@@ -231,6 +237,17 @@ class _Status:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"runs": self.runs}, indent=2) + "\n")
         os.replace(tmp, self.path)
+
+
+def reached_end(run: SweepRun) -> bool:
+    """Whether the run's ``metrics.jsonl`` holds its last step: the run finished, here or on
+    another machine (a committed study keeps its runs' metrics, not their checkpoints)."""
+    from ragen_mega.plot import load_metrics
+
+    if not (run.run_dir / "metrics.jsonl").is_file():
+        return False
+    rows = load_metrics(run.run_dir)
+    return bool(rows) and rows[-1]["step"] >= run.config.trainer.total_steps
 
 
 def _now() -> str:
@@ -294,6 +311,11 @@ def run_locally(sweep: SweepConfig, runs: list[SweepRun]) -> int:
             if plan.complete:
                 print(f"{head}: complete at step {plan.resume_step}, skipped", flush=True)
                 status.set(run, state="done", exit_code=0, skipped=True, ended=_now())
+                continue
+            if (plan.resume_step is None and status.runs.get(run.key, {}).get("state") == "done"
+                    and reached_end(run)):
+                print(f"{head}: done (its metrics.jsonl reaches step {plan.total_steps}; its "
+                      f"checkpoints are not here), skipped", flush=True)
                 continue
             print(f"{head}: {plan.message}", flush=True)
             code, tail, wall = _train(run, sweep_dir, status, forward)
@@ -385,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("sweep", help="the sweep file (YAML; docs/sweeps.md)")
     parser.add_argument("overrides", nargs="*", help=(
         "run config overrides every run shares (key=value), after the sweep file's"))
+    parser.add_argument("--dir", help=(
+        "the sweep's directory instead of the file's `dir` (a fresh copy of a committed study)"))
     action = parser.add_mutually_exclusive_group()
     action.add_argument("--sbatch", action="store_true", help=(
         "write SWEEP_DIR/sweep.sbatch, one Slurm job array, and print its sbatch command"))
@@ -392,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
         "aggregate the runs: SWEEP_DIR/report.md and report.png"))
     args = parser.parse_args(argv)
     try:
-        sweep, runs = load_sweep(args.sweep, args.overrides)
+        sweep, runs = load_sweep(args.sweep, args.overrides, sweep_dir=args.dir)
     except ConfigError as e:
         print(f"ragen-mega sweep: config error: {e}", file=sys.stderr)
         return 2

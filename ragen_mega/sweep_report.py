@@ -37,6 +37,7 @@ import numpy as np
 
 from ragen_mega import collapse
 from ragen_mega.plot import draw_references, load_metrics, load_references, series
+from ragen_mega.sweep import reached_end
 
 REPORT_FILE = "report.md"
 PLOT_FILE = "report.png"
@@ -129,26 +130,29 @@ def run_scores(rows: list[dict], references: dict[str, float], cfg, report) -> d
 
 @dataclasses.dataclass
 class VariantRuns:
-    """A variant's runs that have metrics: (seed, rows, references, scores)."""
+    """A variant's finished runs: (seed, rows, references, scores)."""
     name: str
     seeds: int
     runs: list[tuple[int, list[dict], dict[str, float], dict]]
-    complete: int
+
+    @property
+    def complete(self) -> int:
+        return len(self.runs)
 
 
 def collect(sweep, runs) -> list[VariantRuns]:
-    """Each variant's runs with a metrics file, in the sweep's order."""
+    """Each variant's finished runs (metrics up to trainer.total_steps), in the sweep's order:
+    a run not started, failed, stopped or under way is left out until it finishes (its "end"
+    would be another step's)."""
     out: dict[str, VariantRuns] = {}
     for run in runs:
-        entry = out.setdefault(run.variant, VariantRuns(run.variant, 0, [], 0))
+        entry = out.setdefault(run.variant, VariantRuns(run.variant, 0, []))
         entry.seeds += 1
-        metrics = run.run_dir / "metrics.jsonl"
-        if not metrics.is_file() or not metrics.read_text().strip():  # not started, or failed
-            continue                                                   # before its first step
+        if not reached_end(run):
+            continue
         rows, refs = load_metrics(run.run_dir), load_references(run.run_dir)
         scores = run_scores(rows, refs, run.config, sweep.report)
         entry.runs.append((run.seed, rows, refs, scores))
-        entry.complete += int(rows[-1].get("step", 0) >= run.config.trainer.total_steps)
     return list(out.values())
 
 

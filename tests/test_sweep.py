@@ -148,9 +148,8 @@ seeds: [3, 4]
 seed_keys: {{trainer.seed: 1, env.seed: 1000}}
 """)
     sweep, runs = load_sweep(path, ["actor.micro_batch_size=4"])
-    assert [r.key for r in runs] == [f"{v}/seed_{s}" for v in
-                                     ("a_lr=0.001", "a_lr=0.0001", "b_lr=0.001", "b_lr=0.0001")
-                                     for s in (3, 4)]
+    assert [r.key for r in runs] == [f"{v}/seed_{s}" for s in (3, 4) for v in
+                                     ("a_lr=0.001", "a_lr=0.0001", "b_lr=0.001", "b_lr=0.0001")]
     by_key = {r.key: r.config for r in runs}
     cfg = by_key["a_lr=0.0001/seed_4"]
     assert (cfg.filter.ratio, cfg.actor.lr, cfg.trainer.seed, cfg.env.seed) == (0.5, 1e-4, 4, 4000)
@@ -315,8 +314,8 @@ def _steps(run_dir: Path) -> list[int]:
 
 def _heavy_sweep(tmp_path: Path, tiny_run_overrides) -> tuple[Path, Path, list[str]]:
     """2 variants x 2 seeds of tiny bandit runs of 3 steps: variant `a` on the bandit; variant
-    `b` on a bandit whose reset raises at seed 0's first training maps (env.seed 0: maps 0, 1),
-    so run 3 of 4, (b, seed 0), fails and (b, seed 1) comes after it. The report reads the
+    `b` on a bandit whose reset raises at seed 1's first training maps (env.seed 100000: maps
+    100000, 100001), so the last run, (b, seed 1), fails; the runs go seed by seed. The report reads the
     training success (the tiny runs do not evaluate)."""
     sweep_dir = tmp_path / "sweep"
     faulty = f"{REPO / 'tests' / 'faulty_envs.py'}:FaultyBandit"
@@ -326,7 +325,7 @@ dir: {sweep_dir}
 variants:
   - {{name: a}}
   - {{name: b, overrides: {{env.name: '{faulty}',
-                            env.kwargs: {{raise_at_reset: [0, 1]}}}}}}
+                            env.kwargs: {{raise_at_reset: [100000, 100001]}}}}}}
 seeds: [0, 1]
 report: {{metric: rollout/success, pairs: [[a, b]], reps: 1000}}
 """)
@@ -347,7 +346,7 @@ def test_sweep_stopped_resumed_and_a_failed_run_recorded(tmp_path, tiny_run_over
     log = tmp_path / "sweep.out"
     proc = _sweep_process(path, overrides, log)
     try:
-        # ---- start 1: run 1 finishes; run 2 is stopped (SIGTERM to the sweep) after a step
+        # ---- start 1: runs 1 and 2 finish; run 3 is stopped (SIGTERM to the sweep) after a step
         deadline = time.monotonic() + 600
         while not _steps(sweep_dir / "a/seed_1"):
             assert proc.poll() is None, log.read_text()[-4000:]
@@ -356,26 +355,28 @@ def test_sweep_stopped_resumed_and_a_failed_run_recorded(tmp_path, tiny_run_over
         os.kill(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=300) == 75, log.read_text()[-4000:]
         status = _status(sweep_dir)
-        assert status["a/seed_0"]["state"] == "done" and status["a/seed_1"]["state"] == "stopped"
-        assert status["a/seed_1"]["exit_code"] == 75 and "b/seed_0" not in status
+        assert [status[k]["state"] for k in ("a/seed_0", "b/seed_0", "a/seed_1")] == \
+            ["done", "done", "stopped"], status
+        assert status["a/seed_1"]["exit_code"] == 75 and "b/seed_1" not in status
         stopped_at = _steps(sweep_dir / "a/seed_1")[-1]
         assert 1 <= stopped_at < 3
 
-        # ---- start 2: run 1 skipped, run 2 resumed, (b, 0) fails and is recorded, (b, 1) runs
+        # ---- start 2: runs 1, 2 skipped, run 3 resumed, (b, 1) fails and is recorded
         proc = _sweep_process(path, overrides, log)
         assert proc.wait(timeout=900) == 1, log.read_text()[-4000:]
         out = log.read_text().rsplit("runs (2 variants x 2 seeds)", 1)[1]
         assert re.search(r"\[1/4\] a/seed_0: complete at step 3, skipped", out), out
-        assert re.search(rf"\[2/4\] a/seed_1: resuming \S+ from step {stopped_at} of 3", out)
+        assert re.search(r"\[2/4\] b/seed_0: complete at step 3, skipped", out), out
+        assert re.search(rf"\[3/4\] a/seed_1: resuming \S+ from step {stopped_at} of 3", out)
         status = _status(sweep_dir)
-        for key in ("a/seed_0", "a/seed_1", "b/seed_1"):
+        for key in ("a/seed_0", "b/seed_0", "a/seed_1"):
             assert status[key]["state"] == "done", (key, status[key])
             assert sorted(set(_steps(sweep_dir / key))) == [1, 2, 3]
-        failed = status["b/seed_0"]
+        failed = status["b/seed_1"]
         assert failed["state"] == "failed" and failed["exit_code"] not in (0, 75)
-        assert any(re.search(r"faulty_bandit: broken reset at seed [01]\b", line)
+        assert any(re.search(r"faulty_bandit: broken reset at seed 10000[01]\b", line)
                    for line in failed["stderr_tail"]), failed
-        assert "3 of 4 runs done; failed: b/seed_0" in out
+        assert "3 of 4 runs done; failed: b/seed_1" in out
 
         # ---- the report: variant a's end value is the mean of its two runs' last step
         assert main([str(path), *overrides, "--report"]) == 0
