@@ -43,6 +43,7 @@ MAY_CHANGE = (
     "trainer.save_rollouts", "trainer.check_weight_sync", "trainer.sync_bucket_mb",
     "trainer.collapse_every", "trainer.collapse_samples", "trainer.max_skipped_updates_in_row",
     "rollout.num_engines", "rollout.env_workers", "rollout.env_steps_in_thread",
+    "rollout.batch_requests",
     "rollout.mem_fraction", "rollout.max_engine_restarts_per_step",
     "rollout.max_env_failure_rate", "env.remote", "env.remote_timeout_s", "echo_trap.", "sft.",
 )

@@ -20,7 +20,8 @@ import requests
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from ragen_mega.backends.sglang.client import AsyncEngineClient
+from ragen_mega.backends.sglang.client import AsyncEngineClient, ContextLengthExceeded
+from ragen_mega.backends.sglang.request_batcher import RequestBatcher
 from ragen_mega.backends.sglang.seeded_sampling import murmur_hash32_torch
 from ragen_mega.backends.sglang.server import launch_server
 from conftest import (resumed_step_diffs, start_env_server, stop_env_server,
@@ -69,8 +70,11 @@ def test_cpu_sampling_hash_is_murmur3():
 
 
 def test_seeded_engine_sample_ignores_batch_composition(tiny_model):
-    """A seeded request gives the same tokens alone and inside a concurrent batch (other order,
-    unseeded neighbours); another seed gives other tokens; unseeded requests stay random."""
+    """A seeded request gives the same tokens alone, inside a concurrent batch (other order,
+    unseeded neighbours) and inside one batched /generate (``rollout.batch_requests``: the
+    requests of one event-loop pass as one HTTP request, each with its own seed); another seed
+    gives other tokens; unseeded requests stay random. In a batch with a prompt longer than the
+    engine's context, only that prompt fails."""
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [100, 200, 300, 400], [42] * 6]
 
     def params(seed=None, n=24):
@@ -87,11 +91,32 @@ def test_seeded_engine_sample_ignores_batch_composition(tiny_model):
             together = [o.output_ids for o in batch[:len(prompts)]][::-1]
             unseeded = {tuple(o.output_ids) for o in batch[len(prompts):]}
             reseeded = (await c.generate(prompts[0], params(11))).output_ids
+
+            sent = []
+
+            async def send(key, batch, samplings):
+                sent.append((key, len(batch)))
+                return await c.generate(batch, samplings)
+
+            batcher = RequestBatcher(send)
+            batched = await asyncio.gather(*(batcher.generate("e", p, params(10 + i))
+                                             for i, p in enumerate(prompts)))
+            assert sent == [("e", len(prompts))]
+            assert [o.output_ids for o in batched] == alone
+            too_long = [7] * (context + 1)
+            outcome = await asyncio.gather(batcher.generate("e", too_long, params(1)),
+                                           batcher.generate("e", prompts[2], params(12)),
+                                           return_exceptions=True)
+            assert isinstance(outcome[0], ContextLengthExceeded), outcome[0]
+            assert outcome[1].output_ids == alone[2]
+            assert sent[1:] == [("e", 2), ("e", 1), ("e", 1)]  # refused whole, then one by one
         assert together == alone
         assert reseeded != alone[0]
         assert len(unseeded) == 4
 
-    with launch_server(tiny_model("qwen2"), dtype="float32", startup_timeout=600, cpu_threads=1,
+    model = tiny_model("qwen2")
+    context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    with launch_server(model, dtype="float32", startup_timeout=600, cpu_threads=1,
                        seeded_sampling=True) as server:
         asyncio.run(check(server.url))
 

@@ -200,6 +200,38 @@ def _fixture_run(run_dir: Path, val: dict[int, float], zero_groups: list[float],
         (run_dir / "references.json").write_text(json.dumps({"references": references}))
 
 
+def test_committed_runs_are_done_without_checkpoints(tmp_path, monkeypatch, capsys):
+    """A study's runs kept as their metrics alone (committed, then cloned elsewhere): a run the
+    status file records as done whose metrics reach its last step is skipped without its
+    checkpoints; a stopped one (metrics short of it) is played; the report counts the finished
+    runs only."""
+    import ragen_mega.sweep as sweep_module
+
+    sweep_dir = tmp_path / "s"
+    path = _write_sweep(tmp_path, f"""
+base: {BANDIT}
+dir: {sweep_dir}
+overrides: {{trainer.total_steps: 20}}
+variants: [{{name: x}}]
+seeds: [0, 1]
+""")
+    _fixture_run(sweep_dir / "x/seed_0", {0: 0.1, 10: 0.4, 20: 0.5}, [0] * 20, None)
+    _fixture_run(sweep_dir / "x/seed_1", {0: 0.1, 10: 0.3}, [0] * 12, None)
+    sweep, runs = load_sweep(path)
+    (sweep_dir / "sweep_status.json").write_text(json.dumps({"runs": {
+        "x/seed_0": {"state": "done"}, "x/seed_1": {"state": "stopped"}}}))
+    trained = []
+    monkeypatch.setattr(sweep_module, "_train",
+                        lambda run, *rest: trained.append(run.key) or (0, [], 0.0))
+    assert sweep_module.run_locally(sweep, runs) == 0
+    out = capsys.readouterr().out
+    assert "[1/2] x/seed_0: done (its metrics.jsonl reaches step 20; its checkpoints are not " \
+           "here), skipped" in out, out
+    assert trained == ["x/seed_1"]
+    [variant] = collect(sweep, runs)
+    assert (variant.complete, variant.seeds, [r[0] for r in variant.runs]) == (1, 2, [0])
+
+
 def _cells(report: str, variant: str) -> list[str]:
     row = next(line for line in report.splitlines() if line.startswith(f"| {variant} |"))
     return [c.strip() for c in row.strip("|").split("|")]

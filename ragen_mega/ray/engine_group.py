@@ -93,7 +93,9 @@ class EngineGroup:
     those modules' base weights and merge the adapters in (``backends/sglang/lora_merge.py``).
     ``lora_serving`` ((rank, target modules) of a run whose engines serve the adapters by
     name, ``backends/sglang/lora_serving.py``): each request names :attr:`adapter`, the
-    version the last sync loaded, and its tokens carry that version.
+    version the last sync loaded, and its tokens carry that version. ``batch_requests``: the
+    requests one pass of the event loop makes go to each engine as one batch
+    (``backends/sglang/request_batcher.py``).
     ``resync({engine: url})``: loads the current weights into restarted engines (None: the
     engines serve ``model_path`` as it is, so a new server already has them). :attr:`supervisor`
     finds, restarts and resyncs dead engines, and describes each restart in ``fault_log``."""
@@ -106,8 +108,10 @@ class EngineGroup:
                  routed_experts: tuple[int, int, int] | None = None,
                  resync: Callable[[dict[int, str]], Any] | None = None,
                  fault_log: str | Path | None = None, lora_targets: tuple[str, ...] = (),
-                 lora_serving: tuple[int, tuple[str, ...]] | None = None):
+                 lora_serving: tuple[int, tuple[str, ...]] | None = None,
+                 batch_requests: bool = False):
         from ragen_mega.backends.sglang.client import AsyncEngineClient
+        from ragen_mega.backends.sglang.request_batcher import RequestBatcher
         from ragen_mega.ray.devices import bundle_gpu_ids
 
         #: the run's engine key: each server answers only requests that carry it (never logged)
@@ -132,6 +136,7 @@ class EngineGroup:
         self.clients = [AsyncEngineClient(u, api_key=self.api_key) for u in self.urls]
         self._next = itertools.cycle(range(len(self.clients)))
         self.routed_shape = routed_experts
+        self._batcher = RequestBatcher(self._send_batch) if batch_requests else None
         self._retired: list = []  # clients of replaced servers, closed at the end of run
         #: the loop (and its thread) of serve_forever while it runs
         self._resident: asyncio.AbstractEventLoop | None = None
@@ -152,11 +157,14 @@ class EngineGroup:
         engine = await self._serving_engine() if engine is None else engine
         life = self.supervisor.lives[engine]
         adapter = self.adapter   # a sync may change it meanwhile: this request keeps its own
+        lora_path = adapter[0] if adapter else None
         try:
-            out = await self.clients[engine].generate(
-                prompt_ids, sampling, return_logprob=True,
-                return_routed_experts=self.routed_shape is not None,
-                lora_path=adapter[0] if adapter else None)
+            if self._batcher is not None:
+                out = await self._batcher.generate((engine, lora_path), prompt_ids, sampling)
+            else:
+                out = await self.clients[engine].generate(
+                    prompt_ids, sampling, return_logprob=True,
+                    return_routed_experts=self.routed_shape is not None, lora_path=lora_path)
         except ContextLengthExceeded as e:
             raise PromptTooLong(str(e)) from e
         except EngineError as e:  # blocking Ray calls: off the loop the episodes run on
@@ -173,6 +181,15 @@ class EngineGroup:
                     [int(v) if v.isdigit() else -1 for v in out.token_versions])
         return Generation(out.output_ids, out.output_logprobs, out.finish_reason, routed,
                           versions)
+
+    async def _send_batch(self, key: tuple[int, str | None], prompts: list[list[int]],
+                          samplings: list[dict]) -> list:
+        """One batched request (:class:`RequestBatcher`'s ``send``) to engine ``key[0]`` with
+        adapter ``key[1]``."""
+        engine, lora_path = key
+        return await self.clients[engine].generate(
+            prompts, samplings, return_logprob=True,
+            return_routed_experts=self.routed_shape is not None, lora_path=lora_path)
 
     async def _serving_engine(self) -> int:
         """The next engine in turn that serves the trainer's weights: one restarted under a

@@ -208,7 +208,8 @@ def _place(run: Run, with_trainers: bool) -> None:
                               resync=run.resync_engines if with_trainers else None,
                               fault_log=Path(t.run_dir) / "faults.jsonl",
                               lora_targets=_lora_targets(cfg) if with_trainers else (),
-                              lora_serving=_lora_serving(cfg) if with_trainers else None)
+                              lora_serving=_lora_serving(cfg) if with_trainers else None,
+                              batch_requests=cfg.rollout.batch_requests)
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)

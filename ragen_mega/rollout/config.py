@@ -35,6 +35,12 @@ class RolloutConfig:
         "Gumbel-max sampler; on GPU that means --enable-deterministic-inference). A step's "
         "rollout is then a function of the step and the weights, so a resumed run replays the "
         "uninterrupted one. false: SGLang's unseeded sampler."))
+    batch_requests: bool = setting(False, help=(
+        "the requests made together (a turn of every live episode) go to each engine as one "
+        "batched /generate, each with its own sampling seed, so the same tokens: far less HTTP "
+        "and scheduling per request, which is most of a small model's rollout on CPU; each "
+        "turn then waits for its batch's slowest response (RAGEN's turn-by-turn batches). "
+        "false: every request on its own (for long, uneven responses)"))
     mem_fraction: Optional[float] = bounded(
         None, gt=0, lt=1, note="or null: SGLang's default", help=(
             "GPU: SGLang's --mem-fraction-static, the share of each GPU an engine takes for "

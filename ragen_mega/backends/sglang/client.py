@@ -273,8 +273,9 @@ class AsyncEngineClient:
             raise EngineError(f"{where}: malformed response ({type(e).__name__}: {e}): "
                               f"{str(item)[:300]}") from None
 
-    async def _generate_request(self, input_ids, sampling_params: dict, return_logprob: bool,
-                                timeout: float | None, return_routed_experts: bool,
+    async def _generate_request(self, input_ids, sampling_params: dict | list[dict],
+                                return_logprob: bool, timeout: float | None,
+                                return_routed_experts: bool,
                                 lora_path: str | None = None) -> list:
         body = {"input_ids": input_ids, "sampling_params": sampling_params,
                 "return_logprob": return_logprob}
@@ -286,14 +287,16 @@ class AsyncEngineClient:
         return out if isinstance(out, list) else [out]
 
     async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
-                       sampling_params: dict | None = None, *, return_logprob: bool = True,
+                       sampling_params: dict | Sequence[dict] | None = None, *,
+                       return_logprob: bool = True,
                        timeout: float | None = None, return_routed_experts: bool = False,
                        lora_path: str | None = None):
         """Sample completions for one prompt or a batch of prompts, given as token ids.
 
         ``sampling_params`` is SGLang's dict (``temperature``, ``top_p``, ``top_k``,
         ``max_new_tokens``, ``stop`` (strings), ``stop_token_ids``, ``n``, ``ignore_eos`` (which
-        in SGLang also disables ``stop_token_ids``), ...). The result
+        in SGLang also disables ``stop_token_ids``), ...); a batch may give a list of them, one
+        per prompt (each its own ``sampling_seed``, say; ``n`` 1 in each). The result
         mirrors the input: one prompt -> a :class:`Completion` (or a list of ``n``); a batch ->
         a list with that per prompt. A batch with ``n == 1`` is one engine request; with
         ``n > 1`` each prompt is its own concurrent request (SGLang's advice for n > 1).
@@ -302,8 +305,18 @@ class AsyncEngineClient:
         to generate with; None: the base weights.
         """
         single = _check_input_ids(input_ids)
-        params = dict(sampling_params or {})
-        n = params.get("n", 1)
+        if isinstance(sampling_params, (list, tuple)):
+            if single or len(sampling_params) != len(input_ids):
+                raise ValueError(f"generate: a list of sampling_params needs a batch of as many "
+                                 f"prompts, got {len(sampling_params)} for "
+                                 f"{1 if single else len(input_ids)}")
+            if any(p.get("n", 1) != 1 for p in sampling_params):
+                raise ValueError("generate: per-prompt sampling_params take n=1")
+            params: dict | list[dict] = [dict(p) for p in sampling_params]
+            n = 1
+        else:
+            params = dict(sampling_params or {})
+            n = params.get("n", 1)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"generate: sampling_params['n'] must be an int >= 1, got {n!r}")
         prompts = [list(input_ids)] if single else [list(p) for p in input_ids]

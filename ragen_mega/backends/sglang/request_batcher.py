@@ -1,0 +1,91 @@
+"""One batched ``/generate`` for the requests that one pass of the event loop makes.
+
+Every episode is its own coroutine (``rollout/episode.py``): a turn of a step's 128 episodes is
+128 requests, each its own HTTP call, parsed by SGLang's HTTP server and handed to the scheduler
+one by one. On a small model that per-request machinery costs more than the model (a turn of 128
+FrozenLake prompts, 6 new tokens each, on 2 cores: 0.29 s as 128 requests, 0.21 s as one batch;
+benchmarks/README.md). RAGEN's own rollout is batched by turn: every live episode's prompt goes
+to the engine at once.
+
+:class:`RequestBatcher` keeps the episodes' code as it is: a request waits until the running
+pass of the event loop ends (``loop.call_soon``), by which time every episode that a batch's
+answers woke has asked again, and the waiting requests to one engine and adapter go as one
+batched request, each with its own sampling parameters (its own ``sampling_seed``, so what it
+samples is unchanged: seeded sampling is a function of the request's seed and logits). The
+price: an episode's turn waits for the slowest response of its batch (lock-step by turn, as in
+RAGEN), where alone it would go on at once. So it is ``rollout.batch_requests``, on for small
+models on CPU, off where long, uneven responses make the wait cost more than the requests.
+
+A batch that the engine refuses as too long for its context is sent again one request at a
+time, so only the too-long prompt fails; any other error fails every request of the batch, as it
+would have failed each of them alone.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable
+from typing import Any
+
+from ragen_mega.backends.sglang.client import Completion, ContextLengthExceeded
+
+#: ``send(key, prompts, sampling_params)``: one batched request of ``prompts`` (each with its own
+#: sampling parameters) to the engine and adapter of ``key``; a completion per prompt, in order
+SendBatch = Callable[[Hashable, list[list[int]], list[dict]], Awaitable[list[Completion]]]
+
+
+class RequestBatcher:
+    """Gathers the requests of one event-loop pass by ``key`` (engine, adapter) and sends each
+    group as one batch through ``send`` (module docstring). Works on any number of event loops
+    (each loop's requests are batched apart)."""
+
+    def __init__(self, send: SendBatch):
+        self.send = send
+        self._waiting: dict[tuple[asyncio.AbstractEventLoop, Hashable],
+                            list[tuple[list[int], dict, asyncio.Future]]] = {}
+        self._sending: set[asyncio.Task] = set()
+
+    async def generate(self, key: Hashable, prompt_ids: list[int], sampling: dict[str, Any]
+                       ) -> Completion:
+        loop = asyncio.get_running_loop()
+        slot = (loop, key)
+        future = loop.create_future()
+        waiting = self._waiting.get(slot)
+        if waiting is None:
+            waiting = self._waiting[slot] = []
+            loop.call_soon(self._flush, slot)
+        waiting.append((prompt_ids, sampling, future))
+        return await future
+
+    def _flush(self, slot) -> None:
+        task = asyncio.ensure_future(self._send(slot[1], self._waiting.pop(slot)))
+        self._sending.add(task)  # a reference until it is done: the loop keeps only weak ones
+        task.add_done_callback(self._sending.discard)
+
+    async def _send(self, key, requests: list[tuple[list[int], dict, asyncio.Future]]) -> None:
+        try:
+            outs = await self.send(key, [r[0] for r in requests], [r[1] for r in requests])
+        except ContextLengthExceeded as e:
+            if len(requests) == 1:
+                _settle(requests[0][2], error=e)
+                return
+            # one prompt too long refuses the whole batch: each alone, so only it fails
+            await asyncio.gather(*(self._send(key, [r]) for r in requests))
+            return
+        except BaseException as e:  # noqa: BLE001 - each request raises what the batch met
+            for *_, future in requests:
+                _settle(future, error=e)
+            if not isinstance(e, Exception):
+                raise
+            return
+        for (*_, future), out in zip(requests, outs):
+            _settle(future, result=out)
+
+
+def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    """Complete ``future`` unless its waiter has gone (an episode cancelled meanwhile)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
