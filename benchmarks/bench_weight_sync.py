@@ -4,8 +4,8 @@
                                          [--thp]
   python benchmarks/bench_weight_sync.py --lora-rank 16 [--rounds 3]
 
-``--lora-rank``: a LoRA run's sync, adapters alone (``lora.AdapterExport`` into an engine with
-the merge plugin) against the merged weights whole, on SmolLM2; bytes and seconds per sync,
+``--lora-rank``: a LoRA run's sync, adapters alone (``lora_export.AdapterExport`` into an engine
+with the merge plugin) against the merged weights whole, on SmolLM2; bytes and seconds per sync,
 and the bytes of both for a Qwen2.5-7B shape (computed: it does not fit here).
 
 Builds a random Qwen2-shaped checkpoint of a few hundred MB (fp32), starts one SGLang server on
@@ -39,7 +39,8 @@ from bench_sglang import raw_gloo_broadcast  # noqa: E402
 
 
 def _tp2_worker(rank, world_size, hf_dir, url, rounds, bucket_bytes):
-    from ragen_mega.backends.megatron.model import DirectExport, build_model, load_hf_checkpoint
+    from ragen_mega.backends.megatron.export import DirectExport
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.sglang.client import EngineClient
     from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
 
@@ -82,9 +83,10 @@ def _lora_worker(rank, world_size, hf_dir, url, rounds, rank_r):
     """One TP=1 rank with LoRA adapters (rank ``rank_r``, every linear, B made non-zero): the
     full merged-weight sync (``DirectExport``) against the adapter-only one (``AdapterExport``)
     into one engine started with the merge plugin, alternating, best of ``rounds``."""
-    from ragen_mega.backends.megatron.lora import (AdapterExport, LoraSettings, adapter_tensors,
-                                                   apply_lora)
-    from ragen_mega.backends.megatron.model import DirectExport, build_model, load_hf_checkpoint
+    from ragen_mega.backends.megatron.export import DirectExport
+    from ragen_mega.backends.megatron.lora import LoraSettings, adapter_tensors, apply_lora
+    from ragen_mega.backends.megatron.lora_export import AdapterExport
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.sglang.client import EngineClient
     from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
 

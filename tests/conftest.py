@@ -309,13 +309,13 @@ def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
     are reduced as Megatron's DDP does: scaled by 1 / DP, then summed over the data-parallel
     group (the expert-data-parallel group for experts, which already saw every rank's tokens
     routed to them). The result is the gradient of the M x DP micro-batches' mean loss: of the
-    HF weights, or, for chunks with LoRA adapters, of the adapters (``lora.gather_adapters``'
+    HF weights, or, for chunks with LoRA adapters, of the adapters (``lora_export.gather_adapters``'
     keys)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
+    from ragen_mega.backends.megatron.export import export_hf_state
     from ragen_mega.backends.megatron.forward import make_forward_step, run_schedule, split_microbatches
-    from ragen_mega.backends.megatron.model import export_hf_state
 
     def loss_fn(outputs, batch):
         loss = -(outputs["logprobs"].sum() + 0.1 * outputs["entropy"].sum())
@@ -323,7 +323,7 @@ def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
 
     step = make_forward_step(temperature=1.0, compute_entropy=True, loss_fn=loss_fn)
     metrics = run_schedule(chunks, split_microbatches(ids, mask, 2), step, forward_only=False)
-    from ragen_mega.backends.megatron import lora
+    from ragen_mega.backends.megatron import lora, lora_export
 
     params = [p for chunk in chunks for p in chunk.parameters() if p.requires_grad]
     for p in params:   # export the gradients through the same gather + mapping as the weights
@@ -335,7 +335,7 @@ def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
                             if getattr(p, "allreduce", True)   # Megatron marks experts False
                             else mpu.get_expert_data_parallel_group())
         p.data = p.grad
-    grads = (lora.gather_adapters(chunks) if lora.settings_of(chunks[0])
+    grads = (lora_export.gather_adapters(chunks) if lora.settings_of(chunks[0])
              else dict(export_hf_state(chunks)))
     return (grads if rank == 0 else None), metrics
 

@@ -258,16 +258,6 @@ def test_value_loss_hand_values_and_clip_gradient():
     assert m["vf_clip_frac"].item() == 0.0
 
 
-def test_value_loss_explained_variance():
-    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
-    mask = torch.ones_like(returns)
-    _, perfect = value_loss(returns, returns, returns, mask)
-    assert perfect["vf_explained_var"].item() == pytest.approx(1.0)
-    _, constant = value_loss(torch.full_like(returns, 2.5), returns, returns, mask,
-                             clip_range_value=None)
-    assert constant["vf_explained_var"].item() == pytest.approx(0.0, abs=1e-6)
-
-
 def test_highlight_first_weights_each_response_start_hand_values():
     """Row 0: one response (tokens 2-4); row 1: a whole-chat row with two responses (tokens 1-2
     and 4). Weight 3 on each response's first token, 1 on the rest of the loss tokens."""

@@ -32,11 +32,12 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
 
     from megatron.core import parallel_state as mpu
 
-    from ragen_mega.backends.megatron import lora
+    from ragen_mega.backends.megatron import lora, lora_export
     from ragen_mega.backends.megatron.config import ActorConfig, CriticConfig, LoraConfig
+    from ragen_mega.backends.megatron.export import export_hf_state
     from ragen_mega.backends.megatron.forward import (forward_logprobs, make_forward_step,
                                                       run_schedule, split_microbatches)
-    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.parallel import init_parallel
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.models.hf_config import model_spec
@@ -68,7 +69,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
                 for p in c.parameters():
                     if p.grad is not None:
                         p.data = p.grad
-            grads = lora.gather_adapters(chunks)
+            grads = lora_export.gather_adapters(chunks)
         out[(tp, pp)] = dict(base_lp=base_lp, fresh_lp=fresh_lp, lp=lp, grads=grads,
                              frozen_grads=frozen_grads)
         if (tp, pp) == (2, 1):
@@ -90,7 +91,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
 
     a = trainer(1, True)
     before = base_weights(a)
-    start = lora.gather_adapters(a.model)
+    start = lora_export.gather_adapters(a.model)
     old = a.compute_logprobs(batch) + batch["noise"]
     train = {**batch, "old_logprobs": old}
     a.train(train)
@@ -98,7 +99,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
     # the distributed optimizer's state on this DP rank: its shard of the trainable values
     state = [st for opt in _inner(a.optimizer) for st in opt.state.values()]
     out["step"] = dict(base_same=all(torch.equal(before[n], after[n]) for n in before),
-                       n_base=len(before), start=start, step1=lora.gather_adapters(a.model),
+                       n_base=len(before), start=start, step1=lora_export.gather_adapters(a.model),
                        adam_values=sum(st["exp_avg"].numel() for st in state),
                        adam_sq_values=sum(st["exp_avg_sq"].numel() for st in state),
                        adapter_values=sum(p.numel() for c in a.model
@@ -107,24 +108,24 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
                                         if p.requires_grad))
     path = a.save_checkpoint(ckpt_root, 1)
     a.train(train)
-    out["step"]["step2"] = lora.gather_adapters(a.model)
+    out["step"]["step2"] = lora_export.gather_adapters(a.model)
     out["step"]["lp2"] = a.compute_logprobs(batch)
     out["step"]["ref_lp"] = a.compute_ref_logprobs(batch)   # the base, adapters off
     if rank == 0:
-        lora.write_peft_adapter(peft_dir, out["step"]["step2"], a.lora, str(hf_dir))
+        lora_export.write_peft_adapter(peft_dir, out["step"]["step2"], a.lora, str(hf_dir))
     del a
     gc.collect()
 
     b = trainer(1, True)
     b.load_checkpoint(path)
     b.train(train)
-    out["resumed"] = dict(step2=lora.gather_adapters(b.model), steps=b.steps)
+    out["resumed"] = dict(step2=lora_export.gather_adapters(b.model), steps=b.steps)
     del b
     gc.collect()
 
     c = trainer(2, False)   # the distributed optimizer's state resumes at its TP x PP only
     c.load_checkpoint(path, optimizer=False)
-    out["tp2_load"] = lora.gather_adapters(c.model)
+    out["tp2_load"] = lora_export.gather_adapters(c.model)
     del c
     gc.collect()
 
@@ -323,7 +324,7 @@ def test_convert_writes_the_checkpoints_adapters_for_peft_and_merged_into_the_ba
     from safetensors.torch import load_file
 
     from ragen_mega.backends.megatron import convert
-    from ragen_mega.backends.megatron.lora import read_peft_adapter
+    from ragen_mega.backends.megatron.lora_export import read_peft_adapter
 
     step_1 = str(results["ckpt"] / "step_1")
     assert convert.main(["megatron-to-peft", "--megatron-dir", step_1,

@@ -79,11 +79,11 @@ def adapters(hf_dir):
 def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_dir, ckpt_root):
     import gc
 
-    from ragen_mega.backends.megatron import lora
+    from ragen_mega.backends.megatron import lora, lora_export
     from ragen_mega.backends.megatron.config import LoraConfig
+    from ragen_mega.backends.megatron.export import export_hf_state
     from ragen_mega.backends.megatron.forward import forward_logprobs
-    from ragen_mega.backends.megatron.model import (build_model, export_hf_state,
-                                                    load_hf_checkpoint)
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.parallel import init_parallel
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.config import ActorConfig
@@ -111,7 +111,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_d
     def step(trainer):
         old = trainer.compute_logprobs(batch) + batch["noise"]
         metrics = trainer.train({**batch, "old_logprobs": old})
-        return metrics, lora.gather_adapters(trainer.model)
+        return metrics, lora_export.gather_adapters(trainer.model)
 
     def base(trainer):
         return {n: p.detach().clone() for c in trainer.model for n, p in c.named_parameters()
@@ -132,8 +132,8 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_d
             out["second", "ep2"] = step(trainer)
             out["lp_after"] = trainer.compute_logprobs(batch)
             if rank == 0:
-                lora.write_peft_adapter(peft_dir, out["second", "ep2"][1], trainer.lora,
-                                        trained_dir)
+                lora_export.write_peft_adapter(peft_dir, out["second", "ep2"][1], trainer.lora,
+                                               trained_dir)
         del trainer
         gc.collect()
     trainer = MegatronTrainer(ActorConfig(ep=1, **config), trained_dir, total_steps=10, seed=3)

@@ -47,7 +47,7 @@ def _worker(rank, world, hf_dir, adapter_url, merged_url=None, fresh_url=None):
     """Two rounds of two steps, then the adapters into ``adapter_url``'s engine and, where
     given, the merged weights into ``merged_url``'s; last, the adapters into ``fresh_url``'s."""
     from ragen_mega.backends.megatron.config import ActorConfig, LoraConfig
-    from ragen_mega.backends.megatron.model import DirectExport
+    from ragen_mega.backends.megatron.export import DirectExport
     from ragen_mega.backends.megatron.train import MegatronTrainer
     from ragen_mega.backends.sglang.client import EngineClient
     from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender, send_export

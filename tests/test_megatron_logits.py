@@ -76,7 +76,8 @@ def logits_worker(rank, world, cases, layouts, ids, mask, critic_case, bad_dir):
     """For each layout and case: log-probs, entropy, export check; one critic check."""
     from ragen_mega.backends.megatron.forward import forward_logprobs, forward_values
     from ragen_mega.backends.megatron.chunk import unwrap
-    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.export import export_hf_state
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.parallel import init_parallel
     from ragen_mega.models.hf_config import model_spec
 

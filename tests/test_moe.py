@@ -92,8 +92,9 @@ def moe_worker(rank, world, dirs, ids, mask, ckpt_root):
     a torch_dist checkpoint saved and loaded into a fresh model (and refused by the other
     normalisation's), then the gradients of a training schedule."""
     from ragen_mega.backends.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from ragen_mega.backends.megatron.export import export_hf_state
     from ragen_mega.backends.megatron.forward import forward_logprobs
-    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.parallel import init_parallel
 
     init_parallel(rank, world, None)
@@ -224,8 +225,8 @@ def parallel_outputs(rank, chunks, hf_dir, ids, mask, rows) -> dict:
     """What a parallel layout must reproduce, for a model loaded from ``hf_dir``: log-probs of
     the whole batch, both exports against the checkpoint files, and the gradients of this DP
     rank's ``rows`` reduced as DDP does."""
+    from ragen_mega.backends.megatron.export import export_hf_state
     from ragen_mega.backends.megatron.forward import forward_logprobs
-    from ragen_mega.backends.megatron.model import export_hf_state
 
     direct = dict(export_hf_state(chunks, dst=0))
     return {"lp": forward_logprobs(chunks, ids, mask, micro_batch_size=2)[0],
@@ -573,9 +574,10 @@ def replay_worker(rank, world, hf_dir, ids, mask, own, other):
     """Megatron's log-probs and routing-mismatch counts: routing on its own, given
     transformers' experts (counted, not replayed), given other experts (counted, then
     replayed); then the gradients of minus the log-probs' sum, replayed through the others."""
+    from ragen_mega.backends.megatron.export import export_hf_state
     from ragen_mega.backends.megatron.forward import (forward_logprobs, make_forward_step,
                                                       run_schedule, split_microbatches)
-    from ragen_mega.backends.megatron.model import build_model, export_hf_state, load_hf_checkpoint
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.routing import take_mismatch_counts
 
     chunks = build_model(hf_dir)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from ragen_mega.algo.losses import policy_loss, value_loss
@@ -39,12 +40,40 @@ def test_critic_metrics_over_micro_batches_equal_the_whole_batch():
     settings = SimpleNamespace(value_clip=0.2, loss_agg_mode="token-mean", highlight_first=1)
     metrics = split_sum(ValueObjective(settings), outputs, batch)
     _, whole = value_loss(values, batch["old_values"], returns, mask, 0.2)
-    assert 0.3 < whole["vf_explained_var"] < 0.99  # neither trivial nor perfect
-    assert abs(metrics["vf_explained_var"] - whole["vf_explained_var"].item()) < 1e-5
+
+    def var(x):  # over the whole batch's loss tokens, by hand
+        mean = (x * mask).sum() / mask.sum()
+        return ((x - mean).square() * mask).sum() / mask.sum()
+    explained = 1.0 - var(returns - values) / var(returns)
+    assert 0.3 < explained < 0.99  # neither trivial nor perfect
+    assert abs(metrics["vf_explained_var"] - explained.item()) < 1e-5
     assert abs(metrics["vpred_mean"] - whole["vpred_mean"].item()) < 1e-5
     assert abs(metrics["returns_mean"] - (returns * mask).sum().item() / mask.sum().item()) < 1e-5
     assert set(metrics) == {"vf_loss", "vf_clipfrac", "vpred_mean", "returns_mean",
                             "vf_explained_var"}  # the moments do not reach the logs
+
+
+def test_critic_explained_variance_perfect_and_constant():
+    """1 for a perfect critic, 0 for one that predicts the mean return everywhere."""
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]]).repeat(ROWS, 1)
+    mask = torch.ones_like(returns)
+    settings = SimpleNamespace(value_clip=None, loss_agg_mode="token-mean", highlight_first=1)
+    for values, expected in ((returns, 1.0), (torch.full_like(returns, 2.5), 0.0)):
+        batch = {"loss_mask": mask, "returns": returns, "old_values": values}
+        outputs = {"values": torch.cat([values, torch.zeros(ROWS, 1)], dim=1)}
+        metrics = split_sum(ValueObjective(settings), outputs, batch)
+        assert abs(metrics["vf_explained_var"] - expected) < 1e-6
+
+
+def test_stats_are_stacked_by_name():
+    """A statistic the objective does not name (or one it names but lacks) is an error, not a
+    value under a neighbour's name."""
+    objective = ValueObjective(SimpleNamespace(value_clip=None, loss_agg_mode="token-mean",
+                                               highlight_first=1))
+    stats = {name: torch.tensor(float(i)) for i, name in enumerate(objective.stat_names)}
+    assert objective.stack(stats).tolist() == list(range(len(objective.stat_names)))
+    with pytest.raises(KeyError, match="stat_names"):
+        objective.stack({**stats, "extra": torch.tensor(0.0)})
 
 
 def test_actor_ratio_mean_over_micro_batches_equals_the_whole_batch():

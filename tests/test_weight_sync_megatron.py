@@ -193,7 +193,8 @@ LAYOUTS = [(2, 1, None), (1, 2, None), (2, 2, None), (1, 2, 2)]
 
 
 def _export_to_worker(rank, world_size, cases):
-    from ragen_mega.backends.megatron.model import DirectExport, build_model, load_hf_checkpoint
+    from ragen_mega.backends.megatron.export import DirectExport
+    from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
     from ragen_mega.backends.megatron.parallel import init_parallel
 
     out = {}

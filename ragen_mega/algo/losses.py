@@ -316,8 +316,9 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     Taking the max is pessimistic: the critic cannot move further than ``clip_range_value`` from
     the value it had at rollout time to reduce its loss. ``clip_range_value=None`` is the plain
     0.5 * squared error. Metrics (detached, token-means over ``mask``): ``vf_clip_frac`` (the
-    clipped term is the larger one), ``vpred_mean``, ``vf_explained_var`` (1 - Var(returns -
-    values) / Var(returns); 1 is a perfect critic, <= 0 is no better than a constant).
+    clipped term is the larger one) and ``vpred_mean``. The explained variance is a ratio of
+    whole-batch moments, no micro-batch mean: ``algo/objectives.py``'s ``ValueObjective``
+    computes it.
     """
     _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     unclipped = (values - returns).square()
@@ -334,13 +335,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     loss = 0.5 * aggregate(loss_mat, mask, agg, normalizer=normalizer, horizon=horizon)
     with torch.no_grad():
         fmask = mask.to(torch.float32)
-        ret_mean = masked_mean(returns, fmask)
-        ret_var = masked_mean((returns - ret_mean).square(), fmask)
-        err = returns - values
-        err_var = masked_mean((err - masked_mean(err, fmask)).square(), fmask)
         metrics = {
             "vf_clip_frac": masked_mean(clipped_wins.float(), fmask),
             "vpred_mean": masked_mean(values, fmask),
-            "vf_explained_var": 1.0 - err_var / ret_var.clamp(min=1e-8),
         }
     return loss, metrics

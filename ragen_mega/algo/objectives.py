@@ -4,7 +4,8 @@ supervised warm start's (:class:`SFTObjective`, ``ragen-mega sft``).
 
 A trainer backend computes the model outputs (log-probs and entropy, or values) of one
 micro-batch and hands them to the objective it was given; the objective returns the loss and its
-statistics, under verl's names where verl has the quantity (:attr:`stat_names`). How the loss is
+statistics, under verl's names where verl has the quantity (built by name, one vector in
+:attr:`stat_names` order for the backend to sum: :meth:`Objective.stack`). How the loss is
 normalised over micro-batches and data-parallel ranks (``algo/losses.py``'s module doc) is the
 backend's: it passes the global normaliser in :class:`Normalization`, and the token-weighted
 statistics are shares of the global batch's (``global_tokens``), so they sum to its means.
@@ -68,6 +69,14 @@ class Objective:
         is no mean (a ratio of batch-wide moments) computes it here."""
         return metrics
 
+    def stack(self, stats: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One micro-batch's statistics, given by name, as the float vector in
+        :attr:`stat_names` order the backend sums over micro-batches and all-reduces."""
+        if sorted(stats) != sorted(self.stat_names):
+            raise KeyError(f"{type(self).__name__}: statistics {sorted(stats)} are not its "
+                           f"stat_names {sorted(self.stat_names)}")
+        return torch.stack([stats[name] for name in self.stat_names]).detach().float()
+
 
 class PolicyObjective(Objective):
     """StarPO's actor loss on one micro-batch: the PPO clipped surrogate (asymmetric clip
@@ -109,13 +118,17 @@ class PolicyObjective(Objective):
             loss = loss + s.kl_coef * kl
         with torch.no_grad():
             share = mask.sum() / norm.global_tokens  # token-weighted metric share
-            stats = torch.stack([
-                loss, pg, (entropy * mask).sum() / norm.global_tokens, kl,
-                m["clip_frac"] * share, m["clip_frac_upper"] * share,
-                m["clip_frac_lower"] * share, m["dual_clip_frac"] * share,
-                m["approx_kl"] * share, m["ratio_mean"] * share] + ([] if weights is None else [
-                    (weights * mask).sum() / norm.global_tokens,
-                    ((weights >= s.tis_cap) * mask).sum() / norm.global_tokens])).detach().float()
+            stats = {"loss": loss, "pg_loss": pg,
+                     "entropy": (entropy * mask).sum() / norm.global_tokens, "kl_loss": kl,
+                     "pg_clipfrac": m["clip_frac"] * share,
+                     "pg_clipfrac_ratio_high": m["clip_frac_upper"] * share,
+                     "pg_clipfrac_ratio_low": m["clip_frac_lower"] * share,
+                     "pg_clipfrac_lower": m["dual_clip_frac"] * share,
+                     "ppo_kl": m["approx_kl"] * share, "ratio_mean": m["ratio_mean"] * share}
+            if weights is not None:
+                stats["tis_weight"] = (weights * mask).sum() / norm.global_tokens
+                stats["tis_clipfrac"] = ((weights >= s.tis_cap) * mask).sum() / norm.global_tokens
+            stats = self.stack(stats)
         return loss, stats
 
 
@@ -154,9 +167,11 @@ class ValueObjective(Objective):
 
             def mean(x):  # this micro-batch's share of the batch's weighted mean
                 return (x * mask).sum() / norm.global_tokens
-            stats = torch.stack([loss, m["vf_clip_frac"] * share, m["vpred_mean"] * share,
-                                 mean(returns), mean(returns.square()), mean(error),
-                                 mean(error.square())]).detach().float()
+            stats = {"vf_loss": loss, "vf_clipfrac": m["vf_clip_frac"] * share,
+                     "vpred_mean": m["vpred_mean"] * share, "returns_mean": mean(returns),
+                     "returns_sq_mean": mean(returns.square()), "vf_error_mean": mean(error),
+                     "vf_error_sq_mean": mean(error.square())}
+            stats = self.stack(stats)
         return loss, stats
 
     def summarize(self, metrics: dict) -> dict:
@@ -187,7 +202,7 @@ class SFTObjective(Objective):
         loss = norm.aggregate(-outputs["logprobs"], mask)
         with torch.no_grad():
             entropy = (outputs["entropy"] * mask).sum() / norm.global_tokens
-            stats = torch.stack([loss, entropy]).detach().float()
+            stats = self.stack({"loss": loss, "entropy": entropy})
         return loss, stats
 
 

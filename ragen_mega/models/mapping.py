@@ -3,8 +3,9 @@ conversion and weight sync.
 
 The table is :func:`rules` (layer rules use ``"{i}"``); the other functions answer questions
 about it for a ``spec`` (a ``ModelSpec``) and a ``role`` ("actor": LM head, "critic": value
-head): which pipeline chunk holds which parameters, what one parameter is called on each side,
-and how a TP split cuts it. Conversion goes both ways (``hf_to_megatron_shard`` and its streaming
+head): which pipeline chunk holds which parameters and, through :func:`rule_of`, the
+:class:`Rule` of one parameter, whose methods say what it is called on each side and how a TP
+split cuts it. Conversion goes both ways (``hf_to_megatron_shard`` and its streaming
 twin for loading, ``megatron_to_hf`` for export, which takes full tensors or a list of TP shards
 in TP-rank order). :func:`check_checkpoint` compares a checkpoint's tensor shapes with
 :func:`expected_hf_shapes` and names the config field a tensor contradicts.
@@ -38,9 +39,10 @@ Layouts (the reasons the table exists):
   (HF ``mlp.shared_expert_gate.weight``, [1, hidden], replicated).
 
 Streaming: ``megatron_to_hf`` handles one parameter at a time, so a weight sync can gather one
-parameter's TP shards, convert, send, and drop it before the next. ``tp_pieces`` is the one
-description of how a TP split cuts the full tensor (``split_tp``/``merge_tp`` use it too): each
-piece is a view, contiguous for row splits, so shards can be received straight into place.
+parameter's TP shards, convert, send, and drop it before the next. ``Rule.tp_pieces`` is the
+one description of how a TP split cuts the full tensor (``Rule.split``/``Rule.merge`` use it
+too): each piece is a view, contiguous for row splits, so shards can be received straight into
+place.
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ def local_spec_name(name: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Rule:
+    """One Megatron parameter's row of the table, and the conversions and TP cuts it implies."""
     megatron: str                 # name template; "{i}" = layer index
     hf: tuple[str, ...]           # HF name templates fused (in order) into this parameter
     fuse: str = "none"            # "none" | "qkv" | "gate_up"
@@ -89,6 +92,91 @@ class Rule:
     export: bool = True           # False: a copy of another parameter (tied output under PP)
     optional: bool = False        # may be absent from an HF checkpoint (critic value head)
     expert: int | None = None     # the (global) expert this parameter belongs to
+
+    @property
+    def is_tp_split(self) -> bool:
+        """Whether TP ranks hold different slices of this parameter (False: replicated)."""
+        return self.tp_dim is not None
+
+    def hf_names(self, global_name: str) -> tuple[str, ...]:
+        """The HF names of ``global_name`` (a parameter of this rule), in fusion order."""
+        layer = _layer_index(global_name)
+        return tuple(n.format(i=layer) for n in self.hf)
+
+    def from_hf(self, tensors: Sequence[torch.Tensor], spec: ModelSpec,
+                tp_size: int) -> torch.Tensor:
+        """The full (TP=1 layout) Megatron tensor from its HF tensors (in ``hf`` order)."""
+        if self.fuse == "qkv":
+            return _fuse_qkv(*tensors, spec)
+        if self.fuse == "gate_up":
+            return torch.cat(tensors, dim=0)
+        (t,) = tensors
+        if self.vocab:
+            pad = spec.padded_vocab(tp_size) - t.shape[0]
+            if pad:
+                t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])], dim=0)
+        return t
+
+    def to_hf(self, full: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
+        """The HF tensors (in ``hf`` order) of a full Megatron tensor; vocabulary padding
+        dropped."""
+        if self.fuse == "qkv":
+            return _unfuse_qkv(full, spec)
+        if self.fuse == "gate_up":
+            return tuple(full.chunk(2, dim=0))
+        return (full[: spec.vocab_size] if self.vocab else full,)
+
+    def tp_pieces(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> list[torch.Tensor]:
+        """Views of ``full`` (TP=1 layout) that TP rank ``tp_rank`` holds, in the order its
+        shard stacks them along ``tp_dim``: the one description of a TP split, read both ways
+        (a receiver can fill ``full`` piece by piece without a merge copy)."""
+        if self.tp_dim is None or tp_size == 1:
+            return [full]
+        if self.fuse == "gate_up":  # rank r holds [gate_r; up_r]
+            return [half.chunk(tp_size, 0)[tp_rank] for half in full.chunk(2, dim=0)]
+        if full.shape[self.tp_dim] % tp_size:
+            raise ValueError(f"{self.megatron}: dim {self.tp_dim} of shape {tuple(full.shape)} "
+                             f"does not split over tp={tp_size}")
+        return [full.chunk(tp_size, dim=self.tp_dim)[tp_rank]]
+
+    def shard_pieces(self, shard: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
+        """A TP shard cut (as views) into the pieces :meth:`tp_pieces` places into the full
+        tensor."""
+        if self.tp_dim is None or tp_size == 1:
+            return [shard]
+        meta = torch.empty(self.full_shape(shard.shape, tp_size), device="meta")
+        sizes = [v.shape[self.tp_dim] for v in self.tp_pieces(meta, 0, tp_size)]
+        return list(shard.split(sizes, dim=self.tp_dim))
+
+    def full_shape(self, shard_shape: Sequence[int], tp_size: int) -> tuple[int, ...]:
+        """Shape of the full (TP=1 layout) tensor whose TP shards have ``shard_shape``."""
+        shape = list(shard_shape)
+        if self.tp_dim is not None:
+            shape[self.tp_dim] *= tp_size
+        return tuple(shape)
+
+    def split(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+        """TP rank ``tp_rank``'s shard of a full (TP=1 layout) Megatron tensor."""
+        pieces = self.tp_pieces(full, tp_rank, tp_size)
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self.tp_dim)
+
+    def merge(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full (TP=1 layout) Megatron tensor from the TP shards in TP-rank order."""
+        if self.tp_dim is None or len(shards) == 1:
+            return shards[0]
+        full = shards[0].new_empty(self.full_shape(shards[0].shape, len(shards)))
+        for tp_rank, shard in enumerate(shards):
+            for view, part in zip(self.tp_pieces(full, tp_rank, len(shards)),
+                                  self.shard_pieces(shard, len(shards))):
+                view.copy_(part)
+        return full
+
+    def hf_to_shard(self, hf_tensors: Sequence[torch.Tensor], spec: ModelSpec, tp_rank: int,
+                    tp_size: int) -> torch.Tensor:
+        """TP rank ``tp_rank``'s shard of this parameter from its HF tensors (in ``hf``
+        order): also the layout a LoRA adapter reads off a fused linear
+        (``backends/megatron/lora.py`` feeds it row and column indices)."""
+        return self.split(self.from_hf(hf_tensors, spec, tp_size), tp_rank, tp_size)
 
 
 def _check_role(role: str) -> None:
@@ -154,6 +242,17 @@ def _moe_rules(spec: ModelSpec) -> list[Rule]:
 def _rules_by_name(spec: ModelSpec, role: str) -> dict[str, Rule]:
     """Megatron name template -> rule (an MoE table has a few hundred rules per layer)."""
     return {rule.megatron: rule for rule in rules(spec, role)}
+
+
+def adaptable_rules(spec: ModelSpec, role: str = "actor") -> list[Rule]:
+    """The linears a LoRA adapter may wrap: a layer's TP-split ones (attention's qkv and
+    output projection, the MLP's fc1 and fc2: a dense MLP's, each expert's and the shared
+    expert's) and an actor's untied LM head. The router, the embedding and a critic's value
+    head are not among them."""
+    layer = [r for r in rules(spec, role) if r.place == "layer" and r.tp_dim is not None
+             and r.megatron.endswith(".weight")]
+    head = [r for r in rules(spec, role) if r.place == "head" and r.vocab and r.export]
+    return layer + ([] if spec.tie_word_embeddings else head)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,17 +377,19 @@ def chunk_param_names(spec: ModelSpec, pp_rank: int, pp_size: int, vpp: int | No
 def owner(global_name: str, spec: ModelSpec, pp_size: int, vpp: int | None = None
           ) -> tuple[int, int]:
     """(pp_rank, vp_stage) of the chunk that holds an exported global parameter."""
-    rule, layer = _rule_for(global_name, spec, None)
+    rule = rule_of(global_name, spec, None)
     if rule.place == "embedding":
         return 0, 0
     if rule.place == "head":
         return pp_size - 1, (vpp or 1) - 1
     per_chunk = spec.num_layers // _num_chunks(pp_size, vpp)
-    chunk = layer // per_chunk
+    chunk = _layer_index(global_name) // per_chunk
     return chunk % pp_size, chunk // pp_size
 
 
-def _rule_for(global_name: str, spec: ModelSpec, role: str | None) -> tuple[Rule, int | None]:
+def rule_of(global_name: str, spec: ModelSpec, role: str | None = "actor") -> Rule:
+    """The rule of one global Megatron parameter name (its HF names, fusion, TP split); role
+    None: the exported rule of either role. KeyError for a name the model has not."""
     layer = _layer_index(global_name)
     template = global_name if layer is None else to_local(global_name, layer).replace(
         "decoder.layers.0.", "decoder.layers.{i}.", 1)
@@ -297,7 +398,7 @@ def _rule_for(global_name: str, spec: ModelSpec, role: str | None) -> tuple[Rule
         if rule is not None and (role or rule.export):
             if layer is not None and layer >= spec.num_layers:
                 raise KeyError(f"{global_name}: layer {layer} >= num_layers {spec.num_layers}")
-            return rule, layer
+            return rule
     raise KeyError(f"{global_name} is not a Megatron parameter of a {spec.arch} "
                    f"{role or 'model'}")
 
@@ -321,138 +422,6 @@ def _unfuse_qkv(fused: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, ...
     return tuple(t.reshape(-1, *rest) for t in (q, k, v))
 
 
-def _hf_to_full(rule: Rule, tensors: Sequence[torch.Tensor], spec: ModelSpec,
-                tp_size: int) -> torch.Tensor:
-    if rule.fuse == "qkv":
-        return _fuse_qkv(*tensors, spec)
-    if rule.fuse == "gate_up":
-        return torch.cat(tensors, dim=0)
-    (t,) = tensors
-    if rule.vocab:
-        pad = spec.padded_vocab(tp_size) - t.shape[0]
-        if pad:
-            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])], dim=0)
-    return t
-
-
-def _full_to_hf(rule: Rule, full: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, ...]:
-    if rule.fuse == "qkv":
-        return _unfuse_qkv(full, spec)
-    if rule.fuse == "gate_up":
-        return tuple(full.chunk(2, dim=0))
-    return (full[: spec.vocab_size] if rule.vocab else full,)
-
-
-def _tp_pieces(rule: Rule, full: torch.Tensor, tp_rank: int, tp_size: int) -> list[torch.Tensor]:
-    """Views of ``full`` (TP=1 layout) that TP rank ``tp_rank`` holds, in the order its shard
-    stacks them along ``rule.tp_dim``: the one description of a TP split, read both ways."""
-    if rule.tp_dim is None or tp_size == 1:
-        return [full]
-    if rule.fuse == "gate_up":  # rank r holds [gate_r; up_r]
-        return [half.chunk(tp_size, 0)[tp_rank] for half in full.chunk(2, dim=0)]
-    if full.shape[rule.tp_dim] % tp_size:
-        raise ValueError(f"{rule.megatron}: dim {rule.tp_dim} of shape {tuple(full.shape)} does "
-                         f"not split over tp={tp_size}")
-    return [full.chunk(tp_size, dim=rule.tp_dim)[tp_rank]]
-
-
-def _split(rule: Rule, full: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
-    pieces = _tp_pieces(rule, full, tp_rank, tp_size)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=rule.tp_dim)
-
-
-def _full_shape(rule: Rule, shard_shape: Sequence[int], tp_size: int) -> tuple[int, ...]:
-    shape = list(shard_shape)
-    if rule.tp_dim is not None:
-        shape[rule.tp_dim] *= tp_size
-    return tuple(shape)
-
-
-def _merge(rule: Rule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-    if rule.tp_dim is None or len(shards) == 1:
-        return shards[0]
-    full = shards[0].new_empty(_full_shape(rule, shards[0].shape, len(shards)))
-    for tp_rank, shard in enumerate(shards):
-        for view, part in zip(_tp_pieces(rule, full, tp_rank, len(shards)),
-                              _shard_pieces(rule, shard, len(shards))):
-            view.copy_(part)
-    return full
-
-
-def _shard_pieces(rule: Rule, shard: torch.Tensor, tp_size: int) -> list[torch.Tensor]:
-    if rule.tp_dim is None or tp_size == 1:
-        return [shard]
-    meta = torch.empty(_full_shape(rule, shard.shape, tp_size), device="meta")
-    sizes = [v.shape[rule.tp_dim] for v in _tp_pieces(rule, meta, 0, tp_size)]
-    return list(shard.split(sizes, dim=rule.tp_dim))
-
-
-def split_tp(global_name: str, full: torch.Tensor, spec: ModelSpec, tp_rank: int, tp_size: int,
-             role: str = "actor") -> torch.Tensor:
-    """This TP rank's shard of a full (TP=1 layout) Megatron tensor."""
-    return _split(_rule_for(global_name, spec, role)[0], full, tp_rank, tp_size)
-
-
-def merge_tp(global_name: str, shards: Sequence[torch.Tensor], spec: ModelSpec,
-             role: str = "actor") -> torch.Tensor:
-    """The full (TP=1 layout) Megatron tensor from the TP shards in TP-rank order."""
-    return _merge(_rule_for(global_name, spec, role)[0], shards)
-
-
-def hf_to_shard(global_name: str, hf_tensors: Sequence[torch.Tensor], spec: ModelSpec,
-                tp_rank: int, tp_size: int, role: str = "actor") -> torch.Tensor:
-    """TP rank ``tp_rank``'s shard of one Megatron parameter from its HF tensors (in the rule's
-    order): the layout a LoRA adapter reads off a fused linear (``backends/megatron/lora.py``
-    feeds it row and column indices)."""
-    rule = _rule_for(global_name, spec, role)[0]
-    return _split(rule, _hf_to_full(rule, hf_tensors, spec, tp_size), tp_rank, tp_size)
-
-
-def adaptable_rules(spec: ModelSpec, role: str = "actor") -> list[Rule]:
-    """The linears a LoRA adapter may wrap: a layer's TP-split ones (attention's qkv and
-    output projection, the MLP's fc1 and fc2: a dense MLP's, each expert's and the shared
-    expert's) and an actor's untied LM head. The router, the embedding and a critic's value
-    head are not among them."""
-    layer = [r for r in rules(spec, role) if r.place == "layer" and r.tp_dim is not None
-             and r.megatron.endswith(".weight")]
-    head = [r for r in rules(spec, role) if r.place == "head" and r.vocab and r.export]
-    return layer + ([] if spec.tie_word_embeddings else head)
-
-
-def full_shape(global_name: str, shard_shape: Sequence[int], spec: ModelSpec, tp_size: int,
-               role: str = "actor") -> tuple[int, ...]:
-    """Shape of the full (TP=1 layout) Megatron tensor whose TP shards have ``shard_shape``."""
-    return _full_shape(_rule_for(global_name, spec, role)[0], shard_shape, tp_size)
-
-
-def tp_pieces(global_name: str, full: torch.Tensor, spec: ModelSpec, tp_rank: int,
-              tp_size: int, role: str = "actor") -> list[torch.Tensor]:
-    """Views of ``full`` (TP=1 layout) that TP rank ``tp_rank`` holds, in shard order: a
-    receiver can fill ``full`` piece by piece without a merge copy (see ``shard_pieces``)."""
-    return _tp_pieces(_rule_for(global_name, spec, role)[0], full, tp_rank, tp_size)
-
-
-def shard_pieces(global_name: str, shard: torch.Tensor, spec: ModelSpec, tp_size: int,
-                 role: str = "actor") -> list[torch.Tensor]:
-    """A TP shard cut (as views) into the pieces ``tp_pieces`` places into the full tensor."""
-    return _shard_pieces(_rule_for(global_name, spec, role)[0], shard, tp_size)
-
-
-def rule_of(global_name: str, spec: ModelSpec, role: str = "actor") -> Rule:
-    """The rule of one global Megatron parameter name (its HF names, fusion, TP split)."""
-    return _rule_for(global_name, spec, role)[0]
-
-
-def is_tp_split(global_name: str, spec: ModelSpec, role: str = "actor") -> bool:
-    """Whether TP ranks hold different slices of this parameter (False: replicated)."""
-    return _rule_for(global_name, spec, role)[0].tp_dim is not None
-
-
-def hf_names(global_name: str, spec: ModelSpec, role: str = "actor") -> tuple[str, ...]:
-    rule, layer = _rule_for(global_name, spec, role)
-    return tuple(n.format(i=layer) for n in rule.hf)
-
-
 # ---------------------------------------------------------------------------------------------
 # the two directions
 
@@ -472,15 +441,15 @@ def iter_hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelS
     spec.check_parallel(tp_size, pp_size, vpp)
     for global_name, local_name in chunk_param_names(spec, pp_rank, pp_size, vpp, vp_stage, role,
                                                      ep_rank=ep_rank, ep_size=ep_size):
-        rule, layer = _rule_for(global_name, spec, role)
-        names = [n.format(i=layer) for n in rule.hf]
+        rule = rule_of(global_name, spec, role)
+        names = rule.hf_names(global_name)
         missing = [n for n in names if n not in hf_state]
         if missing:
             if rule.optional:
                 continue
             raise KeyError(f"HF checkpoint lacks {missing[0]} (needed for {global_name})")
-        full = _hf_to_full(rule, [hf_state[n] for n in names], spec, tp_size)
-        yield local_name, _split(rule, full, tp_rank, tp_size).clone()
+        yield local_name, rule.hf_to_shard([hf_state[n] for n in names], spec, tp_rank,
+                                           tp_size).clone()
 
 
 def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec, tp_rank: int,
@@ -502,12 +471,11 @@ def megatron_to_hf(items: Iterable[tuple[str, torch.Tensor | Sequence[torch.Tens
     tensors lose their padding rows. A tied output layer copy is skipped (HF has none).
     """
     for name, value in items:
-        rule, layer = _rule_for(name, spec, role)
+        rule = rule_of(name, spec, role)
         if not rule.export:
             continue
-        full = _merge(rule, list(value)) if isinstance(value, (list, tuple)) else value
-        for hf_name, tensor in zip(rule.hf, _full_to_hf(rule, full, spec)):
-            yield hf_name.format(i=layer), tensor
+        full = rule.merge(list(value)) if isinstance(value, (list, tuple)) else value
+        yield from zip(rule.hf_names(name), rule.to_hf(full, spec))
 
 
 # HF config key -> ModelSpec attribute (shape errors speak the HF key the user can fix)

@@ -161,7 +161,7 @@ class TrainerWorker:
                           ) -> dict[str, float]:
         """``sync_weights`` of a run whose engines serve the adapters by name: gathered to
         every rank (collective), written and loaded into the engines by rank 0."""
-        from ragen_mega.backends.megatron.lora import gather_adapters
+        from ragen_mega.backends.megatron.lora_export import gather_adapters
         from ragen_mega.backends.sglang.client import EngineClient
 
         tensors = gather_adapters(self.trainer.model)

@@ -147,9 +147,9 @@ class _ShardWriter:
 
 
 def _export_worker(rank, world_size, ckpt_dir, src_hf, tmp_out, role, lora_settings=None):
+    from ragen_mega.backends.megatron.export import export_hf_state
     from ragen_mega.backends.megatron.lora import apply_lora
-    from ragen_mega.backends.megatron.model import (build_model, chunk_spec, export_hf_state,
-                                                    load_hf_checkpoint)
+    from ragen_mega.backends.megatron.model import build_model, chunk_spec, load_hf_checkpoint
     from ragen_mega.models.mapping import expected_hf_shapes
 
     chunks = build_model(src_hf, role=role, use_te=False if lora_settings else None)
@@ -266,7 +266,7 @@ def megatron_to_peft(megatron_dir, out_dir) -> Path:
     """Write a LoRA checkpoint's adapters as a PEFT adapter directory (``adapter_config.json``
     + ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
     base model."""
-    from ragen_mega.backends.megatron.lora import write_peft_adapter
+    from ragen_mega.backends.megatron.lora_export import write_peft_adapter
 
     ckpt_dir = ckpt.find_checkpoint(Path(megatron_dir).resolve())
     state = ckpt.read_checkpoint_state(ckpt_dir)

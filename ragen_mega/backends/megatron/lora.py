@@ -10,7 +10,7 @@ Targets are HF module names (``q_proj`` ... ``down_proj``, PEFT's), one adapter 
 HF module as PEFT makes them, although Megatron fuses q/k/v into ``linear_qkv`` and gate/up into
 ``linear_fc1``. Which output rows (or input columns) of a fused shard belong to which HF module
 is read off the one HF <-> Megatron mapping: the mapping is fed each HF module's row indices
-(``mapping.hf_to_shard``) and returns the shard's rows in Megatron order, so the adapters follow
+(``Rule.hf_to_shard``) and returns the shard's rows in Megatron order, so the adapters follow
 the grouped-KV qkv layout and the ``[gate_r; up_r]`` halves without a second description of
 them.
 
@@ -53,7 +53,8 @@ starts from the same adapters.
 The merged weight ``W = W_base + s * B A`` (:func:`merged_weights`) is what an export or a full
 weight sync sends: computed afresh from the frozen base each time, in fp32, so nothing drifts.
 Checkpoints hold the adapters only (:func:`sharded_state_dict`), under their HF names with
-whole shapes, so they reshard across TP x PP like the base checkpoints do.
+whole shapes, so they reshard across TP x PP like the base checkpoints do. The adapters taken
+out whole (gathered, as PEFT files, as the adapter-only weight sync) are ``lora_export.py``'s.
 
 Not supported: TransformerEngine's layer spec (its linears take the norm's input: LoRA builds
 the local spec).
@@ -62,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import zlib
 
 import torch
@@ -136,7 +136,7 @@ class LoraLinear(nn.Module):
         # "sequence" (sequence parallelism), "expert" (the token dispatcher's), over ``group``
         self.comm, self.group = comm, group
         rule = mapping.rule_of(weight_name, spec)   # the layers' rules are the actor's
-        hf = list(mapping.hf_names(weight_name, spec))
+        hf = list(rule.hf_names(weight_name))
         shapes = [mapping.hf_shape(n, spec) for n in hf]
         self.column, self.whole_b, self.enabled = rule.tp_dim == 0, rule.vocab, True
         self.expert = rule.expert is not None   # a routed expert's linear
@@ -150,7 +150,7 @@ class LoraLinear(nn.Module):
             starts = [sum(s[0] for s in shapes[:i]) for i in range(len(shapes))]
             # 1-based, so the vocabulary's padding rows (zeros) read as -1: no module's
             index = [torch.arange(st, st + s[0]).unsqueeze(1) + 1 for st, s in zip(starts, shapes)]
-            held = mapping.hf_to_shard(weight_name, index, spec, tp_rank, tp)[:, 0] - 1
+            held = rule.hf_to_shard(index, spec, tp_rank, tp)[:, 0] - 1
             taken, offset = {}, 0
             for n, st, s in zip(hf, starts, shapes):
                 mine = held[(held >= st) & (held < st + s[0])] - st
@@ -172,7 +172,7 @@ class LoraLinear(nn.Module):
         else:
             (n,), (shape,) = hf, shapes
             index = torch.arange(shape[1]).unsqueeze(0)
-            cols = mapping.hf_to_shard(weight_name, [index], spec, tp_rank, tp)[0]
+            cols = rule.hf_to_shard([index], spec, tp_rank, tp)[0]
             self.cols = slice(int(cols[0]), int(cols[-1]) + 1)
             short = _short(n)
             a = _init_a(self.hf_names[short], r, shape[1], seed)[:, self.cols]
@@ -410,117 +410,3 @@ def load_adapters(chunks, tensors) -> None:
                                      f"this rank {tuple(part.shape)}, the model has "
                                      f"{tuple(param.shape)} (rank or model differ)")
                 param.copy_(part)
-
-
-def gather_adapters(chunks) -> dict[str, torch.Tensor]:
-    """Every adapter of the whole model as whole tensors, on every rank (collective over the
-    TP, EP and PP groups; small: rank x (in + out) values per linear)."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-
-    from ragen_mega.backends.megatron.chunk import unwrap
-
-    tp, tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
-    mine = {}
-    for model in map(unwrap, chunks):
-        for key, param, axis in adapter_tensors(model):
-            tensor = param.detach().clone()   # a copy: never a view of the live parameter
-            if axis is not None and tp > 1:
-                parts = [torch.empty_like(tensor) for _ in range(tp)]
-                dist.all_gather(parts, tensor, group=tp_group)
-                tensor = torch.cat(parts, dim=axis)
-            mine[key] = tensor.cpu()
-    if mpu.get_expert_model_parallel_world_size() > 1:   # each holds its own experts'
-        ranks = [None] * mpu.get_expert_model_parallel_world_size()
-        dist.all_gather_object(ranks, mine, group=mpu.get_expert_model_parallel_group())
-        mine = {k: v for rank in ranks for k, v in rank.items()}
-    if mpu.get_pipeline_model_parallel_world_size() == 1:
-        return mine
-    stages = [None] * mpu.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(stages, mine, group=mpu.get_pipeline_model_parallel_group())
-    return {k: v for stage in stages for k, v in stage.items()}
-
-
-PEFT_PREFIX = "base_model.model."
-
-
-def write_peft_adapter(out_dir, tensors: dict[str, torch.Tensor], settings: LoraSettings,
-                       base_model: str, dtype: torch.dtype | None = None) -> None:
-    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) that
-    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads onto the HF base model."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({PEFT_PREFIX + k: (v.to(dtype) if dtype else v).contiguous()
-               for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"),
-              metadata={"format": "pt"})
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
-              "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
-              "target_modules": sorted(settings.target_modules), "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
-              "init_lora_weights": True, "modules_to_save": None, "inference_mode": True}
-    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def read_peft_adapter(adapter_dir) -> tuple[dict[str, torch.Tensor], LoraSettings]:
-    """A PEFT LoRA adapter directory's tensors (keys as :func:`adapter_tensors` names them)
-    and settings; what it cannot express here is refused, naming the field."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file
-
-    adapter_dir = Path(adapter_dir)
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    for field, allowed in (("peft_type", ("LORA",)), ("bias", ("none",)),
-                           ("use_rslora", (False, None)), ("use_dora", (False, None)),
-                           ("fan_in_fan_out", (False, None))):
-        if config.get(field, allowed[0]) not in allowed:
-            raise ValueError(f"{adapter_dir}/adapter_config.json: {field} is "
-                             f"{config[field]!r}; only {allowed[0]!r} is supported")
-    targets = config["target_modules"]
-    targets = [targets] if isinstance(targets, str) else targets
-    settings = LoraSettings(int(config["r"]), float(config["lora_alpha"]),
-                            float(config.get("lora_dropout", 0.0)), tuple(sorted(targets)))
-    raw = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    tensors = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
-               for k, v in raw.items()}
-    return tensors, settings
-
-
-class AdapterExport:
-    """The adapter-only weight sync's export (``MegatronTrainer.weight_export`` with LoRA):
-    what ``DirectExport`` is for full weights, in the same protocol. Constructing it is the
-    collective (:func:`gather_adapters` over TP and PP: every rank takes part); iterating it
-    yields, on ``dst`` only, the scaling (``lora_merge.SCALING_NAME``, one fp32 value) and then
-    every adapter under PEFT's keys, each module's A then B, so the engine's plugin
-    (``backends/sglang/lora_merge.py``) merges them into ``W_base + s * B A``. ``layout``
-    (on ``dst``): the names, shapes and dtypes it will yield, for the streamed send."""
-
-    def __init__(self, chunks, dst: int):
-        import torch.distributed as dist
-
-        from ragen_mega.backends.sglang.lora_merge import SCALING_NAME
-
-        tensors = gather_adapters(chunks)
-        self.items = None
-        self.layout = None
-        if dist.get_rank() != dst:
-            return
-        scaling = torch.tensor([settings_of(chunks[0]).scaling], dtype=torch.float32)
-        self.items = [(SCALING_NAME, scaling), *sorted(tensors.items(), key=_module_order)]
-        self.layout = [(n, tuple(t.shape), t.dtype) for n, t in self.items]
-
-    def __iter__(self):
-        return iter(self.items or ())
-
-
-def _module_order(item) -> tuple:
-    """Layers in order, each module's lora_A before its lora_B."""
-    name = item[0]
-    match = re.match(r"model\.layers\.(\d+)\.", name)
-    return (int(match.group(1)) if match else 1 << 30, name)

@@ -1,11 +1,9 @@
-"""Build Megatron GPT model chunks for this rank, load HF weights into them, export them back.
+"""Build Megatron GPT model chunks for this rank and load HF weights into them.
 
 Call after ``parallel.init_parallel``. A rank holds one chunk per virtual pipeline stage; each
 is a megatron ``GPTModel`` (in ``Float16Module`` for bf16/fp16) that carries its spec, role,
 virtual stage and global layer range (``.ragen_spec``, ``.ragen_role``, ``.ragen_vp_stage``,
-``.ragen_layers``), so loading and export need nothing else. Export yields ``(hf_name, full
-tensor)`` pairs; :class:`DirectExport` also knows, before any tensor moves, what it will yield
-(``.layout``), which lets the weight sync stream.
+``.ragen_layers``), so loading and export (``export.py``) need nothing else.
 
 Critic: the same GPTModel backbone with ``output_layer`` replaced by ``ValueHead`` (a plain
 replicated ``Linear(hidden, 1)`` without bias, HF name ``score.weight``); GPTModel's post-process
@@ -22,17 +20,13 @@ when ``score.weight`` is absent.
 """
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from ragen_mega.backends.megatron import lora
 from ragen_mega.backends.megatron.chunk import unwrap
-from ragen_mega.backends.megatron.parallel import parallel_info
 from ragen_mega.backends.megatron.transformer_config import (block_spec, layer_spec,
                                                              megatron_config, te_available)
 from ragen_mega.models import mapping
@@ -139,7 +133,7 @@ def chunk_spec(chunks) -> tuple[ModelSpec, str]:
     return model.ragen_spec, model.ragen_role
 
 
-def _local_params(model: nn.Module) -> dict[str, nn.Parameter]:
+def local_params(model: nn.Module) -> dict[str, nn.Parameter]:
     """Named parameters under the local-spec names (``mapping.local_spec_name``)."""
     return {mapping.local_spec_name(name): p for name, p in model.named_parameters()}
 
@@ -206,7 +200,7 @@ def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
     ep, ep_rank = _expert_parallel()
     for chunk in chunks:
         model = unwrap(chunk)
-        params = _local_params(model)
+        params = local_params(model)
         written = set()
         with torch.no_grad():
             for name, tensor in mapping.iter_hf_to_megatron_shard(
@@ -226,235 +220,3 @@ def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
         unwritten = sorted(set(params) - written)
         if unwritten:
             raise KeyError(f"model parameters not filled from {hf_dir}: {unwritten[:5]}")
-
-
-def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = None,
-                    prefetch_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) for the whole model, one parameter at a time.
-
-    ``dst=None``: ON EVERY RANK. For each parameter the owning pipeline stage all-gathers its TP
-    shards and converts them to HF tensors (an expert's: its expert-parallel rank, which then
-    broadcasts them over the expert-parallel group), which are then broadcast over the pipeline
-    group.
-    ``dst=<global rank>`` (weight sync: only the sending rank needs the tensors): the ranks that
-    hold what ``dst`` lacks send their shards straight to ``dst`` (point to point, into place,
-    see ``DirectExport``); ``dst`` yields the tensors, the other ranks yield nothing. An
-    all-gather moves every shard to every TP rank (and gloo's is ~5x slower than send/recv of
-    the same bytes on loopback).
-
-    These are collectives: every rank must consume the iterator to the end, in step. Order:
-    embedding, layers, head. Replicated parameters may be yielded as views of the live
-    parameters: use them before the next optimizer step.
-    """
-    if dst is not None:
-        yield from DirectExport(chunks, dst, spec, prefetch_bytes)
-        return
-    own_spec, role = chunk_spec(chunks)
-    spec = spec or own_spec
-    from megatron.core import parallel_state as mpu
-
-    tp_group = mpu.get_tensor_model_parallel_group()
-    where = parallel_info()
-    mine = _owned_params(chunks)
-    dtype, device = next(iter(mine.values())).dtype, where.device
-    for name in mapping.megatron_names(spec, role):
-        owner_pp, _ = mapping.owner(name, spec, where.pp, where.vpp)
-        owner_ep = mapping.expert_owner(name, spec, where.ep)
-        hf_tensors = None
-        if name in mine:
-            shards = [mine[name].contiguous()]
-            if where.tp > 1 and mapping.is_tp_split(name, spec, role):
-                shards = [torch.empty_like(shards[0]) for _ in range(where.tp)]
-                dist.all_gather(shards, mine[name].contiguous(), group=tp_group)
-            hf_tensors = dict(mapping.megatron_to_hf([(name, shards)], spec, role))
-        if owner_ep is not None and where.ep > 1 and owner_pp == where.pp_rank:
-            hf_tensors = _broadcast_hf(hf_tensors, name, spec, role, owner_ep,
-                                       mpu.get_expert_model_parallel_group(), dtype, device)
-        if where.pp > 1:
-            hf_tensors = _broadcast_hf(hf_tensors, name, spec, role, owner_pp,
-                                       mpu.get_pipeline_model_parallel_group(), dtype, device)
-        yield from hf_tensors.items()
-
-
-def _broadcast_hf(hf_tensors: dict | None, name: str, spec: ModelSpec, role: str, src: int,
-                  group, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
-    """The HF tensors of one Megatron parameter, broadcast from the group's rank ``src`` (which
-    has them) to the others (which pass None and learn the shapes from the mapping)."""
-    out = {}
-    for hf_name in mapping.hf_names(name, spec, role):
-        tensor = (hf_tensors[hf_name].contiguous() if hf_tensors is not None else
-                  torch.empty(mapping.hf_shape(hf_name, spec, role), dtype=dtype, device=device))
-        dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
-        out[hf_name] = tensor
-    return out
-
-
-def _owned_params(chunks) -> dict[str, torch.Tensor]:
-    """Global Megatron name -> this rank's (detached) parameter, over all its chunks. A LoRA
-    model's adapted weights are merged (``lora.merged_weights``: base + s * B A, copies that
-    live as long as the export) and its adapters are not parameters of the HF model."""
-    out = {}
-    for model in map(unwrap, chunks):
-        merged = lora.merged_weights(model)
-        for local_name, p in _local_params(model).items():
-            if lora.is_adapter(local_name):
-                continue
-            out[mapping.to_global(local_name, model.ragen_layers.start,
-                                  model.ragen_experts.start)] = merged.get(local_name, p.detach())
-    return out
-
-
-class DirectExport:
-    """``export_hf_state(dst=...)``: every shard travels once, straight to ``dst``.
-
-    Constructing it is the handshake, a collective over all ranks (one small ``gather_object``):
-    ``dst`` learns who holds what it lacks: the dense weights from its model-parallel group
-    (each rank's (pp, tp) rank and, from TP rank 0 of each stage, its shard shapes and dtypes),
-    an MoE model's experts from its expert-tensor-model-pipeline group (each (pp, ep, tp)
-    rank's shards of its own experts). Ranks in neither group yield nothing. On ``dst``,
-    :attr:`layout` then lists ``(hf_name, shape, dtype)`` of
-    everything the iteration will yield, in order, before any shard has moved: a consumer can
-    announce a bucket before its tensors exist (the weight sender streams them as they land).
-
-    Iterating it (every rank, in step) moves the shards: in the export order, each TP rank of the
-    owning stage sends its shard cut into ``mapping.shard_pieces``, and ``dst`` receives each
-    piece straight into its view (``mapping.tp_pieces``) of a preallocated full tensor: row
-    splits need no merge copy; column splits (row-parallel weights) land in a staging buffer and
-    are copied into place. A replicated parameter travels only when ``dst`` is in another stage
-    (from that stage's TP rank 0). Receives are posted up to ``prefetch_bytes`` ahead of what
-    has been yielded, so while the consumer sends one bucket on, the next one's shards are
-    already arriving; senders keep as many bytes in flight.
-    """
-
-    def __init__(self, chunks, dst: int, spec: ModelSpec | None = None,
-                 prefetch_bytes: int = 256 << 20):
-        from megatron.core import parallel_state as mpu
-
-        if prefetch_bytes <= 0:
-            raise ValueError(f"export_hf_state: prefetch_bytes must be > 0, got {prefetch_bytes}")
-        own_spec, self.role = chunk_spec(chunks)
-        self.spec, self.dst, self.prefetch_bytes = spec or own_spec, dst, prefetch_bytes
-        self.layout: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
-        self.where = parallel_info()
-        dense = set(dist.get_process_group_ranks(mpu.get_model_parallel_group()))
-        experts = (set(dist.get_process_group_ranks(
-            mpu.get_expert_tensor_model_pipeline_parallel_group())) if self.spec.is_moe
-            else set())
-        # a dense weight comes from dst's model-parallel group, an expert from its expert group
-        self.sends_dense, self.sends_experts = dst in dense, dst in experts
-        self.member = self.sends_dense or self.sends_experts
-        self.tp_group = mpu.get_tensor_model_parallel_group()
-        self.mine = _owned_params(chunks) if self.member else {}
-        self.names = mapping.megatron_names(self.spec, self.role)
-        meta = {n: (tuple(p.shape), p.dtype) for n, p in self.mine.items()
-                if self.where.tp_rank == 0
-                and (self.sends_experts if self._expert(n) else self.sends_dense)}
-        gathered = [None] * self.where.world_size if self.where.rank == dst else None
-        dist.gather_object((self.where.rank, self.where.pp_rank, self.where.tp_rank,
-                            self.where.ep_rank, meta), gathered, dst=dst)
-        if self.where.rank != dst:
-            return
-        self.rank_of = {(p, t): g for g, p, t, _, _ in gathered if g in dense}
-        self.expert_rank_of = {(p, e, t): g for g, p, t, e, _ in gathered if g in experts}
-        self.shapes = {n: sm for g, *_, m in gathered if g in dense | experts
-                       for n, sm in m.items()}
-        # the conversion itself, run on meta tensors: exactly the names/shapes/dtypes it yields
-        self.layout = [(hf_name, tuple(t.shape), t.dtype) for name in self.names
-                       for hf_name, t in mapping.megatron_to_hf(
-                           [(name, self._full(name, device="meta"))], self.spec, self.role)]
-
-    def _expert(self, name: str) -> bool:
-        return mapping.expert_owner(name, self.spec, self.where.ep) is not None
-
-    def _split(self, name: str) -> bool:
-        return self.where.tp > 1 and mapping.is_tp_split(name, self.spec, self.role)
-
-    def _holder(self, name: str, owner_pp: int, tp_rank: int) -> int:
-        """The global rank that holds TP shard ``tp_rank`` of a parameter of stage
-        ``owner_pp`` (an expert's: on its expert-parallel rank)."""
-        if self._expert(name):
-            owner_ep = mapping.expert_owner(name, self.spec, self.where.ep)
-            return self.expert_rank_of[owner_pp, owner_ep, tp_rank]
-        return self.rank_of[owner_pp, tp_rank]
-
-    def _full(self, name: str, device) -> torch.Tensor:
-        """An empty full (TP-merged) tensor for ``name``, as ``dst`` assembles it."""
-        shard_shape, dtype = self.shapes[name]
-        shape = (mapping.full_shape(name, shard_shape, self.spec, self.where.tp, self.role)
-                 if self._split(name) else shard_shape)
-        return torch.empty(shape, dtype=dtype, device=device)
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if not self.member:
-            return iter(())
-        return self._receive() if self.where.rank == self.dst else self._send()
-
-    def _send(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """A shard holder: post its pieces in export order, a bounded number of bytes ahead."""
-        dst_in_my_stage = self.dst in dist.get_process_group_ranks(self.tp_group)
-        in_flight, pending = 0, deque()
-        for name in self.names:
-            if name not in self.mine:
-                continue
-            if not (self.sends_experts if self._expert(name) else self.sends_dense):
-                continue
-            if self._split(name):
-                pieces = mapping.shard_pieces(name, self.mine[name], self.spec, self.where.tp,
-                                              self.role)
-            elif self._expert(name) or (not dst_in_my_stage and self.where.tp_rank == 0):
-                pieces = [self.mine[name]]   # dst holds no copy of it
-            else:
-                continue
-            for piece in pieces:
-                while pending and in_flight > self.prefetch_bytes:
-                    work, sent = pending.popleft()
-                    work.wait()
-                    in_flight -= sent.nbytes
-                piece = piece.contiguous()  # kept referenced until its send completes
-                pending.append((dist.isend(piece, self.dst), piece))
-                in_flight += piece.nbytes
-        for work, _ in pending:
-            work.wait()
-        yield from ()
-
-    def _post(self, name: str, device):
-        """Post one parameter's receives: (full, [(work, receive buffer, its view in full)])."""
-        if name in self.mine and not self._split(name):
-            return self.mine[name], []
-        owner_pp = mapping.owner(name, self.spec, self.where.pp, self.where.vpp)[0]
-        full = self._full(name, device)
-        if not self._split(name):
-            return full, [(dist.irecv(full, self._holder(name, owner_pp, 0)), full, full)]
-        recvs = []
-        for r in range(self.where.tp):
-            views = mapping.tp_pieces(name, full, self.spec, r, self.where.tp, self.role)
-            if self._holder(name, owner_pp, r) == self.dst:
-                own = mapping.shard_pieces(name, self.mine[name], self.spec, self.where.tp,
-                                           self.role)
-                for view, piece in zip(views, own):
-                    view.copy_(piece)
-                continue
-            for view in views:
-                buf = view if view.is_contiguous() else torch.empty_like(view, memory_format=
-                                                                          torch.contiguous_format)
-                recvs.append((dist.irecv(buf, self._holder(name, owner_pp, r)), buf, view))
-        return full, recvs
-
-    def _receive(self) -> Iterator[tuple[str, torch.Tensor]]:
-        device = next(iter(self.mine.values())).device
-        queue, ahead, upcoming = deque(), 0, iter(self.names)
-        for name in self.names:
-            while not queue or ahead < self.prefetch_bytes:  # keep prefetch_bytes posted
-                nxt = next(upcoming, None)
-                if nxt is None:
-                    break
-                full, recvs = self._post(nxt, device)
-                queue.append((full, recvs))
-                ahead += full.nbytes
-            full, recvs = queue.popleft()
-            ahead -= full.nbytes
-            for work, buf, view in recvs:
-                work.wait()
-                if buf is not view:
-                    view.copy_(buf)
-            yield from mapping.megatron_to_hf([(name, full)], self.spec, self.role)

@@ -52,10 +52,10 @@ from ragen_mega.backends.megatron.forward import (forward_logprobs, forward_valu
                                                   make_forward_step, run_schedule,
                                                   split_microbatches)
 from ragen_mega.backends.megatron.chunk import unwrap
-from ragen_mega.backends.megatron.lora import (AdapterExport, LoraSettings, adapters_off,
-                                               apply_lora)
-from ragen_mega.backends.megatron.model import (DirectExport, build_model, export_hf_state,
-                                                load_hf_checkpoint)
+from ragen_mega.backends.megatron.export import DirectExport, export_hf_state
+from ragen_mega.backends.megatron.lora import LoraSettings, adapters_off, apply_lora
+from ragen_mega.backends.megatron.lora_export import AdapterExport
+from ragen_mega.backends.megatron.model import build_model, load_hf_checkpoint
 from ragen_mega.backends.megatron.parallel import local_device
 from ragen_mega.backends.megatron.routing import take_mismatch_counts
 from ragen_mega.models.hf_config import model_spec

@@ -1,6 +1,6 @@
 """An SGLang server plugin: LoRA adapters in, exact merged weights served (``actor.lora``).
 
-A LoRA run's weight sync sends only the adapters (``lora.AdapterExport``: a few MB where the
+A LoRA run's weight sync sends only the adapters (``lora_export.AdapterExport``: a few MB where the
 model is GB). The engine keeps serving plain merged weights, so generation runs at full speed
 with no LoRA kernel (SGLang's LoRA backends are Triton/CUDA, or per-request adapter slots that
 every rollout request would have to name): this plugin, enabled for a server by

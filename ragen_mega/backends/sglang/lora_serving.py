@@ -72,10 +72,10 @@ class ServedAdapters:
             self.clients[i], self.loaded[i] = client, []
 
     def publish(self, tensors: dict[str, torch.Tensor], settings, version: int) -> PublishStats:
-        """Write ``tensors`` (``lora.gather_adapters``') as version ``version`` and have every
-        engine that lacks it load it; then each unloads what is older than the newest
+        """Write ``tensors`` (``lora_export.gather_adapters``') as version ``version`` and have
+        every engine that lacks it load it; then each unloads what is older than the newest
         :data:`KEPT_VERSIONS`."""
-        from ragen_mega.backends.megatron.lora import write_peft_adapter
+        from ragen_mega.backends.megatron.lora_export import write_peft_adapter
 
         start = time.perf_counter()
         name = adapter_name(version)

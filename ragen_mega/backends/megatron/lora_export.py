@@ -1,0 +1,124 @@
+"""LoRA adapters out of the sharded model, whole: gathered, as PEFT files, as the weight sync.
+
+The adapters (``lora.py``) live sliced over TP and spread over PP and EP ranks; everything
+outside the trainer wants them whole under PEFT's names. :func:`gather_adapters` assembles them
+on every rank. :func:`write_peft_adapter` writes them as PEFT's adapter directory (what
+``peft.PeftModel.from_pretrained`` and SGLang's ``--enable-lora`` load: ``convert
+megatron-to-peft`` and ``lora.sync: native`` write it), :func:`read_peft_adapter` reads one.
+:class:`AdapterExport` is the adapter-only weight sync's export, in the protocol of
+``export.DirectExport``. Putting whole tensors back into the slices is ``lora.load_adapters``.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ragen_mega.backends.megatron.chunk import unwrap
+from ragen_mega.backends.megatron.lora import LoraSettings, adapter_tensors, settings_of
+
+
+def gather_adapters(chunks) -> dict[str, torch.Tensor]:
+    """Every adapter of the whole model as whole tensors, on every rank (collective over the
+    TP, EP and PP groups; small: rank x (in + out) values per linear)."""
+    from megatron.core import parallel_state as mpu
+
+    tp, tp_group = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_group()
+    mine = {}
+    for model in map(unwrap, chunks):
+        for key, param, axis in adapter_tensors(model):
+            tensor = param.detach().clone()   # a copy: never a view of the live parameter
+            if axis is not None and tp > 1:
+                parts = [torch.empty_like(tensor) for _ in range(tp)]
+                dist.all_gather(parts, tensor, group=tp_group)
+                tensor = torch.cat(parts, dim=axis)
+            mine[key] = tensor.cpu()
+    if mpu.get_expert_model_parallel_world_size() > 1:   # each holds its own experts'
+        ranks = [None] * mpu.get_expert_model_parallel_world_size()
+        dist.all_gather_object(ranks, mine, group=mpu.get_expert_model_parallel_group())
+        mine = {k: v for rank in ranks for k, v in rank.items()}
+    if mpu.get_pipeline_model_parallel_world_size() == 1:
+        return mine
+    stages = [None] * mpu.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, mine, group=mpu.get_pipeline_model_parallel_group())
+    return {k: v for stage in stages for k, v in stage.items()}
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def write_peft_adapter(out_dir, tensors: dict[str, torch.Tensor], settings: LoraSettings,
+                       base_model: str, dtype: torch.dtype | None = None) -> None:
+    """A PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``) that
+    ``peft.PeftModel.from_pretrained(base, out_dir)`` loads onto the HF base model."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({PEFT_PREFIX + k: (v.to(dtype) if dtype else v).contiguous()
+               for k, v in tensors.items()}, str(out_dir / "adapter_model.safetensors"),
+              metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+              "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
+              "target_modules": sorted(settings.target_modules), "bias": "none",
+              "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+              "init_lora_weights": True, "modules_to_save": None, "inference_mode": True}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def read_peft_adapter(adapter_dir) -> tuple[dict[str, torch.Tensor], LoraSettings]:
+    """A PEFT LoRA adapter directory's tensors (keys as :func:`adapter_tensors` names them)
+    and settings; what it cannot express here is refused, naming the field."""
+    from safetensors.torch import load_file
+
+    adapter_dir = Path(adapter_dir)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    for field, allowed in (("peft_type", ("LORA",)), ("bias", ("none",)),
+                           ("use_rslora", (False, None)), ("use_dora", (False, None)),
+                           ("fan_in_fan_out", (False, None))):
+        if config.get(field, allowed[0]) not in allowed:
+            raise ValueError(f"{adapter_dir}/adapter_config.json: {field} is "
+                             f"{config[field]!r}; only {allowed[0]!r} is supported")
+    targets = config["target_modules"]
+    targets = [targets] if isinstance(targets, str) else targets
+    settings = LoraSettings(int(config["r"]), float(config["lora_alpha"]),
+                            float(config.get("lora_dropout", 0.0)), tuple(sorted(targets)))
+    raw = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    tensors = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
+               for k, v in raw.items()}
+    return tensors, settings
+
+
+class AdapterExport:
+    """The adapter-only weight sync's export (``MegatronTrainer.weight_export`` with LoRA):
+    what ``DirectExport`` is for full weights, in the same protocol. Constructing it is the
+    collective (:func:`gather_adapters` over TP and PP: every rank takes part); iterating it
+    yields, on ``dst`` only, the scaling (``lora_merge.SCALING_NAME``, one fp32 value) and then
+    every adapter under PEFT's keys, each module's A then B, so the engine's plugin
+    (``backends/sglang/lora_merge.py``) merges them into ``W_base + s * B A``. ``layout``
+    (on ``dst``): the names, shapes and dtypes it will yield, for the streamed send."""
+
+    def __init__(self, chunks, dst: int):
+        from ragen_mega.backends.sglang.lora_merge import SCALING_NAME
+
+        tensors = gather_adapters(chunks)
+        self.items = None
+        self.layout = None
+        if dist.get_rank() != dst:
+            return
+        scaling = torch.tensor([settings_of(chunks[0]).scaling], dtype=torch.float32)
+        self.items = [(SCALING_NAME, scaling), *sorted(tensors.items(), key=_module_order)]
+        self.layout = [(n, tuple(t.shape), t.dtype) for n, t in self.items]
+
+    def __iter__(self):
+        return iter(self.items or ())
+
+
+def _module_order(item) -> tuple:
+    """Layers in order, each module's lora_A before its lora_B."""
+    name = item[0]
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return (int(match.group(1)) if match else 1 << 30, name)
