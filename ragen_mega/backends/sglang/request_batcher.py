@@ -2,10 +2,10 @@
 
 Every episode is its own coroutine (``rollout/episode.py``): a turn of a step's 128 episodes is
 128 requests, each its own HTTP call, parsed by SGLang's HTTP server and handed to the scheduler
-one by one. On a small model that per-request machinery costs more than the model (a turn of 128
-FrozenLake prompts, 6 new tokens each, on 2 cores: 0.29 s as 128 requests, 0.21 s as one batch;
-benchmarks/README.md). RAGEN's own rollout is batched by turn: every live episode's prompt goes
-to the engine at once.
+one by one. On a small model that per-request machinery costs nearly as much as the model (a
+turn of 128 FrozenLake prompts, 6 new tokens each, on 2 cores: 0.29 s as 128 requests, 0.21 s as
+one batch; benchmarks/README.md). RAGEN's own rollout is batched by turn: every live episode's
+prompt goes to the engine at once.
 
 :class:`RequestBatcher` keeps the episodes' code as it is: a request waits until the running
 pass of the event loop ends (``loop.call_soon``), by which time every episode that a batch's
