@@ -2,8 +2,8 @@
 
 One tiny-Qwen2 server (fp32) serves every check of this module (launches cost ~20 s and
 ~1.6 GB each); a second one runs SmolLM2-135M-Instruct for one real-model check. Tests that
-change the served weights put the original checkpoint back (update_weights_from_disk) before
-they end, so the order of tests does not matter.
+change the served weights put the original checkpoint back (through the colocated sender)
+before they end, so the order of tests does not matter.
 """
 from __future__ import annotations
 
@@ -101,6 +101,23 @@ def reference(tiny_dir):
     return [hf_greedy(model, p, GREEDY["max_new_tokens"]) for p in PROMPTS]
 
 
+def restore_original(client, tiny_dir) -> None:
+    """The checkpoint's own weights back into the engine, labelled ``original``, through the
+    colocated sender (the package's own path)."""
+    state = {name: p.detach() for name, p in hf_model(tiny_dir).named_parameters()}
+    BucketedWeightSender([client], mode="tensor", bucket_bytes=1 << 30).send(
+        state.items(), version="original")
+
+
+def update_in_session(client, named_tensors) -> None:
+    """One colocated update inside the begin/end session SGLang requires (as the sender does)."""
+    client.begin_weight_update()
+    try:
+        client.update_weights_from_tensor([pickle_for_receiver(engine_payload(named_tensors))])
+    finally:
+        client.end_weight_update()
+
+
 def check_against(client, refs, atol=2e-4):
     outs = client.generate(PROMPTS, GREEDY)
     for out, (ids, lps) in zip(outs, refs):
@@ -162,16 +179,6 @@ def test_concurrent_requests_from_threads(engine, reference):
     assert got == [r[0] for r in reference] * 3
 
 
-def test_n_samples(engine):
-    _, client = engine
-    outs = client.generate(PROMPTS[:2], {"temperature": 1.0, "max_new_tokens": 6, "n": 4,
-                                         "ignore_eos": True})
-    assert [len(group) for group in outs] == [4, 4]
-    for group in outs:
-        assert all(len(c.output_ids) == 6 and len(c.output_logprobs) == 6 for c in group)
-        assert len({tuple(c.output_ids) for c in group}) > 1  # 49k-token vocab: samples differ
-
-
 def test_stop_token_ids_and_stop_strings(engine, reference, tiny_dir):
     from transformers import AutoTokenizer
 
@@ -222,7 +229,7 @@ def test_distributed_weight_sync_bucket_sizes(engine, reference, tiny_dir):
             runs.append([(o.output_ids, o.output_logprobs) for o in outs])
     assert all(run == runs[0] for run in runs)  # bucketing never changes what the engine holds
 
-    client.update_weights_from_disk(str(tiny_dir))  # weights from disk: back to the original
+    restore_original(client, tiny_dir)
     check_against(client, reference)
 
 
@@ -238,7 +245,7 @@ def test_colocated_tensor_weight_sync(engine, reference, tiny_dir):
         assert stats.num_buckets > 1
         assert client.model_info()["weight_version"] == f"tensor-{load_format}"
         check_against(client, refs)
-        client.update_weights_from_disk(str(tiny_dir), weight_version="original")
+        restore_original(client, tiny_dir)
         check_against(client, reference)
     assert client.model_info()["weight_version"] == "original"
 
@@ -278,7 +285,7 @@ def test_a_sync_between_two_tokens_continues_the_request_with_the_new_weights(en
     assert (got[:cut] - want[0][:cut]).abs().max() < 2e-4
     assert (got[cut:] - want[1][cut:]).abs().max() < 2e-4
     assert (want[0][cut:] - want[1][cut:]).abs().max() > 1e-2   # the weights differ there
-    client.update_weights_from_disk(str(tiny_dir))  # back to the original
+    restore_original(client, tiny_dir)
     check_against(client, reference)
 
 
@@ -290,8 +297,7 @@ def test_updates_outside_a_session_are_refused(engine, tiny_dir):
     refusal = "update_weights_from_tensor.*must run between begin_weight_update"
     with pytest.raises(EngineError, match=refusal):
         client.update_weights_from_tensor([pickle_for_receiver(engine_payload([(name, tensor)]))])
-    with client.weight_update():  # inside a session the same call is accepted
-        client.update_weights_from_tensor([pickle_for_receiver(engine_payload([(name, tensor)]))])
+    update_in_session(client, [(name, tensor)])  # inside a session the same call is accepted
 
 
 def test_only_requests_with_the_key_are_served(engine, tiny_dir):
@@ -311,8 +317,7 @@ def test_only_requests_with_the_key_are_served(engine, tiny_dir):
                 with pytest.raises(EngineError, match="refused: HTTP 401, the engine's key"):
                     call()
     assert client.generate(PROMPTS[0], GREEDY).output_ids
-    with client.weight_update():
-        client.update_weights_from_tensor([pickle_for_receiver(engine_payload([(name, tensor)]))])
+    update_in_session(client, [(name, tensor)])
     assert ENGINE_KEY not in open(f"/proc/{server.pid}/cmdline").read()
     assert ENGINE_KEY not in " ".join(server.command)
     log = server.log_file.read_text()

@@ -133,8 +133,8 @@ class PromptBuilder:
                        f"Strictly follow this format.\n" if config.instructions else "")
         # The template pieces of the last prompt, tokenized: the text between two sampled
         # responses never changes once written, so the next turn tokenizes only its new piece(s),
-        # not the whole chat again (SmolLM2, Sokoban: build 0.7 -> 0.2 ms per turn at turn 5,
-        # 1.6 -> 0.2 ms at turn 20). Only the last prompt's pieces are kept: bounded memory.
+        # not the whole chat again, so a turn's cost does not grow with the chat
+        # (benchmarks/README.md). Only the last prompt's pieces are kept: bounded memory.
         self._encoded: dict[str, list[int]] = {}
 
     def copies_example(self, actions: Sequence[str]) -> bool:

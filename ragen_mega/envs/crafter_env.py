@@ -8,12 +8,12 @@ Two changes to crafter, each the smallest override that does it (:class:`Reprodu
    zombies or skeletons, despawns ``creatures[random.randint(len(creatures))]``: which creature
    goes depends on the set's iteration order, that is on memory addresses, so the same seed and
    actions give different worlds in different processes, and even in one process after other
-   episodes (measured: three processes, seed 0, three worlds by step 10). Everything else is
-   deterministic: world generation and creatures draw from the world's seeded RandomState, the
-   other containers are lists and insertion-ordered dicts, and ``hash((seed, episode))`` of ints
-   is not salted by PYTHONHASHSEED. Fix: hand ``_balance_chunk`` the chunk's objects sorted by
-   position (one object per cell, so the order is total).
-2. Speed. ``Env.step`` renders a 64x64 image every step (~0.6 of its ~0.85 ms here). The text
+   episodes. Everything else is deterministic: world generation and creatures draw from the
+   world's seeded RandomState, the other containers are lists and insertion-ordered dicts, and
+   ``hash((seed, episode))`` of ints is not salted by PYTHONHASHSEED. Fix: hand
+   ``_balance_chunk`` the chunk's objects sorted by position (one object per cell, so the order
+   is total).
+2. Speed. ``Env.step`` renders a 64x64 image every step (most of its time). The text
    needs none, so ``_obs`` returns None. Rendering is not pure, though: at night
    ``LocalView._noise`` draws the darkness noise from the *world's* RandomState, so skipping it
    would change every later cow move and spawn. ``_obs`` therefore takes the same random

@@ -16,8 +16,7 @@ Maps (``start_goal``):
   so seed ``s`` gives the map RAGEN's generator gives for ``s``. On 4x4 with ``p=0.8`` the start
   and goal are 2.62 moves apart on average (exact), 21% of maps at distance 1.
 - ``"corners"``: gymnasium's ``generate_random_map(size, p, seed)``, start at the top-left and goal
-  at the bottom-right corner (distance ``2 * (size - 1)``): the maps of earlier versions of this
-  env, the same for the same seed.
+  at the bottom-right corner (distance ``2 * (size - 1)``), the same for the same seed.
 
 As in RAGEN, a slippery step goes the intended way with probability ``success_rate`` (0.8) and
 otherwise to one of the two perpendicular directions, ``(1 - success_rate) / 2`` each (gymnasium's
@@ -35,8 +34,8 @@ own ``FrozenLake-v1`` time limit is 100); ``step`` after that raises.
 
 Where this differs from RAGEN, and why:
 
-- ``p`` defaults to 0.8, this env's earlier default (RAGEN's env config now defaults to 0.9, its
-  generator function to 0.85); in both, ``p`` is the probability of *ice*, not of a hole.
+- ``p`` defaults to 0.8 (RAGEN's env config defaults to 0.9, its generator function to 0.85);
+  in both, ``p`` is the probability of *ice*, not of a hole.
 - RAGEN retries a failing ``reset`` with the seed ``hash(str(seed))``, which changes with Python's
   hash randomization; here nothing depends on ``hash``, and a valid map is always found (a start
   next to its goal is always valid, so the loop ends quickly for any ``p``).

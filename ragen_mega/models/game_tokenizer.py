@@ -11,10 +11,8 @@ whole lines and items as tokens: ``Player: (1, 0)``, ``Goal: (3, 2)``, ``_OO_`` 
 tokens where a word-level BPE takes 100, and each fact of the board is one token that a layer of
 attention can pick out by what it is. With words, the player's row is a digit token that means
 "player" only through the tokens four places before it, and a two-layer model trained from
-scratch must first learn to read that from reward: on 4x4 maps it took 400-900 steps of 64
-episodes to pass the best fixed answer, when at all; with phrases the stack's run passed it at
-step 140 and reached 0.70 held-out by step 200 (docs/results.md, "A small model from
-scratch").
+scratch must first learn to read that from reward, which made it learn several times slower
+or not at all (docs/results.md, "A small model from scratch").
 
 Byte-level: the 256 bytes are in the vocabulary, so any text encodes (no unknown token) and
 ``decode(encode(text)) == text``; an env the corpus never saw still works, only with longer

@@ -214,8 +214,8 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embedd
 
 #: ``model.path`` / ``prepare-model`` name of :func:`prepare_textgame_small`
 TEXTGAME_SMALL = "textgame-small"
-#: which build of the preset the cache holds: 2 = Qwen3 with the phrase tokenizer (1 was a Qwen2
-#: with a word-level one)
+#: which build of the preset the cache holds; raised whenever the preset's model or tokenizer
+#: changes
 TEXTGAME_SMALL_BUILD = "v2"
 
 

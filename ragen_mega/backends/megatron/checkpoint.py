@@ -47,8 +47,8 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 _SIGNATURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "kv_channels", "normalization", "gated_linear_unit",
                      "add_bias_linear", "add_qkv_bias", "qk_layernorm", "layernorm_epsilon")
-# ... and those of a mixture of experts (in the signature of MoE models only, so the checkpoints
-# of dense models written before experts existed keep their signature)
+# ... and those of a mixture of experts (in the signature of MoE models only, so a dense
+# model's signature holds no expert fields)
 _MOE_SIGNATURE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
                          "moe_router_pre_softmax", "moe_shared_expert_intermediate_size",
                          "moe_shared_expert_gate")
@@ -166,7 +166,7 @@ def writers_die_with_this_process() -> None:
     queue. Megatron makes that queue in a spawned ``multiprocessing`` manager, for saves that
     run in a background process; ours are synchronous (the save's caller reads the queue right
     after filling it), so an in-process queue serves, and no manager process is started: it
-    cost 2-4 s of start-up per rank on the first save, and it would be one more process to
+    would cost seconds of start-up per rank on the first save, and be one more process to
     outlive its rank."""
     import queue
     from multiprocessing.util import register_after_fork

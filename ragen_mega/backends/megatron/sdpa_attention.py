@@ -2,8 +2,8 @@
 
 Without TransformerEngine, Megatron's local spec uses ``DotProductAttention``: it materialises the
 [b, heads, s, s] scores, masks and soft-maxes them in separate kernels and repeats the K/V heads
-of grouped-query attention. On a GPU that costs speed and memory (measured on an H200: the
-trainer at 0.75-0.78x of transformers' tokens/s in bf16). ``SDPAttention`` computes the same
+of grouped-query attention. On a GPU that costs speed and memory (a quarter of the trainer's
+throughput, benchmarks/README.md). ``SDPAttention`` computes the same
 causal softmax(q k^T / sqrt(d)) v with one SDPA call, which runs flash / memory-efficient kernels
 on CUDA (and torch's fused CPU kernel on a CPU) and handles GQA without copying K/V
 (``enable_gqa``).

@@ -15,11 +15,12 @@ timed out may still be running on the server, and repeating it would desynchroni
 Endpoints (SGLang 0.5.23, sglang/srt/entrypoints/http_server.py): /generate, /health_generate,
 /model_info, /server_info, /flush_cache, /begin_weight_update, /end_weight_update,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed,
-/update_weights_from_tensor, /update_weights_from_disk, /update_weight_version,
+/update_weights_from_tensor, /update_weight_version,
 /pause_generation, /continue_generation, /release_memory_occupation, /resume_memory_occupation,
 /load_lora_adapter, /unload_lora_adapter.
 Every weight update must happen inside a ``begin_weight_update``/``end_weight_update`` session
-(:meth:`AsyncEngineClient.weight_update`); SGLang refuses updates outside one.
+(``weight_sender.py`` opens one per engine around a whole update); SGLang refuses updates
+outside one.
 """
 from __future__ import annotations
 
@@ -27,7 +28,6 @@ import asyncio
 import base64
 import binascii
 import concurrent.futures
-import contextlib
 import functools
 import json
 import threading
@@ -288,57 +288,42 @@ class AsyncEngineClient:
 
     async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
                        sampling_params: dict | Sequence[dict] | None = None, *,
-                       return_logprob: bool = True,
-                       timeout: float | None = None, return_routed_experts: bool = False,
-                       lora_path: str | None = None):
-        """Sample completions for one prompt or a batch of prompts, given as token ids.
+                       return_logprob: bool = True, timeout: float | None = None,
+                       return_routed_experts: bool = False, lora_path: str | None = None):
+        """Sample one completion for one prompt or for each of a batch of prompts, given as
+        token ids; a batch is one engine request.
 
         ``sampling_params`` is SGLang's dict (``temperature``, ``top_p``, ``top_k``,
-        ``max_new_tokens``, ``stop`` (strings), ``stop_token_ids``, ``n``, ``ignore_eos`` (which
-        in SGLang also disables ``stop_token_ids``), ...); a batch may give a list of them, one
-        per prompt (each its own ``sampling_seed``, say; ``n`` 1 in each). The result
-        mirrors the input: one prompt -> a :class:`Completion` (or a list of ``n``); a batch ->
-        a list with that per prompt. A batch with ``n == 1`` is one engine request; with
-        ``n > 1`` each prompt is its own concurrent request (SGLang's advice for n > 1).
-        ``return_routed_experts``: each completion's ``routed_experts`` (see :class:`Completion`).
-        ``lora_path``: the name of a LoRA adapter the engine serves (:meth:`load_lora_adapter`)
-        to generate with; None: the base weights.
+        ``max_new_tokens``, ``stop`` (strings), ``stop_token_ids``, ``ignore_eos`` (which in
+        SGLang also disables ``stop_token_ids``), ``sampling_seed``, ...); a batch may give a
+        list of them, one per prompt (each its own ``sampling_seed``, say). ``n`` stays 1:
+        several samples of a prompt are that prompt sent again, each with its own seed. The
+        result mirrors the input: one prompt -> a :class:`Completion`; a batch -> a list of
+        them. ``return_routed_experts``: each completion's ``routed_experts`` (see
+        :class:`Completion`). ``lora_path``: the name of a LoRA adapter the engine serves
+        (:meth:`load_lora_adapter`) to generate with; None: the base weights.
         """
         single = _check_input_ids(input_ids)
+        prompts = [list(input_ids)] if single else [list(p) for p in input_ids]
         if isinstance(sampling_params, (list, tuple)):
-            if single or len(sampling_params) != len(input_ids):
+            if single or len(sampling_params) != len(prompts):
                 raise ValueError(f"generate: a list of sampling_params needs a batch of as many "
-                                 f"prompts, got {len(sampling_params)} for "
-                                 f"{1 if single else len(input_ids)}")
-            if any(p.get("n", 1) != 1 for p in sampling_params):
-                raise ValueError("generate: per-prompt sampling_params take n=1")
+                                 f"prompts, got {len(sampling_params)} for {len(prompts)}")
             params: dict | list[dict] = [dict(p) for p in sampling_params]
-            n = 1
         else:
             params = dict(sampling_params or {})
-            n = params.get("n", 1)
-        if not isinstance(n, int) or n < 1:
-            raise ValueError(f"generate: sampling_params['n'] must be an int >= 1, got {n!r}")
-        prompts = [list(input_ids)] if single else [list(p) for p in input_ids]
-
-        if n == 1:
-            items = await self._generate_request(prompts[0] if single else prompts, params,
-                                                 return_logprob, timeout, return_routed_experts,
-                                                 lora_path)
-            per_prompt = [[item] for item in items]
-        else:
-            per_prompt = await asyncio.gather(*(
-                self._generate_request(p, params, return_logprob, timeout,
-                                       return_routed_experts, lora_path) for p in prompts))
-        if len(per_prompt) != len(prompts) or any(len(x) != n for x in per_prompt):
+        if any(p.get("n", 1) != 1 for p in (params if isinstance(params, list) else [params])):
+            raise ValueError("generate: sampling_params['n'] must be 1 (send a prompt once per "
+                             "sample, each with its own sampling_seed)")
+        items = await self._generate_request(prompts[0] if single else prompts, params,
+                                             return_logprob, timeout, return_routed_experts,
+                                             lora_path)
+        if len(items) != len(prompts):
             raise EngineError(f"POST {self.url}/generate: malformed response: expected "
-                              f"{len(prompts)} prompt(s) x n={n} completions, got "
-                              f"{[len(x) for x in per_prompt]}")
-        results = [[self._parse_completion(item, return_logprob, return_routed_experts)
-                    for item in group]
-                   for group in per_prompt]
-        shaped = [group[0] if n == 1 else group for group in results]
-        return shaped[0] if single else shaped
+                              f"{len(prompts)} completion(s), got {len(items)}")
+        results = [self._parse_completion(item, return_logprob, return_routed_experts)
+                   for item in items]
+        return results[0] if single else results
 
     # ----- cache and scheduling -----
 
@@ -373,16 +358,6 @@ class AsyncEngineClient:
 
     async def end_weight_update(self) -> None:
         await self._control("/end_weight_update")
-
-    @contextlib.asynccontextmanager
-    async def weight_update(self):
-        """``async with client.weight_update(): ...`` — the session SGLang requires around every
-        weight update; it is closed even when an update inside fails."""
-        await self.begin_weight_update()
-        try:
-            yield self
-        finally:
-            await self.end_weight_update()
 
     async def init_weights_update_group(self, master_addr: str, master_port: int,
                                         rank_offset: int, world_size: int,
@@ -438,15 +413,6 @@ class AsyncEngineClient:
                     else p for p in serialized_named_tensors]
         await self._control("/update_weights_from_tensor", {
             "serialized_named_tensors": payloads, "load_format": load_format,
-            "flush_cache": flush_cache, "weight_version": weight_version}, timeout=timeout)
-
-    async def update_weights_from_disk(self, model_path: str, *, load_format: str | None = None,
-                                       flush_cache: bool = True,
-                                       weight_version: str | None = None,
-                                       timeout: float | None = None) -> None:
-        """Reload weights from an HF checkpoint directory (same architecture)."""
-        await self._control("/update_weights_from_disk", {
-            "model_path": str(model_path), "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version}, timeout=timeout)
 
     async def update_weight_version(self, new_version: str | int, *,
@@ -524,15 +490,6 @@ class EngineClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @contextlib.contextmanager
-    def weight_update(self):
-        """``with client.weight_update(): ...`` — see :meth:`AsyncEngineClient.weight_update`."""
-        self.begin_weight_update()
-        try:
-            yield self
-        finally:
-            self.end_weight_update()
-
     health = _blocking(AsyncEngineClient.health)
     model_info = _blocking(AsyncEngineClient.model_info)
     server_info = _blocking(AsyncEngineClient.server_info)
@@ -548,7 +505,6 @@ class EngineClient:
     destroy_weights_update_group = _blocking(AsyncEngineClient.destroy_weights_update_group)
     update_weights_from_distributed = _blocking(AsyncEngineClient.update_weights_from_distributed)
     update_weights_from_tensor = _blocking(AsyncEngineClient.update_weights_from_tensor)
-    update_weights_from_disk = _blocking(AsyncEngineClient.update_weights_from_disk)
     update_weight_version = _blocking(AsyncEngineClient.update_weight_version)
     load_lora_adapter = _blocking(AsyncEngineClient.load_lora_adapter)
     unload_lora_adapter = _blocking(AsyncEngineClient.unload_lora_adapter)

@@ -3,11 +3,10 @@ from the server's main process instead of spawned.
 
 Why: SGLang's launcher sets the ``spawn`` start method (``entrypoints/engine.py``,
 ``_set_envs_and_config``) because a CUDA context cannot cross a fork. A spawned child starts a
-fresh interpreter and imports sglang, torch and transformers again, about 7 CPU-seconds each on
-a 2-core machine, and the scheduler and detokenizer do that side by side with the main process's
-own imports. Forking saves a third of a CPU server's start-up (half on busy cores), paid by
-every run, every engine restarted after a fault, and every test that starts one
-(benchmarks/README.md: start-up spawned against forked, measured in one run). A forked child
+fresh interpreter and imports sglang, torch and transformers again, side by side with the main
+process's own imports. Forking saves about a third of a CPU server's start-up, paid by every
+run, every engine restarted after a fault, and every test that starts one (benchmarks/README.md,
+"CPU engine start-up"). A forked child
 inherits the imported modules, and the plugins already applied (``load_plugins`` is guarded by
 a flag the child inherits too).
 

@@ -188,7 +188,7 @@ class AdapterMerger:
         write a module's shard as whole rows of its parameter seen as (rows, last dim): a
         fused linear's part, an expert's block, the LM head's rows and padding. The same
         load writes the same rows every sync, so this runs at the first only (a NaN fill and
-        a mask over every entry, every sync, made a SmolLM2 sync several times slower)."""
+        a mask over every entry would make every sync several times slower)."""
         rows = (~scratch[:, 0].isnan()).nonzero()
         if not len(rows):
             return None

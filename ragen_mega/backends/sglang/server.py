@@ -56,8 +56,8 @@ from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
 logger = logging.getLogger(__name__)
 
-# --sleep-on-idle: without it an idle CPU server's scheduler busy-polls one full core (measured
-# 0.98 CPU-s/s idle vs 0.016 with it), which on a small machine starves the trainer next to it.
+# --sleep-on-idle: without it an idle CPU server's scheduler busy-polls one full core
+# (benchmarks/README.md), which on a small machine starves the trainer next to it.
 CPU_ARGS = ("--device", "cpu", "--attention-backend", "torch_native",
             "--sampling-backend", "pytorch", "--disable-cuda-graph", "--sleep-on-idle")
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
@@ -273,8 +273,8 @@ def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
     child_env.pop(KEY_ENV, None)  # a key is this server's own, never inherited
     child_env.pop(LORA_TARGETS_ENV, None)
     # idle connections outlive the client's own keep-alive: the client always closes first, so
-    # a reused connection is never one the server closed meanwhile (a weight-update call, never
-    # retried, failed on such a race under load)
+    # a reused connection is never one the server closed meanwhile (a weight-update call is
+    # never retried, so such a race would fail it)
     child_env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
     plugins: tuple[str, ...] = ()
     paths = []
@@ -328,8 +328,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     ``env`` replaces the inherited environment; ``log_file`` defaults to
     ``$TMPDIR/ragen_mega_sglang/server-<host>-<port>-<pid>.log``. ``cpu_threads`` (CPU only)
     sets the server's ``OMP_NUM_THREADS``: on a machine shared with other busy processes, torch's
-    default (one thread per core) collapses under oversubscription (SmolLM2, 2 busy cores:
-    2-7 new tok/s with the default, 76 with ``cpu_threads=1``).
+    default (one thread per core) collapses under oversubscription, by an order of magnitude in
+    tokens a second (benchmarks/README.md).
     ``seeded_sampling=True`` makes the server honour ``sampling_params["sampling_seed"]`` (see the
     module docstring): ``--enable-deterministic-inference`` on GPU, the plugin on CPU.
     ``memory_saver=True`` (colocated engines) makes ``release_memory_occupation`` really free the
