@@ -353,7 +353,7 @@ def join_rollout(next_rollout: Future, metrics: dict[str, float]) -> PlayedStep 
     An engine restarted under it has served the checkpoint it loaded since, so the rollout is
     dropped (None: the next step plays it again, after this step's sync, which also gives that
     engine the trainer's weights, on the thread that holds the trainer: ``Run.sync_weights``)."""
-    from ragen_mega.ray.engine_supervisor import ResyncDeferred
+    from ragen_mega.rollout.types import ResyncDeferred
 
     start = time.perf_counter()
     try:

@@ -180,7 +180,7 @@ def test_overlapped_window_that_meets_a_restarted_engine_is_played_again_as_it_w
     streams go back to where the window started, so the window played again after the sync is
     the one an uninterrupted run plays (a window left half-played would go on from its middle)."""
     from ragen_mega.config import load_run_config
-    from ragen_mega.ray.engine_supervisor import ResyncDeferred
+    from ragen_mega.rollout.types import ResyncDeferred
     from ragen_mega.rollout.manager import RolloutManager
 
     cfg = load_run_config(None, [

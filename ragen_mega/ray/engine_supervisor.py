@@ -28,11 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ResyncDeferred(RuntimeError):
-    """An engine restarted while resyncs were deferred (:meth:`EngineSupervisor.deferred`): the
-    rollout that met it ends, and is played again once the engine has the weights."""
-
+from ragen_mega.rollout.types import ResyncDeferred
 
 @dataclass
 class Recovery:

@@ -45,11 +45,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ragen_mega.ray.engine_supervisor import ResyncDeferred
 from ragen_mega.rollout.faults import count_rollout_faults, count_window_faults
 from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.streams import EnvStreams, Window
-from ragen_mega.rollout.types import EngineRestarted
+from ragen_mega.rollout.types import EngineRestarted, ResyncDeferred
 
 if TYPE_CHECKING:
     from ragen_mega.rollout.manager import PlayedStep, RolloutManager

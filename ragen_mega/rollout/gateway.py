@@ -36,8 +36,8 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ragen_mega.ray.engine_supervisor import ResyncDeferred
-from ragen_mega.rollout.types import EngineRestarted, GenerateFn, Generation, PromptTooLong
+from ragen_mega.rollout.types import (EngineRestarted, GenerateFn, Generation, PromptTooLong,
+                                      ResyncDeferred)
 from ragen_mega.http_token import GATEWAY_TOKEN, check_listen, require_token
 from ragen_mega.rollout.token_history import TokenHistory
 

@@ -49,6 +49,12 @@ class EngineRestarted(RuntimeError):
     start (``ray/engine_group.py`` restarts; ``rollout/manager.py`` replays)."""
 
 
+class ResyncDeferred(RuntimeError):
+    """An engine restarted while resyncs were deferred (``EngineSupervisor.deferred``: a rollout
+    played beside training, whose thread cannot give it the weights): the rollout that met it
+    ends, and is played again once the engine has the weights."""
+
+
 @dataclasses.dataclass
 class EpisodeSpec:
     """Which episode to play: env, its kwargs and seed, and where it belongs."""
