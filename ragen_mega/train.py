@@ -48,16 +48,13 @@ from ragen_mega.logging import append_metrics, timed
 from ragen_mega.ray.sync_check import max_logprob_diff
 from ragen_mega.rollout.batch import Filtered, build_batch, cut_value_batch, filter_groups
 from ragen_mega.rollout.collapse_probe import first_turn_probe, valid_thinking_rate
-from ragen_mega.rollout.fully_async import FullyAsyncRollout
 from ragen_mega.rollout.manager import PlayedStep
-from ragen_mega.rollout.metrics import weight_staleness
 from ragen_mega.rollout.packing import layouts_agree, pack_trajectories
 from ragen_mega.rollout.replay import ReplayedRollouts, save_rollout
+from ragen_mega.rollout.source import open_rollout_source
 from ragen_mega.run_dir_lock import RunDirInUse, holding_run_dir
 
 if TYPE_CHECKING:
-    from concurrent.futures import Future
-
     from ragen_mega.ray.run import Run
 
 
@@ -115,8 +112,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
     under way is finished and saved, then :class:`~ragen_mega.preemption.Preempted`."""
     t, run_dir = cfg.trainer, Path(cfg.trainer.run_dir)
     history = []
-    #: trainer.async_mode=one_step_off: the next step's rollout, played while this step trained (and
-    #: saved with the step's checkpoint, so a resumed run trains on exactly these samples)
+    # pending: the rollout of step start + 1 that a one_step_off checkpoint kept
     start, saved_rollout, pending = checkpoints.resume(cfg, run.actor, run.critic)
     run.rollouts.load_state_dict(saved_rollout)
     run.sync_weights(start)  # engines serve exactly the trainer's weights from now on
@@ -129,20 +125,12 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
         progress.say("step-0 evaluation done")
         logger.log(0, metrics)
         append_metrics(run_dir, 0, metrics)
-    #: trainer.async_mode=fully: the coming steps' episodes, played from here on
-    ahead = (FullyAsyncRollout(run.rollouts, first_step=start + 1, last_step=t.total_steps,
-                               max_staleness=t.max_staleness, version=start,
-                               resync=lambda: run.sync_weights(run.weight_version))
-             if t.async_mode == "fully" and start < t.total_steps else None)
+    run.source = open_rollout_source(cfg, run, start=start, pending=pending)
     try:
         for step in range(start + 1, t.total_steps + 1):
             if stop.requested:  # signalled before the first step: the resumed checkpoint is newest
                 raise preemption.Preempted(stop.signal_name, start)
-            played = (ahead.take(step) if ahead is not None else
-                      pending or run.rollouts.rollout(step, run.weight_version))
-            metrics, pending = train_step(cfg, run, step, played)
-            if ahead is not None:
-                ahead.weights_synced(step)
+            metrics = train_step(cfg, run, step, run.source.take(step))
             if t.eval_every and step % t.eval_every == 0:
                 metrics.update(evaluate(cfg, run, step))
             # a step whose updates kept failing is logged, never saved: the newest checkpoint
@@ -152,10 +140,8 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
             if failed is None and (last or stop.requested or
                                    (t.save_every and step % t.save_every == 0)):
                 with timed(metrics, "time/save_s"):
-                    streams = (run.rollouts.state_dict() if played.streams_state is None
-                               else played.streams_state)   # fully async: they played on
-                    checkpoints.save(cfg, step, run.actor, run.critic, streams=streams,
-                                     pending=pending)
+                    checkpoints.save(cfg, step, run.actor, run.critic,
+                                     **run.source.state_dict())
             logger.log(step, metrics)
             history.append({"step": step, **metrics})
             append_metrics(run_dir, step, metrics)
@@ -164,22 +150,16 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
             if stop.requested and not last:
                 raise preemption.Preempted(stop.signal_name, step)
     finally:
-        if ahead is not None:
-            ahead.stop()
+        run.source.stop()
     return history
 
 
-def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
-               ) -> tuple[dict[str, float], PlayedStep | None]:
-    """Train on ``played`` (step ``step``'s rollout), then sync. Returns the step's metrics and,
-    with ``async_mode: one_step_off``, the next step's rollout, played while this one trained."""
+def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep) -> dict[str, float]:
+    """Train on ``played`` (step ``step``'s rollout), then sync; the step's metrics.
+    ``run.source`` (the rollouts' :class:`~ragen_mega.rollout.source.RolloutSource`) finishes
+    what plays on the old weights before the sync, and learns of the new ones at the end."""
     t0 = time.perf_counter()
     metrics = dict(played.metrics)
-    next_rollout = None
-    if cfg.trainer.async_mode == "one_step_off":
-        metrics["rollout/weight_staleness"] = weight_staleness(played.samples, step - 1)
-        if step < cfg.trainer.total_steps:
-            next_rollout = run.rollouts.rollout_in_background(step + 1, run.weight_version)
     if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
         run.engines.release_memory()
     t1 = time.perf_counter()
@@ -194,7 +174,7 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
     if cfg.trainer.save_trajectories:
         with timed(metrics, "time/trajectories_s"):
             save_step_trajectories(cfg, run, step, played, update)
-    pending = None if next_rollout is None else join_rollout(next_rollout, metrics)
+    run.source.before_sync(metrics)
     t_sync = time.perf_counter()
     metrics.update(run.sync_weights(step))
     t3 = time.perf_counter()
@@ -209,7 +189,8 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep
                     "weight_version": float(step), **played.faults.metrics()})
     if run.engines is not None:  # none in a replayed run
         metrics.update(run.engines.supervisor.take_fault_counts())  # since the previous step's
-    return metrics, pending
+    run.source.after_sync(step)   # last: the steps it admits now start after this one ends
+    return metrics
 
 
 class Update(NamedTuple):
@@ -346,22 +327,6 @@ def cut_values(cfg: RunConfig, run: Run, samples: list, window) -> torch.Tensor:
         values = run.critic.compute_values(inputs)
         out[rows] = values[torch.arange(len(rows)), columns].float()
     return out
-
-
-def join_rollout(next_rollout: Future, metrics: dict[str, float]) -> PlayedStep | None:
-    """Wait for the overlapped rollout (the engines must be idle before new weights go in).
-    An engine restarted under it has served the checkpoint it loaded since, so the rollout is
-    dropped (None: the next step plays it again, after this step's sync, which also gives that
-    engine the trainer's weights, on the thread that holds the trainer: ``Run.sync_weights``)."""
-    from ragen_mega.rollout.types import ResyncDeferred
-
-    start = time.perf_counter()
-    try:
-        pending = next_rollout.result()
-    except ResyncDeferred:
-        pending = None
-    metrics["time/rollout_wait_s"] = time.perf_counter() - start
-    return pending
 
 
 def skipped_updates_error(metrics: dict[str, float], limit: int) -> RuntimeError | None:

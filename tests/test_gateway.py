@@ -25,7 +25,7 @@ import pytest
 from conftest import server_killed_under_first_request, server_pids
 from ragen_mega.config import load_run_config
 from ragen_mega.config_tree import ConfigError
-from ragen_mega.rollout.types import Generation
+from ragen_mega.rollout.types import EngineRestarted, Generation
 from ragen_mega.rollout.gateway import Gateway
 from ragen_mega.rollout.token_history import TokenHistory
 from ragen_mega.rollout.user_agent import load_agent
@@ -240,8 +240,7 @@ def test_an_agent_plays_beside_training_on_one_gateway(tokenizer):
     evaluation's block inside it uses the same server (another loop is refused); an agent's
     samples keep each call's token versions (a sync landed inside the first call); an engine
     restarted under a call while resyncs wait for the trainer ends the episode with
-    ``ResyncDeferred`` (played again after the sync), not as a dropped episode."""
-    from ragen_mega.ray.engine_supervisor import ResyncDeferred
+    ``EngineRestarted`` (played again after the sync), not as a dropped episode."""
     from ragen_mega.rollout.types import EpisodeSpec
     from ragen_mega.rollout.user_agent import play_agent_episode
 
@@ -254,7 +253,8 @@ def test_an_agent_plays_beside_training_on_one_gateway(tokenizer):
         return Generation(list(up), [-0.25] * len(up), "stop", versions=versions)
 
     async def restarted(prompt_ids, sampling):
-        raise ResyncDeferred("engine 0 was restarted during an overlapped rollout")
+        raise EngineRestarted("engine 0 was restarted during an overlapped rollout",
+                              resynced=False)
 
     def play(gateway, generate_fn):
         return play_agent_episode(spec, agent=agent, gateway=gateway, generate=generate_fn,
@@ -267,7 +267,7 @@ def test_an_agent_plays_beside_training_on_one_gateway(tokenizer):
             async with gateway.serving():   # an evaluation's, on the same loop
                 assert gateway.port == port
                 episode = await play(gateway, generate)
-            with pytest.raises(ResyncDeferred):
+            with pytest.raises(EngineRestarted):
                 await play(gateway, restarted)
             elsewhere = asyncio.to_thread(asyncio.run, _serve_once(gateway))
             with pytest.raises(RuntimeError, match="already serving"):

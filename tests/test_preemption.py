@@ -66,7 +66,7 @@ def _cfg(run_dir, total_steps=5):
 def _loop(cfg, run):
     logger = SimpleNamespace(log=lambda step, metrics: None)
     def train_step(cfg, run, step, played):  # the stand-in's step in place of the real one
-        return run.train_step(played.step), None
+        return run.train_step(played.step)
     with preemption.stop_on_signals() as stop, \
             mock.patch.object(training, "train_step", train_step):
         return run_loop(cfg, run, logger, stop)

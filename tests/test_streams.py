@@ -176,11 +176,11 @@ def test_overlapped_window_that_meets_a_restarted_engine_is_played_again_as_it_w
         tokenizer, tmp_path):
     """``RolloutManager.window`` overlapped (``async_mode: one_step_off``): step 2's window plays
     while step 1 trains, with version 0's weights, and is stamped so. An engine restarted under
-    it ends it with ``ResyncDeferred`` (weights cannot be given from the rollout's thread); the
+    it ends it with ``EngineRestarted`` that is not ``resynced`` (weights cannot be given from the rollout's thread); the
     streams go back to where the window started, so the window played again after the sync is
     the one an uninterrupted run plays (a window left half-played would go on from its middle)."""
     from ragen_mega.config import load_run_config
-    from ragen_mega.rollout.types import ResyncDeferred
+    from ragen_mega.rollout.types import EngineRestarted
     from ragen_mega.rollout.manager import RolloutManager
 
     cfg = load_run_config(None, [
@@ -209,11 +209,11 @@ def test_overlapped_window_that_meets_a_restarted_engine_is_played_again_as_it_w
     async def restarted_under_third_request(prompt_ids, sampling, **kwargs):
         calls.append(1)
         if len(calls) == 3:
-            raise ResyncDeferred("engine 0 was restarted under a request")
+            raise EngineRestarted("engine 0 was restarted under a request", resynced=False)
         await asyncio.sleep(0)
         return await served(prompt_ids, sampling)
     overlapped.engines.generate = restarted_under_third_request
-    with pytest.raises(ResyncDeferred):
+    with pytest.raises(EngineRestarted):
         overlapped.rollout(2, 0)
     assert overlapped.streams.state_dict() == start
     overlapped.engines.generate = served

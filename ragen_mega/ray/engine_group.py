@@ -168,9 +168,11 @@ class EngineGroup:
         except ContextLengthExceeded as e:
             raise PromptTooLong(str(e)) from e
         except EngineError as e:  # blocking Ray calls: off the loop the episodes run on
-            await asyncio.to_thread(self.supervisor.after_request_failed, engine, life, e)
-            raise EngineRestarted(f"engine {engine} died under a request and was restarted: "
-                                  f"{e}") from e
+            resynced = await asyncio.to_thread(self.supervisor.after_request_failed, engine,
+                                               life, e)
+            raise EngineRestarted(f"engine {engine} died under a request and was restarted"
+                                  f"{'' if resynced else ' (its weights at the next sync)'}: "
+                                  f"{e}", resynced=resynced) from e
         routed = None
         if self.routed_shape is not None:
             # one byte per expert id where it fits (128 experts: Qwen3-30B's 48 x 8 per token)

@@ -28,8 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ragen_mega.rollout.types import ResyncDeferred
-
 @dataclass
 class Recovery:
     """One :meth:`EngineSupervisor.recover`: why it was called (``"check"``: a routine check),
@@ -114,32 +112,27 @@ class EngineSupervisor:
             self._report(recovery)
             return recovery.restarted
 
-    def after_request_failed(self, engine: int, life: int, error: BaseException) -> None:
+    def after_request_failed(self, engine: int, life: int, error: BaseException) -> bool:
         """A rollout's request to ``engine`` (in its ``life``-th life) failed with ``error``:
-        return once the engine is up again with the trainer's weights, or re-raise ``error`` if
-        its server is alive (the request itself was refused). The first request to fail
-        restarts it; the others find it restarted. While resyncs are deferred
-        (:meth:`deferred`) the restarted engine waits for the next weight sync
-        (:attr:`unsynced`) and :class:`ResyncDeferred` ends the rollout. Blocking: call it
-        off the rollout's event loop."""
+        return once the engine is up again, or re-raise ``error`` if its server is alive (the
+        request itself was refused). The first request to fail restarts it; the others find it
+        restarted. True: it serves the trainer's weights; False: resyncs are deferred
+        (:meth:`deferred`), so it waits for the next weight sync (:attr:`unsynced`). Blocking:
+        call it off the rollout's event loop."""
         with self._lock:  # a second request that failed on it waits here, then returns
-            if self.lives[engine] != life:  # another request has restarted it
-                return
-            restarted = self.recover(error, [engine])
-            if self.resync is None:
-                return
-            if self._deferring:
-                raise ResyncDeferred(f"engine {engine} was restarted during an overlapped "
-                                     f"rollout; it gets the trainer's weights at the next sync")
-            self.resync(restarted)
-            self.synced(restarted)
+            if self.lives[engine] == life:  # else another request has restarted it
+                restarted = self.recover(error, [engine])
+                if self.resync is not None and not self._deferring:
+                    self.resync(restarted)
+                    self.synced(restarted)
+            return engine not in self._unsynced
 
     @contextlib.contextmanager
     def deferred(self):
         """Within the block (an overlapped rollout on another thread, while the trainer
         trains), an engine restarted under a request is not given weights by ``resync`` (that
-        would call the trainer from the rollout's thread, mid-update): the rollout ends with
-        :class:`ResyncDeferred` and the engine stays in :attr:`unsynced` until then."""
+        would call the trainer from the rollout's thread, mid-update): it stays in
+        :attr:`unsynced` until the next sync."""
         self._deferring = True
         try:
             yield

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from ragen_mega.ray.engine_group import EngineGroup
     from ragen_mega.ray.env_workers import EnvWorkerGroup
     from ragen_mega.ray.trainer_group import TrainerGroup
+    from ragen_mega.rollout.source import RolloutSource
 
 
 @dataclasses.dataclass
@@ -49,6 +50,8 @@ class Run:
     critic: TrainerGroup | None = None
     env_workers: EnvWorkerGroup | None = None   # None: the envs live in the driver
     rollouts: RolloutManager | None = None   # plays the run's rollouts on its engines
+    #: the loop takes each step's rollout from it, as ``trainer.async_mode`` plays them
+    source: RolloutSource | None = None
     weight_version: int = 0   # what the engines serve (a restarted engine is brought to it)
 
     def shutdown(self) -> None:
@@ -98,7 +101,7 @@ class Run:
                     if self.cfg.trainer.colocate:
                         self.engines.resume_memory(["weights"])
         supervisor.synced(restarted)
-        if _lora_serving(self.cfg) is not None:
+        if _sync_mode(self.cfg) == "lora":
             from ragen_mega.backends.sglang.lora_serving import adapter_name
 
             self.engines.adapter = (adapter_name(version), version)   # new requests use it
@@ -136,6 +139,15 @@ def _lora_serving(cfg: RunConfig) -> tuple[int, tuple[str, ...]] | None:
     if not lora.rank or lora.sync != "native":
         return None
     return lora.rank, tuple(lora.target_modules)
+
+
+def _sync_mode(cfg: RunConfig) -> str:
+    """How a weight sync reaches the engines (``ray/weight_channel.py``): "lora" (they serve
+    the adapters by name), "tensor" (colocated: shared memory) or "distributed" (a broadcast
+    group)."""
+    if _lora_serving(cfg) is not None:
+        return "lora"
+    return "tensor" if cfg.trainer.colocate else "distributed"
 
 
 @contextlib.contextmanager
@@ -224,10 +236,7 @@ def _place(run: Run, with_trainers: bool) -> None:
     if t.colocate:  # the trainer ranks about to be built need the shared devices
         run.engines.release_memory()
         _start_trainers(run)
-    native = _lora_serving(cfg) is not None
-    run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes,
-                              mode="lora" if native else "tensor" if t.colocate
-                              else "distributed",
+    run.actor.connect_engines(run.engines.urls, run.engines.tp_sizes, mode=_sync_mode(cfg),
                               bucket_bytes=t.sync_bucket_mb << 20, api_key=run.engines.api_key,
                               adapter_dir=str((Path(t.run_dir) / "lora_adapters").resolve()))
 
@@ -236,6 +245,7 @@ def _start_trainers(run: Run) -> None:
     """Create the actor's (and the critic's) trainer ranks: they build their models in the
     background, and the first call to them waits for that."""
     from ragen_mega.ray.trainer_group import TrainerGroup
+    from ragen_mega.rollout.source import RolloutSource
 
     cfg, res, pg, t = run.cfg, run.resources, run.placement_group, run.cfg.trainer
     place = dict(num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,

@@ -8,9 +8,8 @@ each rank cuts its data-parallel share.
 
 Weight sync is the actor group's: every rank walks a ``DirectExport(dst=0)`` in step (the ranks
 of rank 0's model-parallel group send it their TP shards and PP stages) and global rank 0
-streams the HF-named tensors into the engines through
-:class:`~ragen_mega.backends.sglang.weight_sender.BucketedWeightSender`, along the export's
-layout.
+streams the HF-named tensors into the engines through its
+:class:`~ragen_mega.ray.weight_channel.WeightChannel`, along the export's layout.
 """
 from __future__ import annotations
 
@@ -41,10 +40,7 @@ class TrainerWorker:
         self.rank, self.world_size = rank, world_size
         self.store = None  # rank 0: the rendezvous store it hosts (host_rendezvous)
         self.trainer = None  # built by start
-        self.sender = None
-        self.served = None  # rank 0 of a run whose engines serve its adapters by name
-        self.sync_mode = None  # set by connect_engines, on every rank
-        self.sync_bucket_bytes = None  # set by connect_engines, on every rank
+        self.channel = None  # the weight channel (connect_engines), on every rank
         self.engine_key = None  # rank 0: the engines' key, for restarted engines too
 
     def host_rendezvous(self) -> tuple[str, int]:
@@ -102,87 +98,44 @@ class TrainerWorker:
     def connect_engines(self, urls: list[str], engine_tp_sizes: list[int], mode: str,
                         bucket_bytes: int, api_key: str | None,
                         adapter_dir: str | None = None) -> None:
-        """Rank 0 opens the weight-update channel to every engine, with the engines' key (the
-        others only remember the mode and the bucket size: it bounds the bytes each rank keeps
-        in flight during a sync). ``mode`` "lora": the engines serve the adapters by name,
-        each version written under ``adapter_dir`` (``backends/sglang/lora_serving.py``)."""
-        self.sync_mode, self.sync_bucket_bytes = mode, bucket_bytes
-        if self.rank != 0:
-            return
+        """Open this rank's weight channel of sync ``mode`` (``ray/weight_channel.py``): rank 0's
+        talks to every engine, with the engines' key; the others only take part in each sync's
+        collective export (``bucket_bytes`` also bounds what each rank keeps in flight).
+        ``adapter_dir``: where mode "lora" writes each version of the adapters."""
         from ragen_mega.backends.sglang.client import EngineClient
-        from ragen_mega.backends.sglang.weight_sender import BucketedWeightSender
+        from ragen_mega.ray.weight_channel import open_weight_channel
 
         self.engine_key = api_key
-        if mode == "lora":
-            from ragen_mega.backends.sglang.lora_serving import ServedAdapters
-
-            self.served = ServedAdapters([EngineClient(u, api_key=api_key) for u in urls],
-                                         adapter_dir, self.trainer.hf_dir)
-            return
-        self.sender = BucketedWeightSender(
-            [EngineClient(u, api_key=api_key) for u in urls], mode=mode, bucket_bytes=bucket_bytes,
-            master_addr=_node_ip(), engine_tp_sizes=engine_tp_sizes)
-        if mode == "distributed":
-            self.sender.connect()
+        clients = [EngineClient(u, api_key=api_key) for u in urls] if self.rank == 0 else None
+        self.channel = open_weight_channel(
+            mode, clients, bucket_bytes=bucket_bytes, engine_tp_sizes=engine_tp_sizes,
+            master_addr=_node_ip(), adapter_dir=adapter_dir, base_model=self.trainer.hf_dir)
 
     def sync_weights(self, version: int, new_engines: dict[int, str] | None = None
                      ) -> dict[str, float]:
         """Push the current weights into the engines as ``version`` (collective over every
-        rank).
+        rank; the ``sync/*`` metrics from rank 0).
 
-        Only rank 0 (the sender) receives full tensors: the other ranks send their shards
-        straight to it, up to a bucket ahead, and rank 0 puts each tensor on the wire to the
-        engines as soon as it is whole (the sender streams along ``DirectExport.layout``).
-        ``new_engines`` (index -> url): engines that were restarted; rank 0's channel first
-        takes them in place of the old ones (the others receive the same values again). That,
-        or a failed send (a new engine that fails to join), is raised on rank 0 once the export
-        has run to its end on every rank (``send_export``)."""
-        if self.sync_bucket_bytes is None:
+        Only rank 0 receives full tensors: the other ranks send their shards straight to it, up
+        to a bucket ahead, and rank 0 puts each tensor on the wire to the engines as soon as it
+        is whole. ``new_engines`` (index -> url): engines that were restarted; rank 0's channel
+        first takes them in place of the old ones (the others send the same values again).
+        That, or a failed send (a new engine that fails to join), is raised on rank 0 once the
+        export has run to its end on every rank (``send_export``)."""
+        if self.channel is None:
             raise RuntimeError("sync_weights: call connect_engines first")
         from ragen_mega.backends.sglang.client import EngineClient
-        from ragen_mega.backends.sglang.weight_sender import send_export
 
-        if self.sync_mode == "lora":
-            return self._publish_adapters(version, new_engines)
-
-        def take_them_in() -> None:
-            self.sender.replace_engines({i: EngineClient(u, api_key=self.engine_key)
-                                         for i, u in sorted(new_engines.items())})
-
-        export = self.trainer.weight_export(dst=0, prefetch_bytes=self.sync_bucket_bytes)
-        stats = send_export(export, self.sender, version,
-                            before=take_them_in if new_engines and self.rank == 0 else None)
-        if stats is None:  # not the sending rank
-            return {}
-        return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes),
-                "sync/buckets": float(stats.num_buckets)}
-
-    def _publish_adapters(self, version: int, new_engines: dict[int, str] | None
-                          ) -> dict[str, float]:
-        """``sync_weights`` of a run whose engines serve the adapters by name: gathered to
-        every rank (collective), written and loaded into the engines by rank 0."""
-        from ragen_mega.backends.megatron.lora_export import gather_adapters
-        from ragen_mega.backends.sglang.client import EngineClient
-
-        tensors = gather_adapters(self.trainer.model)
-        if self.rank != 0:
-            return {}
-        if new_engines:
-            self.served.replace_engines({i: EngineClient(u, api_key=self.engine_key)
-                                         for i, u in new_engines.items()})
-        stats = self.served.publish(tensors, self.trainer.lora, version)
-        return {"sync/seconds": stats.seconds, "sync/bytes": float(stats.num_bytes)}
+        clients = ({i: EngineClient(u, api_key=self.engine_key)
+                    for i, u in sorted(new_engines.items())}
+                   if new_engines and self.rank == 0 else None)
+        return self.channel.push(self.trainer, version, clients)
 
     def close(self) -> None:
-        """Tear down the weight-update channel (its process group and HTTP sessions)."""
-        if self.served is not None:
-            self.served.close()
-            self.served = None
-        if self.sender is not None:
-            self.sender.close()
-            for client in self.sender.engines:
-                client.close()
-            self.sender = None
+        """Tear down the weight channel (its process group and HTTP sessions)."""
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
 
     def _gather_rows(self, local: torch.Tensor, rows: int) -> torch.Tensor | None:
         """The first ``rows`` rows of every DP rank's, in global order, on rank 0 (None

@@ -11,13 +11,16 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ragen_mega.rollout.types import DroppedEpisode, EnvFailed, EpisodeSpec
+from ragen_mega.rollout.types import DroppedEpisode, EngineRestarted, EnvFailed, EpisodeSpec
 from ragen_mega.rollout.episode import Episode
 
 if TYPE_CHECKING:  # streams.py counts its faults here and never imports this module
     from ragen_mega.rollout.streams import Window
+
+T = TypeVar("T")
 
 #: The counters of a step, each logged as ``fault/<name>``.
 COUNTERS = (
@@ -79,6 +82,27 @@ async def episode_or_drop(spec: EpisodeSpec, play) -> Episode | DroppedEpisode:
                               f"{spec.episode_id}): its first prompt is longer than the "
                               f"engine's context")
     return episode
+
+
+async def replay_on_restart(play: Callable[[], Awaitable[T]], *, retried: Callable[[], None],
+                            undo: Callable[[], Awaitable[None]] | None = None,
+                            wait_for_sync: bool = False) -> T:
+    """``await play()`` (an episode, a window, one stream's window), played again from its
+    start each time a restarted engine cuts it short (:class:`EngineRestarted`): ``undo``
+    first puts back what the cut try changed (the streams' state), ``retried`` counts the
+    replay. A restarted engine that waits for the next weight sync (``resynced`` False) ends
+    it instead, the error re-raised for the caller to play it again after that sync, unless
+    ``wait_for_sync``: a fully asynchronous rollout, whose replay waits for an engine with
+    weights while the trainer goes on and syncs."""
+    while True:
+        try:
+            return await play()
+        except EngineRestarted as e:
+            if not (e.resynced or wait_for_sync):
+                raise
+            retried()
+            if undo is not None:
+                await undo()
 
 
 def count_rollout_faults(played: list[Episode | DroppedEpisode], counters: FaultCounters,

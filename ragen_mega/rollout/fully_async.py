@@ -45,10 +45,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ragen_mega.rollout.faults import count_rollout_faults, count_window_faults
+from ragen_mega.rollout.faults import count_rollout_faults, count_window_faults, replay_on_restart
 from ragen_mega.rollout.metrics import summarize, summarize_window
 from ragen_mega.rollout.streams import EnvStreams, Window
-from ragen_mega.rollout.types import EngineRestarted, ResyncDeferred
 
 if TYPE_CHECKING:
     from ragen_mega.rollout.manager import PlayedStep, RolloutManager
@@ -60,8 +59,9 @@ POLL_S = 0.05
 
 
 class FullyAsyncRollout:
-    """Plays steps ``first_step`` .. ``last_step`` over ``manager``'s engines on a thread of its
-    own (module docstring); the engines serve ``version`` now. ``resync()`` gives the engines
+    """The ``fully`` :class:`~ragen_mega.rollout.source.RolloutSource`: plays steps
+    ``first_step`` .. ``last_step`` over ``manager``'s engines on a thread of its own (module
+    docstring); the engines serve ``version`` now. ``resync()`` gives the engines
     restarted under the rollout the trainer's weights again; :meth:`take` calls it (on the
     trainer's thread) while it waits."""
 
@@ -80,6 +80,7 @@ class FullyAsyncRollout:
         self._playing: tuple[asyncio.AbstractEventLoop, asyncio.Task] | None = None
         #: since the last take: seconds a free slot waited for admission (the bound held it)
         self._engine_idle_s = 0.0
+        self._streams_state: dict | None = None   # the taken step's (state_dict)
         self._thread = threading.Thread(target=self._run, name="fully-async-rollout",
                                         daemon=True)
         self._thread.start()
@@ -114,7 +115,7 @@ class FullyAsyncRollout:
         faults = self.manager.fault_counters(step)
         parts = [played[i] for i in sorted(played)]
         rate = self.manager.cfg.rollout.max_env_failure_rate
-        window = streams_state = None
+        window, self._streams_state = None, None
         if self.manager.streams is None:
             episodes = count_rollout_faults(parts, faults, rate)
             samples = [s for e in episodes for s in e.samples]
@@ -125,7 +126,8 @@ class FullyAsyncRollout:
             count_window_faults(window, faults, rate)
             samples = window.samples
             _stamp_oldest_versions(samples)
-            streams_state = EnvStreams.joined_state([saved for _, saved in parts])
+            # where the streams stood when this window ended (they have played on since)
+            self._streams_state = EnvStreams.joined_state([saved for _, saved in parts])
             metrics = {**summarize_window(samples, window.finished, "rollout",
                                           trained_version=step - 1),
                        "rollout/turns_ahead": float(ahead * self.manager.streams.turns_per_step)}
@@ -133,7 +135,19 @@ class FullyAsyncRollout:
         metrics.update({"rollout/staleness_mean": sum(lags) / len(lags),
                         "rollout/staleness_max": float(max(lags)),
                         "time/trainer_idle_s": idle, "time/engine_idle_s": engine_idle})
-        return PlayedStep(samples, metrics, idle, faults, window, streams_state)
+        return PlayedStep(samples, metrics, idle, faults, window)
+
+    def before_sync(self, metrics: dict[str, float]) -> None:
+        """Nothing to wait for: the sync pauses the requests in flight between two tokens."""
+
+    def after_sync(self, version: int) -> None:
+        self.weights_synced(version)
+
+    def state_dict(self) -> dict:
+        """What the checkpoint of the step last taken keeps: where the env streams stood when
+        its window ended (``rollout.mode=turns``), no pending rollout (the steps played
+        ahead are played again on resume: module docstring)."""
+        return {"streams": self._streams_state, "pending": None}
 
     def stop(self) -> None:
         """Start no further episode, stop those in flight, and wait for the thread."""
@@ -205,13 +219,11 @@ class FullyAsyncRollout:
                 if not await self._admitted(step):
                     return
                 start = stream.saved()
-                while True:   # a replay samples afresh what the cut try sampled (seeded alike)
-                    try:
-                        part = await manager.play_stream_window(stream, step)
-                        break
-                    except (EngineRestarted, ResyncDeferred):
-                        manager.engines.supervisor.count_retried(1)
-                        await streams.restore_stream(stream, start)
+                # a replay samples afresh what the cut try sampled (seeded alike)
+                part = await replay_on_restart(
+                    lambda: manager.play_stream_window(stream, step),
+                    retried=lambda: manager.engines.supervisor.count_retried(1),
+                    undo=lambda: streams.restore_stream(stream, start), wait_for_sync=True)
                 self._hand_in(step, stream.index, (part, stream.saved()))
         except Exception as e:  # noqa: BLE001 - an env's or engine's error: the step's take raises it
             self._fail(e)
@@ -230,12 +242,7 @@ class FullyAsyncRollout:
 
     async def _play(self, step: int, index: int, spec) -> None:
         try:
-            while True:
-                try:
-                    outcome = await self.manager.play_episode(spec, step)
-                    break
-                except ResyncDeferred:   # its engine was restarted: again, once one serves
-                    self.manager.engines.supervisor.count_retried(1)
+            outcome = await self.manager.play_episode(spec, step, wait_for_sync=True)
         except Exception as e:  # noqa: BLE001 - an engine's error, or a bug: the step's take raises it
             self._fail(e)
             return

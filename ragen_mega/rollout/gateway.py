@@ -36,8 +36,7 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ragen_mega.rollout.types import (EngineRestarted, GenerateFn, Generation, PromptTooLong,
-                                      ResyncDeferred)
+from ragen_mega.rollout.types import EngineRestarted, GenerateFn, Generation, PromptTooLong
 from ragen_mega.http_token import GATEWAY_TOKEN, check_listen, require_token
 from ragen_mega.rollout.token_history import TokenHistory
 
@@ -74,8 +73,8 @@ class EpisodeCalls:
     history: TokenHistory
     calls: list[Call] = dataclasses.field(default_factory=list)
     #: why a call's engine was restarted (the episode is played again): the generate
-    #: function's EngineRestarted, or ResyncDeferred under a rollout played beside training
-    engine_restarted: EngineRestarted | ResyncDeferred | None = None
+    #: function's EngineRestarted
+    engine_restarted: EngineRestarted | None = None
     prompt_too_long: bool = False
 
     @property
@@ -239,7 +238,7 @@ class Gateway:
             calls.prompt_too_long = True
             raise BadRequest(f"the prompt ({len(prompt_ids)} tokens) is longer than the engine's "
                              f"context: {e}", "messages", code="context_length_exceeded")
-        except (EngineRestarted, ResyncDeferred) as e:
+        except EngineRestarted as e:
             calls.engine_restarted = e
             raise BadRequest(f"the engine serving this episode died and was restarted ({e}); "
                              f"the episode will be played again from its start", status=503)

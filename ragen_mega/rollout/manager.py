@@ -19,18 +19,16 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ragen_mega.agent.parse import STOP_STRINGS
-from ragen_mega.rollout.types import (DroppedEpisode, EngineRestarted, EpisodeSpec, GenerateFn,
-                                      OpenEnvFn)
+from ragen_mega.rollout.types import DroppedEpisode, EpisodeSpec, GenerateFn, OpenEnvFn
 from ragen_mega.rollout.seeding import mix_specs, train_parts, train_step_specs, val_parts
 from ragen_mega.rollout.episode import Episode, run_episode
 from ragen_mega.rollout.faults import (FaultCounters, count_rollout_faults, count_window_faults,
-                                       episode_or_drop)
+                                       episode_or_drop, replay_on_restart)
 from ragen_mega.http_token import GATEWAY_TOKEN, token_from_env
 from ragen_mega.rollout.gateway import Gateway
 from ragen_mega.rollout.metrics import summarize, summarize_window
@@ -55,9 +53,6 @@ class PlayedStep:
     rollout_s: float
     faults: FaultCounters
     window: Window | None = None
-    #: where the env streams stood when the window ended, if they have played on since
-    #: (``async_mode: fully``): what a checkpoint of this step keeps of them
-    streams_state: dict | None = None
 
     def state_dict(self) -> dict:
         """Plain values only (samples as :meth:`Sample.to_dict`, the counters as
@@ -144,8 +139,9 @@ class RolloutManager:
         """:meth:`rollout` on a daemon thread (``async_mode: one_step_off``); its PlayedStep (or
         exception) in the returned future. The thread only drives the engines' HTTP clients and
         the envs, on an event loop of its own: trainer calls stay on the caller's thread, so an
-        engine restarted under it ends it with ``ResyncDeferred`` instead of being given
-        weights from here (the next weight sync does, on the caller's thread). A daemon: if the step fails while it is in flight, the run's teardown stops the engines
+        engine restarted under it ends it (``EngineRestarted``, not ``resynced``) instead of
+        being given weights from here (the next weight sync does, on the caller's thread). A
+        daemon: if the step fails while it is in flight, the run's teardown stops the engines
         under it and the process can exit without waiting for it."""
         future: Future = Future()
 
@@ -190,15 +186,16 @@ class RolloutManager:
         return train_step_specs(train_parts(env), group_size=env.group_size, seed=env.seed,
                                 step=step)
 
-    async def play_episode(self, spec: EpisodeSpec, step: int, *, evaluate: bool = False
-                           ) -> Episode | DroppedEpisode:
+    async def play_episode(self, spec: EpisodeSpec, step: int, *, evaluate: bool = False,
+                           wait_for_sync: bool = False) -> Episode | DroppedEpisode:
         """One episode of step ``step`` (at the training or the held-out temperature), played
-        again from its start whenever a restarted engine cut it short; one whose env raised
-        comes back as a :class:`DroppedEpisode`."""
+        again from its start whenever a restarted engine cut it short (``wait_for_sync``: also
+        when that engine waits for the next sync; :func:`replay_on_restart`); one whose env
+        raised comes back as a :class:`DroppedEpisode`."""
         env, r = self.cfg.env, self.cfg.rollout
         temperature = r.val_temperature if evaluate else r.temperature
 
-        def play(open_env):  # each call starts the episode afresh: a replay after a restart
+        def play():  # each call starts the episode afresh, its env opened anew: a replay
             generate = self._generate("eval" if evaluate else "train", step, spec.episode_id)
             if self.agent is not None:
                 return play_agent_episode(
@@ -206,12 +203,14 @@ class RolloutManager:
                     sampling={"temperature": temperature, "top_p": r.top_p,
                               "max_new_tokens": r.max_new_tokens},
                     max_turns=env.max_turns, env_steps_in_thread=r.env_steps_in_thread,
-                    open_env=open_env)
+                    open_env=self.open_env)
             return run_episode(
                 spec, tokenizer=self.tokenizer, agent=self.cfg.agent, generate=generate,
                 sampling=self._sampling(temperature), max_turns=env.max_turns,
-                env_steps_in_thread=r.env_steps_in_thread, open_env=open_env)
-        return await episode_or_drop(spec, self._replaying(play))
+                env_steps_in_thread=r.env_steps_in_thread, open_env=self.open_env)
+        return await episode_or_drop(spec, replay_on_restart(
+            play, retried=lambda: self.engines.supervisor.count_retried(1),
+            wait_for_sync=wait_for_sync))
 
     def window(self, step: int, faults: FaultCounters, weight_version: int
                ) -> tuple[Window, float]:
@@ -221,23 +220,23 @@ class RolloutManager:
         (trainer.seed, step, s, k). Faults are counted in ``faults``; a window an engine
         restart cut short is played again from its start (each stream's episodes then replay
         from their resets, as on resume). A window that ends in an error leaves the streams
-        where it started: an overlapped one that met a restarted engine (``ResyncDeferred``)
+        where it started: an overlapped one that met a restarted engine waiting for weights
         is played again after the step's sync."""
         sampling = self._sampling(self.cfg.rollout.temperature)
 
         async def play_window() -> Window:
             start_state = self.streams.state_dict()
-            while True:
-                try:
-                    return await self.streams.play_window(
+            try:
+                return await replay_on_restart(
+                    lambda: self.streams.play_window(
                         lambda stream: self._generate("stream", step, stream), sampling,
-                        weight_version=weight_version)
-                except EngineRestarted:
-                    self.engines.supervisor.count_retried(len(self.streams.streams))
-                    await self.streams.restore(start_state)
-                except Exception:
-                    await self.streams.restore(start_state)
-                    raise
+                        weight_version=weight_version),
+                    retried=lambda: self.engines.supervisor.count_retried(
+                        len(self.streams.streams)),
+                    undo=lambda: self.streams.restore(start_state))
+            except Exception:
+                await self.streams.restore(start_state)
+                raise
 
         start = time.perf_counter()
         window = self.engines.run(play_window())
@@ -252,26 +251,6 @@ class RolloutManager:
         return await self.streams.play_stream(
             stream, self._generate("stream", step, stream.index),
             self._sampling(self.cfg.rollout.temperature))
-
-    async def _replaying(self, play: Callable[[OpenEnvFn | None], Awaitable[Episode]]
-                         ) -> Episode:
-        """``await play(open_env)`` (one episode, its generate function made afresh each call),
-        again from the start whenever an engine it used died and was restarted. The envs the
-        abandoned attempt opened are closed first (the replay opens them anew; an env in the
-        driver is simply dropped)."""
-        while True:
-            opened: list = []
-
-            async def open_kept(spec: EpisodeSpec):
-                opened.append(await self.open_env(spec))
-                return opened[-1]
-
-            try:
-                return await play(None if self.open_env is None else open_kept)
-            except EngineRestarted:
-                self.engines.supervisor.count_retried(1)
-                for env in opened:
-                    await env.close()
 
     def evaluate(self) -> tuple[dict[str, float], list[Sample]]:
         """The held-out evaluation: ``val/*`` metrics and ``time/eval_s``, and its samples."""

@@ -44,15 +44,16 @@ class EnvFailed(RuntimeError):
 
 
 class EngineRestarted(RuntimeError):
-    """The engine serving a request died and was restarted (with the current weights): a
-    ``GenerateFn`` raises this, and the episode (or window) that sent it is played again from its
-    start (``ray/engine_group.py`` restarts; ``rollout/manager.py`` replays)."""
+    """The engine serving a request died and was restarted (``ray/engine_group.py``): the
+    episode or window that sent it is played again from its start
+    (:func:`~ragen_mega.rollout.faults.replay_on_restart`). ``resynced``: the restarted engine
+    has the trainer's weights already. False while resyncs are deferred (a rollout beside
+    training, whose thread cannot give it the weights: ``EngineSupervisor.deferred``): it gets
+    them at the next sync, so a rollout that sync waits for ends instead of waiting for it."""
 
-
-class ResyncDeferred(RuntimeError):
-    """An engine restarted while resyncs were deferred (``EngineSupervisor.deferred``: a rollout
-    played beside training, whose thread cannot give it the weights): the rollout that met it
-    ends, and is played again once the engine has the weights."""
+    def __init__(self, message: str, *, resynced: bool = True):
+        super().__init__(message)
+        self.resynced = resynced
 
 
 @dataclasses.dataclass

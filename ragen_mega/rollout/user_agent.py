@@ -94,8 +94,7 @@ async def play_agent_episode(spec: EpisodeSpec, *, agent: AgentFn, gateway: Gate
                              env_steps_in_thread: bool = False, open_env=None) -> Episode:
     """One episode of ``agent`` through ``gateway`` (which must be serving); ``sampling`` holds
     the rollout's ``temperature``, ``top_p`` and ``max_new_tokens``. Raises
-    the engines' :class:`EngineRestarted` (replay it) or ``ResyncDeferred`` (replay it once the
-    restarted engine has weights), or :class:`EnvFailed` (drop it)."""
+    the engines' :class:`EngineRestarted` (replay it), or :class:`EnvFailed` (drop it)."""
     env = await open_env_handle(spec, open_env, env_steps_in_thread)
     recorded = RecordingEnv(env, spec)
     limit = spec.max_turns or max_turns
