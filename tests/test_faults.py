@@ -295,3 +295,38 @@ def test_faults_in_a_whole_run(tiny_run_overrides, tmp_path, private_ray, monkey
     assert checkpoints.latest_complete_step(tmp_path) == 4
     assert sorted(p.name for p in ckpt.iterdir()) == ["corrupt-step_3", "step_1", "step_2",
                                                       "step_3", "step_4"]
+
+
+@pytest.mark.parametrize("wait_for_sync", [False, True])
+def test_a_cut_try_is_undone_and_replayed_unless_its_engine_waits_for_the_sync(wait_for_sync):
+    """``replay_on_restart``: a try a resynced restart cut is undone, counted and played
+    again until one ends; a restart whose engine waits for the next sync ends the play
+    (re-raised, nothing undone here: the caller plays it after the sync) unless the caller
+    waits for that sync (fully async), where it is replayed like the others."""
+    from ragen_mega.rollout.faults import replay_on_restart
+    from ragen_mega.rollout.types import EngineRestarted
+
+    tries, log = iter([EngineRestarted("cut"), EngineRestarted("cut, waits", resynced=False),
+                       "played"]), []
+
+    async def play():
+        log.append("try")
+        outcome = next(tries)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    async def undo():
+        log.append("undo")
+
+    def retried():
+        log.append("retried")
+
+    run = replay_on_restart(play, retried=retried, undo=undo, wait_for_sync=wait_for_sync)
+    if wait_for_sync:
+        assert asyncio.run(run) == "played"
+        assert log == ["try", "retried", "undo"] * 2 + ["try"]
+    else:
+        with pytest.raises(EngineRestarted, match="waits") as e:
+            asyncio.run(run)
+        assert not e.value.resynced and log == ["try", "retried", "undo", "try"]
