@@ -245,7 +245,6 @@ def _start_trainers(run: Run) -> None:
     """Create the actor's (and the critic's) trainer ranks: they build their models in the
     background, and the first call to them waits for that."""
     from ragen_mega.ray.trainer_group import TrainerGroup
-    from ragen_mega.rollout.source import RolloutSource
 
     cfg, res, pg, t = run.cfg, run.resources, run.placement_group, run.cfg.trainer
     place = dict(num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
