@@ -20,4 +20,8 @@ fi
 cd "$root"
 # a crash in native code prints every thread's stack (tests/conftest.py: pytest_unconfigure)
 export PYTHONFAULTHANDLER=1
-exec "$venv/bin/python" -m pytest "$@"
+# Two test files at a time (pytest-xdist; a file's tests stay on one worker, with its module
+# fixtures): the whole-loop tests wait on start-ups (Ray, engines, trainer ranks) about a third
+# of their time, which a second file fills; 1.5x on them (benchmarks/README.md, "Test suite").
+# RAGEN_MEGA_TEST_WORKERS=0 runs them one at a time, in this process; `-n N` here overrides too.
+exec "$venv/bin/python" -m pytest -n "${RAGEN_MEGA_TEST_WORKERS:-2}" --dist loadfile "$@"

@@ -64,8 +64,11 @@ def tiny_run_overrides(tiny_model):
     ``examples/bandit_cpu_demo.yaml`` for a whole-loop run on a tiny Qwen2 that a 2-core machine
     does in seconds per step: Megatron actor TP=2 and a critic (GAE), one SGLang engine, bandit
     2 groups x 2, one turn of at most 6 tokens, every group kept, a checkpoint every step, and
-    engine==trainer log-prob checks after each weight sync."""
-    def make(run_dir, total_steps: int) -> list[str]:
+    engine==trainer log-prob checks after each weight sync. ``single_rank=True``: one actor rank
+    and no critic (GRPO), for tests of what runs around the loop (sweeps, reruns), not of its
+    parallelism: a start with one Megatron process instead of three."""
+    def make(run_dir, total_steps: int, single_rank: bool = False) -> list[str]:
+        light = ["actor.tp=1", "critic.enable=false", "algo.adv_estimator=grpo"]
         return [
             f"model.path={tiny_model('qwen2')}", f"trainer.run_dir={run_dir}",
             f"trainer.total_steps={total_steps}", "trainer.save_every=1",
@@ -74,7 +77,8 @@ def tiny_run_overrides(tiny_model):
             "agent.think=false", "agent.max_actions_per_turn=1", "rollout.max_new_tokens=6",
             "filter.ratio=1.0", "algo.adv_estimator=gae", "algo.use_rollout_logprobs=false",
             "critic.enable=true", "actor.tp=2", "actor.lr=1e-3",
-            "actor.micro_batch_size=2", "critic.micro_batch_size=2", "critic.lr=1e-3"]
+            "actor.micro_batch_size=2", "critic.micro_batch_size=2", "critic.lr=1e-3",
+            *(light if single_rank else [])]
     return make
 
 

@@ -7,6 +7,7 @@ before they end, so the order of tests does not matter.
 """
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -160,6 +161,27 @@ def test_server_handle_and_health(engine, taken_port):
     assert environ["SGLANG_USE_CPU_ENGINE"] == "1" and environ["OMP_NUM_THREADS"] == "1"
     assert environ["PYTHONPATH"].split(os.pathsep)[0] == str(STANDIN_ROOT)
     assert "--sleep-on-idle" in server.command and "--max-total-tokens" in server.command
+    # the model registry imported qwen2.py (Qwen2ForCausalLM) alone: none of the ~260 others,
+    # some of which fail to import on CPU and say so in the log when they are tried
+    skipped = set(environ["SGLANG_DISABLED_MODEL_ARCHS"].split(","))
+    assert "qwen2" not in skipped and {"llama", "qwen3", "qwen3_moe", "grok"} <= skipped
+    assert "Ignore import error when loading" not in Path(server.log_file).read_text()
+
+
+def test_model_modules_skipped_are_those_not_defining_the_architecture(tmp_path):
+    """``unneeded_model_modules`` names every SGLang model module but the one defining the
+    checkpoint's class; it skips nothing where it cannot tell (no ``architectures``, a class no
+    module defines, no config)."""
+    from ragen_mega.backends.sglang.model_modules import _models_dir, unneeded_model_modules
+
+    every = {p.stem for p in _models_dir().glob("*.py")} - {"__init__"}
+    for arch, module in (("Qwen3MoeForCausalLM", "qwen3_moe"), ("LlamaForCausalLM", "llama")):
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        assert set(unneeded_model_modules(tmp_path).split(",")) == every - {module}
+    for config in ({}, {"architectures": ["NoSuchModelForCausalLM"]}):
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        assert unneeded_model_modules(tmp_path) is None
+    assert unneeded_model_modules(tmp_path / "missing") is None
 
 
 def test_greedy_and_logprobs_match_transformers(engine, reference):

@@ -361,7 +361,7 @@ variants:
 seeds: [0, 1]
 report: {{metric: rollout/success, pairs: [[a, b]], reps: 1000}}
 """)
-    overrides = [o for o in tiny_run_overrides(tmp_path / "unused", 3)
+    overrides = [o for o in tiny_run_overrides(tmp_path / "unused", 3, single_rank=True)
                  if not o.startswith("trainer.run_dir=")]
     return path, sweep_dir, overrides
 

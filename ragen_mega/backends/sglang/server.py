@@ -27,6 +27,9 @@ CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also 
 and ``--enable-lora`` allocate), ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path)
 and ``forked_start.py`` (the server's subprocesses forked, not spawned: a third of the start-up
 saved).
+
+Every server's model registry imports only the SGLang model modules that define the checkpoint's
+architectures (``model_modules.py``), not all of them: about 2 CPU-seconds off each start.
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ from ragen_mega.backends.sglang.cpu_standins import server_pythonpath
 from ragen_mega.backends.sglang.engine_key import KEY_ENV
 from ragen_mega.backends.sglang.lora_merge import TARGETS_ENV as LORA_TARGETS_ENV
 from ragen_mega.backends.sglang.lora_serving import server_args as lora_server_args
+from ragen_mega.backends.sglang.model_modules import ENV as DISABLED_MODELS_ENV
+from ragen_mega.backends.sglang.model_modules import unneeded_model_modules
 from ragen_mega.backends.sglang.plugins import allow_plugins, plugin_pythonpath
 
 logger = logging.getLogger(__name__)
@@ -361,6 +366,8 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     child_env = build_env(os.environ if env is None else env, device=device, tp=tp,
                           cpu_threads=cpu_threads, seeded_sampling=seeded_sampling,
                           gpu_ids=gpu_ids, api_key=api_key, lora_targets=lora_targets)
+    if DISABLED_MODELS_ENV not in child_env and (skip := unneeded_model_modules(model_path)):
+        child_env[DISABLED_MODELS_ENV] = skip   # model_modules.py: ~2 CPU-s off every start
     attempts_left = LAUNCH_ATTEMPTS if port is None and wait else 1
     while True:
         chosen = port or free_port(host)
