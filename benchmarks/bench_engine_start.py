@@ -71,5 +71,6 @@ def main() -> None:
           f"{names[args.compare][0]} {without:.1f} s | {names[args.compare][1]} {with_:.1f} s | "
           f"{with_ / without:.2f}x |")
 
+
 if __name__ == "__main__":
     main()

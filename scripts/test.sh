@@ -22,6 +22,7 @@ cd "$root"
 export PYTHONFAULTHANDLER=1
 # Two test files at a time (pytest-xdist; a file's tests stay on one worker, with its module
 # fixtures): the whole-loop tests wait on start-ups (Ray, engines, trainer ranks) about a third
-# of their time, which a second file fills; 1.5x on them (benchmarks/README.md, "Test suite").
+# of their time, which a second file fills; the suite 1.29x faster (benchmarks/README.md, "The
+# test suite's wall time").
 # RAGEN_MEGA_TEST_WORKERS=0 runs them one at a time, in this process; `-n N` here overrides too.
 exec "$venv/bin/python" -m pytest -n "${RAGEN_MEGA_TEST_WORKERS:-2}" --dist loadfile "$@"
