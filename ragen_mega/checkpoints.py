@@ -6,21 +6,20 @@ Layout under ``RUN_DIR/checkpoints``::
     critic/step_N/      the critic's (runs with a critic)
     latest_step         "N": written last, so step N is complete (actor and critic) once it names N
 
-A save killed between the roles' renames and the pointer (a preempted job's second signal, a
-SIGKILL) leaves ``step_N`` directories newer than the pointer: resuming discards them, since
-the resumed run writes those steps again.
+A save killed before the pointer (a SIGKILL, a preempted job's second signal) leaves
+``step_N`` directories newer than it: resuming discards them, as the resumed run writes those
+steps again.
 
-The loop's step names the directories; each checkpoint's extra state holds that step, the data
-cursor and the driver's RNG states. Env seeds and (``rollout.seeded``) sampling seeds are
-functions of the step, so the data cursor is the step plus the seeds it was derived with, and a
+Each checkpoint's extra state holds the step, the data cursor (:func:`data_cursor`) and the
+driver's RNG states. Env and (``rollout.seeded``) sampling seeds are functions of the step, so a
 resumed run replays the uninterrupted one (tests/test_resume_equivalence.py). A streamed run
-(``rollout.mode: turns``) also saves where its env streams are (``rollout/streams.py``: each
-stream's episode index and its current episode's responses, replayed on resume), and one with
-``async_mode: one_step_off`` the next step's rollout, already played (``PlayedStep.state_dict``).
+(``rollout.mode: turns``) also saves its env streams (``rollout/streams.py``: each stream's
+episode index and current episode's responses), and ``async_mode: one_step_off`` the next
+step's rollout, already played (``PlayedStep.state_dict``).
 
-The extra state holds plain values only (ints, floats, str, lists, tuples, dicts, tensors): it
-is read with ``torch.load(weights_only=True)``, which executes nothing a file holds, and no class
-is pickled into it, so renaming one leaves old checkpoints readable.
+The extra state holds plain values only (ints, floats, str, lists, tuples, dicts, tensors), read
+with ``torch.load(weights_only=True)``, which executes nothing; no class is pickled, so renaming
+one leaves old checkpoints readable.
 """
 from __future__ import annotations
 
@@ -59,10 +58,9 @@ class UnreadablePointer(ValueError):
 
 
 def latest_complete_step(run_dir: str | Path) -> int | None:
-    """The newest step whose actor (and critic) checkpoints are all written, or None when there
-    is no ``latest_step`` yet. The one reader of the pointer: :class:`UnreadablePointer` when it
-    holds anything but a step number (``trainer.resume=auto`` then falls back to the newest
-    step whose files verify, ``ragen-mega eval`` reports it)."""
+    """The newest step whose actor (and critic) checkpoints are all written, or None without a
+    ``latest_step``. The one reader of the pointer; raises :class:`UnreadablePointer` when it
+    holds anything but a step number."""
     pointer = checkpoint_root(run_dir) / LATEST
     if not pointer.exists():
         return None
@@ -98,16 +96,14 @@ def discard_incomplete(run_dir: str | Path) -> list[Path]:
 def newest_intact_step(run_dir: str | Path, with_critic: bool) -> int | None:
     """The newest complete step whose files are all whole (``verify_checkpoint``), or None.
 
-    A newer step with a truncated or missing file is refused with a warning naming the file
-    and moved aside to ``corrupt-step_N`` (kept for inspection; the resumed run writes step N
-    again), and ``latest_step`` is set back to the step resumed from. A whole step written by an
-    older version that pickled classes into its state (``LegacyCheckpoint``) is no corrupt
-    one: its error, naming the file, ends the resume, and nothing is moved aside.
+    A newer step with a truncated or missing file is refused with a warning naming the file and
+    moved aside to ``corrupt-step_N`` (kept for inspection), and ``latest_step`` is set back to
+    the step resumed from. A whole step whose state pickles classes (``LegacyCheckpoint``) is not
+    corrupt: its error ends the resume and nothing is moved aside.
 
-    A ``latest_step`` that names no step is reported in a warning, and every step directory is
-    a candidate: complete then means that the actor's (and critic's) directories verify, which
-    a save in progress or killed never does (it has no ``step_N`` yet, or one role's is
-    missing); the pointer is rewritten to the step found."""
+    When ``latest_step`` names no step, a warning says so and every step directory is a
+    candidate: complete then means the actor's (and critic's) directories verify, which a save
+    in progress or killed never does; the pointer is rewritten to the step found."""
     from ragen_mega.backends.megatron.checkpoint import CorruptCheckpoint, verify_checkpoint
 
     root = checkpoint_root(run_dir)
@@ -179,10 +175,9 @@ def has_checkpoints(run_dir: str | Path) -> bool:
 
 def prune(run_dir: str | Path, keep: int) -> list[int]:
     """Remove all but the newest ``keep`` complete steps (``trainer.keep_checkpoints``); returns
-    the steps removed. Only steps at or below the one ``latest_step`` names are candidates, so
-    neither that step nor a save under way (newer than the pointer) is ever touched; a step is
-    removed critic first, then actor, so a removal cut short leaves no actor without its
-    critic that a resume could take as complete (it needs both)."""
+    the steps removed. Only steps up to the one ``latest_step`` names are candidates, so a save
+    under way (newer than the pointer) is never touched. The critic goes before the actor, so a
+    removal cut short leaves no lone actor that a resume could take as complete."""
     newest = latest_complete_step(run_dir)
     if newest is None:
         return []
@@ -196,13 +191,12 @@ def prune(run_dir: str | Path, keep: int) -> list[int]:
 
 
 def rng_states() -> dict:
-    """The driver's Python, NumPy and torch RNG states. The loop itself draws from none of them
-    (env and sampling seeds are functions of the step, the filter breaks no ties at random, the
-    trainer has no dropout), but a user's env or hook may, so they are checkpointed too.
+    """The driver's Python, NumPy and torch RNG states. The loop draws from none of them, but a
+    user's env or hook may, so they are checkpointed.
 
     Plain values only (``weights_only`` loading refuses NumPy arrays): Python's state is a tuple
-    of ints, torch's a uint8 tensor, NumPy's legacy ``get_state()`` tuple becomes a dict with its
-    624 MT19937 keys as an int64 tensor."""
+    of ints, torch's a uint8 tensor, NumPy's legacy ``get_state()`` tuple a dict with its 624
+    MT19937 keys as an int64 tensor."""
     name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
     return {"python": random.getstate(),
             "numpy": {"bit_generator": str(name),
@@ -231,11 +225,10 @@ def data_cursor(cfg: RunConfig) -> dict:
 
 def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | None,
          streams: dict | None = None, pending=None) -> None:
-    """Actor (and critic) checkpoints for ``step``, then the pointer that makes it complete,
-    then (``trainer.keep_checkpoints``) the older ones beyond the newest N are removed.
-    ``streams``: the env streams' state after ``step`` (turns mode, ``EnvStreams.state_dict``);
-    ``pending``: the rollout of step ``step + 1`` already played (``async_mode: one_step_off``, a
-    ``rollout.manager.PlayedStep``, kept as its ``state_dict``); both kept in the extra state."""
+    """Save actor (and critic) checkpoints for ``step``, then the pointer that makes it complete,
+    then prune to ``trainer.keep_checkpoints``. The extra state also keeps ``streams`` (turns
+    mode, ``EnvStreams.state_dict``) and ``pending``, step ``step + 1``'s rollout already played
+    (``async_mode: one_step_off``, a ``PlayedStep``, kept as its ``state_dict``)."""
     root = checkpoint_root(cfg.trainer.run_dir)
     extra = {"step": step, "data_cursor": data_cursor(cfg), "rng": rng_states(),
              "streams": streams,
@@ -250,14 +243,13 @@ def save(cfg: RunConfig, step: int, actor: TrainerGroup, critic: TrainerGroup | 
 
 def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
            ) -> tuple[int, dict | None, PlayedStep | None]:
-    """The step to continue after (0 = fresh start), loading its checkpoints and RNG states,
-    the env streams' state saved with it (None: a fresh start or an episodes-mode run) and the
-    next step's rollout played before the save (a ``PlayedStep`` whose fault counters describe
-    further faults in ``RUN_DIR/faults.jsonl``; None unless ``async_mode: one_step_off``).
+    """Load the checkpoints and RNG states to resume from; return the step to continue after
+    (0 = fresh start), the env streams' saved state (None: fresh start or episodes mode) and the
+    next step's rollout played before the save (a ``PlayedStep`` logging further faults to
+    ``RUN_DIR/faults.jsonl``; None unless ``async_mode: one_step_off``).
 
-    ``trainer.resume``: ``auto`` (the newest complete step, if any; ``force`` alike, the config
-    check is ``run_intent``'s), ``never``, or a directory holding ``actor/`` (and ``critic/``)
-    checkpoints."""
+    ``trainer.resume``: ``auto`` (the newest complete step, if any; ``force`` alike, its config
+    check is ``run_intent``'s), ``never``, or a directory holding ``actor/`` (and ``critic/``)."""
     mode = cfg.trainer.resume
     if mode == "never":
         return 0, None, None

@@ -11,12 +11,11 @@ A run has **collapsed at step k** when both hold:
    is at least :data:`SUCCESS_DROP` below the best one at or before step k (``val/success``, or
    the sweep report's metric).
 
-The collapse step is the first k where both hold. Condition 1 alone is also what a run that
-solved every map shows (all its groups win alike); condition 2 tells the trap from success.
-Both read what every run logs (docs/metrics.md): ``filter/zero_groups`` counts the groups whose
-filter score is 0, which is the zero-std count when the filter scores groups by
-``reward_std`` or ``reward_variance`` (the StarPO-S and RAGEN-2 filters); under another
-``filter.metric`` the count means something else and the collapse is undefined
+The collapse step is the first k where both hold. Condition 1 alone also describes a run that
+solved every map (all its groups win alike); condition 2 tells the trap from success. Both read
+what every run logs (docs/metrics.md): ``filter/zero_groups`` counts the groups whose filter
+score is 0, the zero-std count when the filter scores by ``reward_std`` or ``reward_variance``
+(the StarPO-S and RAGEN-2 filters); under another ``filter.metric`` the collapse is undefined
 (:func:`defined_for`).
 """
 from __future__ import annotations

@@ -164,9 +164,8 @@ class TrainerConfig:
 
 @dataclasses.dataclass
 class SFTConfig:
-    """The ``sft`` section: ``ragen-mega sft``, a supervised warm start of the actor on the
-    same Megatron trainer (``actor`` section: parallel layout, optimizer; ``trainer``: run_dir,
-    data_parallel, seed), loss on the target (assistant) tokens only."""
+    """The ``sft`` section: ``ragen-mega sft``'s supervised warm start of the actor
+    (:mod:`ragen_mega.sft`; it also reads the ``actor`` and ``trainer`` sections)."""
     data: str = setting("format", choices=("format",), also="a JSONL file of chats", help=(
         "`format`: the env's own first-turn prompts (env, agent sections) with uniformly random "
         "valid answers, which teach the answer format, not the solution; else a JSONL file of "

@@ -1,12 +1,11 @@
 """``ragen-mega config``: what a config resolves to, and every key there is.
 
-``ragen-mega config [CONFIG.yaml] [key=value ...]`` prints the run config that the file and the
-overrides resolve to (every key, defaults included) as YAML; ``ragen-mega train`` of that output
-runs the same config. ``ragen-mega config --keys [PREFIX]`` lists the keys (those starting with
-PREFIX) as YAML, each with its default, the values it takes and its help: the help written on
-the config fields (``setting(help=...)``, ``bounded(help=...)``), which is also the reference
-at the end of docs/configuration.md (:func:`reference_markdown`; ``tools/config_reference.py``
-writes it there).
+``ragen-mega config [CONFIG.yaml] [key=value ...]`` prints, as YAML, every key of the run config
+the file and overrides resolve to; ``ragen-mega train`` of that output runs the same config.
+``ragen-mega config --keys [PREFIX]`` lists the keys starting with PREFIX, each with its default,
+allowed values and help (``setting(help=...)``, ``bounded(help=...)``), the same help as the
+reference ending docs/configuration.md (:func:`reference_markdown`, via
+``tools/config_reference.py``).
 """
 from __future__ import annotations
 

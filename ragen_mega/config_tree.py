@@ -10,15 +10,14 @@ and checks everything before any process or server starts:
 - a ``Literal[...]`` field lists the allowed values;
 - a field declared with :func:`bounded` (``lr: float = bounded(1e-6, gt=0)``) is checked
   against its bounds (``lr: must be > 0, got -1``); None passes, for an optional field unset;
-- each field carries the help its user reads (``bounded(..., help=...)``, or :func:`setting`
-  for a field with no bounds); :func:`describe_keys` lists every key of a tree with its default,
-  the values it takes and that help (``ragen-mega config --keys``, docs/configuration.md);
+- each field carries its user's help (``bounded(..., help=...)``, or :func:`setting` without
+  bounds); :func:`describe_keys` lists every key with its default, allowed values and help
+  (``ragen-mega config --keys``, docs/configuration.md);
 - each section may define ``validate(self)`` for cross-field rules; it raises ``ConfigError``
   whose message starts with the key relative to the section (``lr: must be > 0``): the section's
   own path is put in front (``actor.lr: ...``), so one section class can serve several places;
-- a key a section has renamed (its ``RENAMED_KEYS`` class attribute, old name -> new name) is
-  refused with the new key's full path, so an old config fails loudly instead of meaning
-  something else;
+- a key a section renamed (class attribute ``RENAMED_KEYS``, old -> new) is refused with the
+  new key's full path, so an old config fails loudly instead of meaning something else;
 - a section whose ``__post_init__`` refuses a value raises ``ConfigError`` naming the field the
   same way (``answer_line: ...`` becomes ``agent.answer_line: ...``); any other ``ValueError`` or
   ``TypeError`` from it is reported under the section's path.
@@ -228,12 +227,11 @@ def bounded(default, *, ge=None, gt=None, le=None, lt=None, note: str = "", help
 def setting(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
             help: str, choices: Sequence[str] | Callable[[], Sequence[str]] = (),
             also: str = ""):
-    """A dataclass field with ``default`` (or ``default_factory``) and ``help``, the text a user
-    reads for the key (``ragen-mega config --keys``, docs/configuration.md). A string field whose
-    values a registry names gives them as ``choices`` (the names, or a function returning them,
-    read when the keys are listed, so a registry's entries appear as registered) and ``also``
-    what else it takes (``a checkpoint directory``). The choices are shown, not enforced: the
-    section's ``validate`` checks the value against the same registry."""
+    """A dataclass field with ``default`` (or ``default_factory``) and the ``help`` a user reads
+    for the key (``ragen-mega config --keys``, docs/configuration.md). ``choices``: a registry's
+    names for a string field, or a function returning them (called when the keys are listed, so
+    later registrations appear); ``also``: what else it takes (``a checkpoint directory``).
+    Choices are shown, not enforced: the section's ``validate`` checks the registry."""
     return dataclasses.field(default=default, default_factory=default_factory,
                              metadata={"help": help, "choices": choices, "also": also})
 
@@ -247,9 +245,8 @@ def check_bounds(section: Any) -> None:
 
 
 def check_declared(section: Any) -> None:
-    """What the tree checks as it builds ``section``, for a section built directly (a
-    backend handed one outside any tree): its declared bounds, and every ``Literal`` field's
-    value among its choices; ConfigError naming the field."""
+    """For a section built outside any tree: check its declared bounds and ``Literal`` fields
+    as the tree does; ConfigError naming the field."""
     hints = get_type_hints(type(section))
     for f in dataclasses.fields(section):
         tp = hints[f.name]
@@ -272,9 +269,8 @@ def _mark(mark) -> str:
 
 def _yaml_problem(e: yaml.YAMLError, text: str) -> str:
     """What PyYAML found wrong in ``text`` and where (``line 1, column 15: expected ...``),
-    with the construct it was reading and where that started (an unclosed bracket is reported
-    at the end of the file, its opening is what to fix); PyYAML's snippets of ``text`` are left
-    out: the position says where to look."""
+    plus the construct it was reading and where that started (an unclosed bracket is reported
+    at the end of the file; its opening is what to fix). PyYAML's snippets are left out."""
     if isinstance(e, yaml.MarkedYAMLError):
         where = f"{_mark(e.problem_mark)}: " if e.problem_mark is not None else ""
         message = f"{where}{e.problem or e.context or type(e).__name__}"
@@ -316,9 +312,8 @@ def _deep_update(base: dict, extra: dict) -> dict:
 
 
 def _read_yaml(path: Path) -> Any:
-    """The YAML document in ``path``; a file that is no text or no YAML is a config error naming
-    the file, the line and the column, so ``ragen-mega train`` reports it instead of a
-    traceback."""
+    """The YAML document in ``path``; a file that is no text or no YAML is a ConfigError naming
+    the file, line and column, not a traceback."""
     try:
         text = path.read_text()
     except UnicodeDecodeError as e:

@@ -2,20 +2,17 @@
 
 Plays the config's held-out evaluation (``env.val_*`` or ``env.mix`` entries, ``env.val_groups``
 seeds from ``env.val_seed``, ``env.val_group_size`` episodes each, ``rollout.val_temperature``)
-with the weights at ``PATH`` on SGLang engines only, no trainer, through the training loop's own
-evaluation (``rollout/manager.py``'s :meth:`RolloutManager.episodes` with ``evaluate=True`` and
-:func:`summarize`), so the numbers are those a run logs under ``val/``. It prints one row per
-env tag and, with ``--out``, writes
-them as JSON: ``success``, ``valid_action_rate``, ``episodes``, ``mean_turns``,
-``response_length``, ``pass@k`` where k > 1, ``references`` (the lines of
-:mod:`ragen_mega.envs.references` on the same held-out seeds and budget: ``random_valid``,
-``example_copy``, ``best_fixed``, ``optimal``, those that apply; left out when an env has none),
-and ``per_tag`` (tag -> the same keys).
+with the weights at ``PATH`` on SGLang engines, no trainer, through the training loop's own
+evaluation (:meth:`RolloutManager.episodes` with ``evaluate=True``, :func:`summarize`), so the
+numbers are those a run logs under ``val/``. Prints one row per env tag; ``--out`` writes JSON:
+``success``, ``valid_action_rate``, ``episodes``, ``mean_turns``, ``response_length``, ``pass@k``
+where k > 1, ``references`` (:mod:`ragen_mega.envs.references` lines on the same seeds and
+budget: ``random_valid``, ``example_copy``, ``best_fixed``, ``optimal``, those that apply; absent
+when an env has none), and ``per_tag`` (tag -> the same keys).
 
 ``PATH`` is ``smollm2``, a Hugging Face model directory or Hub id (as ``model.path`` takes
-them), a run directory (``trainer.run_dir``: its newest complete step) or one step's actor
-checkpoint (``.../checkpoints/actor/step_N``).
-Megatron checkpoints are converted to a temporary Hugging Face directory first.
+them), a run directory (its newest complete step) or one step's actor checkpoint
+(``.../checkpoints/actor/step_N``, converted to a temporary Hugging Face directory).
 """
 from __future__ import annotations
 
@@ -43,8 +40,7 @@ _KEYS = {"success": "success", "valid_action_rate": "valid_action_rate",
 
 
 def run_step_checkpoint(run_dir: Path) -> Path:
-    """The actor checkpoint of a run directory's newest complete step (the one its
-    ``checkpoints/latest_step`` pointer names, as a resumed run would load)."""
+    """The actor checkpoint of the step a run directory's ``checkpoints/latest_step`` names."""
     step = checkpoints.latest_complete_step(run_dir)
     if step is None:
         raise FileNotFoundError(f"{run_dir}: no complete checkpoint "

@@ -2,12 +2,12 @@
 trajectory viewer.
 
 On loopback only the machine's own users reach a server. On any other address anyone who
-reaches the node could open env sessions, or generate on the run's engines through the
-gateway, or read a run's episodes through the viewer, so these servers refuse to listen there
-without a token, and with a token every request must carry ``Authorization: Bearer TOKEN`` (401
-otherwise); a browser, which cannot set that header, opens the viewer once at ``/?token=TOKEN``
-and is then known by a cookie (as Jupyter does). The token comes from an environment variable,
-never a flag: a command line is readable by every user of the node.
+reaches the node could open env sessions, generate on the run's engines or read a run's
+episodes, so these servers refuse to listen there without a token; with one, every request
+must carry ``Authorization: Bearer TOKEN`` (else 401). A browser, which cannot set that header,
+opens the viewer once at ``/?token=TOKEN`` and is then known by a cookie (as Jupyter does). The
+token comes from an environment variable, never a flag: every user of the node can read a
+command line.
 """
 from __future__ import annotations
 

@@ -3,9 +3,8 @@ line per step, and echo-trap warnings.
 
 RAGEN's "echo trap" is a collapse where a policy locks into one repetitive answer: the in-group
 reward std falls toward zero (every rollout of a group scores the same), the policy's entropy
-falls, and the gradient norm spikes. ``EchoTrapMonitor`` watches those three signals and warns
-when a configured threshold is crossed, so a user sees a collapse coming instead of reading it
-off a dead curve afterwards.
+falls, and the gradient norm spikes. ``EchoTrapMonitor`` warns when one of these crosses its
+threshold, so a user sees a collapse coming.
 """
 from __future__ import annotations
 
@@ -40,10 +39,9 @@ class EchoTrapThresholds:
 class EchoTrapMonitor:
     """Checks one step's metrics against :class:`EchoTrapThresholds`; returns warning texts.
 
-    Metric names it reads: ``filter/in_group_std`` (before the filter), ``actor/entropy``,
-    ``actor/grad_norm``, ``collapse_first_turn_sample/retrieval_above_chance`` (the collapse
-    probes' steps). A missing metric is not checked (e.g. no critic, no eval this step).
-    """
+    Reads ``filter/in_group_std`` (before the filter), ``actor/entropy``, ``actor/grad_norm`` and
+    ``collapse_first_turn_sample/retrieval_above_chance`` (collapse-probe steps); a missing
+    metric is not checked."""
 
     _CHECKS = (
         ("filter/in_group_std", "min_group_reward_std", "below",

@@ -16,13 +16,11 @@ them unless colocated; Ray's PACK fills a node before the next, so bundle ``i`` 
   ``rollout.mem_fraction`` (``--mem-fraction-static``) leaves of the GPU's free memory.
 
 The model's shape comes from ``model.path``'s config.json, or, for the Hub models the examples
-name, from their published one (``models/known_configs.py``). The hardware comes from the flags,
-else the config's ``# Hardware:`` comment line (``2 nodes x 8 GPUs of 80 GiB``, or ``CPU, 16
-GiB of RAM``: then every process shares the host's memory, which must hold every process's
-weights and state and, on top, the activations of the role that trains, as actor and critic
-train one after the other). Exit 2 names the rank and its shortfall when something does not
-fit, or the layout cannot be placed at all. The estimate counts tensors, not the CUDA context,
-NCCL's buffers or the allocator's fragmentation (docs/cluster.md, "plan").
+name, their published one (``models/known_configs.py``). The hardware comes from the flags, else
+the config's ``# Hardware:`` line (``2 nodes x 8 GPUs of 80 GiB``, or ``CPU, 16 GiB of RAM``:
+every process then shares the host's memory, :func:`host_need`). Exit 2 names the rank and its
+shortfall when something does not fit or cannot be placed. The estimate counts tensors, not the
+CUDA context, NCCL's buffers or allocator fragmentation (docs/cluster.md, "plan").
 """
 from __future__ import annotations
 
@@ -408,9 +406,8 @@ def _raw_model_path(config: str | None, overrides: list[str]) -> str | None:
 
 
 def load_plan_config(config: str | None, overrides: list[str]) -> tuple[RunConfig, ModelSpec, str]:
-    """The run config, the model's spec and where the spec came from. A ``model.path`` that is no
-    directory here but names a model of ``known_configs`` is planned from its published
-    config.json."""
+    """The run config, the model's spec and where the spec came from. A ``model.path`` that is
+    not a local directory but is in ``known_configs`` is planned from its published config."""
     from ragen_mega.models.prepare import PRESETS, is_hub_id, resolve_model
 
     try:

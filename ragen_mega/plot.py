@@ -1,14 +1,12 @@
 """``ragen-mega plot RUN_DIR [RUN_DIR ...] --out FILE.png``: a run's first-look curves as a picture.
 
-Reads each run's own ``metrics.jsonl`` (one JSON object per training step, written by the loop)
-and draws, by step: success and valid-action rate (training rollouts solid, held-out evaluation
-dashed where the run evaluated), the in-group reward std before and after the StarPO-S filter
-(the echo-trap signal), the actor's entropy and grad norm, and the time of each phase. Several
-runs share the axes, one colour per run, so a comparison is one picture. The success panel also
-draws the held-out reference lines of ``RUN_DIR/references.json`` where a run has one (random
-valid play, the prompt's example copied, the best fixed answer, the optimum: see
-:mod:`ragen_mega.envs.references`) as thin horizontal lines, once when all runs share them, else
-in each run's colour. matplotlib's Agg backend: no display needed.
+Reads each run's ``metrics.jsonl`` (one JSON object per training step) and draws, by step:
+success and valid-action rate (training solid, held-out evaluation dashed), the in-group reward
+std before and after the StarPO-S filter (the echo-trap signal), the actor's entropy and grad
+norm, and each phase's time. Runs share the axes, one colour each. The success panel adds the
+held-out reference lines of ``RUN_DIR/references.json`` (:mod:`ragen_mega.envs.references`) as
+thin horizontal lines, once when all runs share them, else in each run's colour. Uses
+matplotlib's Agg backend: no display needed.
 """
 from __future__ import annotations
 
@@ -38,8 +36,8 @@ _REFERENCE_STYLES = {"random_valid": (0, (1, 2)), "example_copy": (0, (4, 2)),
 
 def load_metrics(run_dir: str | Path) -> list[dict]:
     """The run's per-step metrics, in step order; a missing, empty or unreadable file is a clear
-    error. A resumed run plays the steps after its checkpoint again and appends them: a step's
-    last line wins, the one the run went on from (as in ``ragen-mega view``)."""
+    error. A resumed run appends the steps after its checkpoint again: a step's last line wins
+    (as in ``ragen-mega view``)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"ragen-mega plot: no metrics file {path} (is {run_dir} a run "

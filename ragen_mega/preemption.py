@@ -1,15 +1,13 @@
 """Stopping a run between steps when the scheduler asks (slurm preemption or time limit).
 
 Slurm warns a job before it ends it: ``#SBATCH --signal=B:USR1@SECS`` (or SIGTERM on
-preemption). Killing the driver there would lose everything since the last checkpoint and leave
-its engines and trainer ranks to be cleaned up by others, so the signal only sets a flag; the
-loop finishes the step it is in, saves a checkpoint, stops everything it started and exits with
-:data:`PREEMPTED_EXIT_CODE`, which ``slurm/train.sbatch`` answers with a requeue. The requeued
-job resumes from that checkpoint (``trainer.resume=auto``).
+preemption). Killing the driver then would lose everything since the last checkpoint and orphan
+its engines and trainer ranks, so the signal only sets a flag: the loop finishes its step, saves
+a checkpoint, stops everything it started and exits with :data:`PREEMPTED_EXIT_CODE`, which
+``slurm/train.sbatch`` answers with a requeue that resumes (``trainer.resume=auto``).
 
-A repeated signal changes nothing (the save already under way goes on); if the scheduler
-kills the process mid-save, the previous checkpoint is still the newest complete one
-(checkpoint directories and the ``latest_step`` pointer only appear by an atomic rename).
+A repeated signal changes nothing; a kill mid-save leaves the previous checkpoint the newest
+complete one (checkpoint directories and ``latest_step`` appear only by atomic rename).
 """
 from __future__ import annotations
 

@@ -119,10 +119,9 @@ def check_model_layout(cfg: RunConfig) -> None:
 
 
 def check_start_checkpoint(cfg: RunConfig) -> None:
-    """``actor.load``: a complete checkpoint (``step_N``, or a root holding one) whose files
-    are all there, of the architecture in ``model.path``'s config.json (compared with the copy
-    the checkpoint keeps in ``hf/``; a preset's is not written yet: the trainer compares the
-    built model's architecture with the checkpoint's when it loads it)."""
+    """``actor.load``: a complete checkpoint (``step_N``, or a root holding one) with all its
+    files, of the architecture in ``model.path``'s config.json (compared with the checkpoint's
+    ``hf/`` copy; a preset is not written yet, so the trainer compares when it loads)."""
     from ragen_mega.backends.megatron import checkpoint as ckpt
     from ragen_mega.models.hf_config import model_spec
     from ragen_mega.models.prepare import PRESETS, resolve_model

@@ -1,20 +1,18 @@
-"""What a start of ``ragen-mega train`` will do with its run directory, said before anything
-starts, and refused when it would not be what the config says.
+"""What a start of ``ragen-mega train`` does with its run directory: said before anything starts,
+refused when it would not be what the config says.
 
-Every example fixes ``trainer.run_dir`` and ``trainer.resume`` defaults to ``auto``, so running a
+Every example fixes ``trainer.run_dir``, and ``trainer.resume`` defaults to ``auto``, so running a
 command twice continues (or finds finished) the run already there. :func:`start_plan` decides
-which of three things happens and :func:`announce` prints it in one line:
+which happens, and its ``message`` says so in one line: a new run; resuming from step N of M
+(with the keys changed since the last start); or complete at step M (nothing to do, and how to
+go on).
 
-- a new run in the directory;
-- resuming it from step N of M (with the keys changed since its last start, if any);
-- it is complete at step M: nothing to do, and how to go on.
-
-A resumed run is compared key by key with the config it last started with (``RUN_DIR/config.json``,
-written at every start). A key in :data:`MAY_CHANGE` (length, cadences, loggers, where Ray runs,
-how many engines) may change and is listed; any other changed key changes what the run means
-(model, env, agent, algorithm, filter, optimizer, sampling, seeds, layout) and the start ends with
-:class:`ConfigChanged` naming each key, old -> new, before Ray or any process starts.
-``trainer.resume=force`` resumes anyway. Every change a resume accepts is appended to
+A resume compares the config key by key with the one the run last started with
+(``RUN_DIR/config.json``, written at every start). Keys in :data:`MAY_CHANGE` (length, cadences,
+loggers, where Ray runs, how many engines) may change and are listed; any other changed key
+changes what the run means (model, env, agent, algorithm, filter, optimizer, sampling, seeds,
+layout), and the start ends with :class:`ConfigChanged`, naming each key old -> new, before any
+process starts. ``trainer.resume=force`` resumes anyway. Every accepted change is appended to
 ``RUN_DIR/config_changes.jsonl`` with the step it applies from and whether it was forced.
 """
 from __future__ import annotations
@@ -58,7 +56,7 @@ class ConfigChanged(ConfigError):
 class StartPlan:
     """What this start does: ``resume_step`` is the checkpoint continued from (None: a new run,
     or ``trainer.resume`` names a checkpoint directory), ``changes`` the keys that differ from
-    the run's last start ({key: (old, new)}), ``message`` the line :func:`announce` prints."""
+    the run's last start ({key: (old, new)}), ``message`` the line printed at the start."""
     run_dir: Path
     resume_step: int | None
     total_steps: int
@@ -94,8 +92,7 @@ def may_change(key: str) -> bool:
 
 def config_changes(saved: dict, now: dict) -> dict[str, tuple[Any, Any]]:
     """{dotted key: (saved value, current value)} for every key both configs hold with
-    different values; a key only one side holds (a config written by another version of the
-    code, with keys since added or removed) is not compared."""
+    different values; a key only one side holds (another code version's config) is skipped."""
     old, new = flatten(saved), flatten(now)
     return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
 

@@ -1,24 +1,21 @@
 """``ragen-mega sft CONFIG [key=value ...]``: a supervised warm start on the RL trainer.
 
-Small models often cannot write one parseable answer before RL (SmolLM2 on FrozenLake: 17% valid
-turns), so RL spends its first steps, and its only varying reward, on the answer format. slime,
-verl and OpenRLHF ship an SFT stage for that; this is ours, on the same Megatron trainer the
-actor uses (``actor`` section: TP/PP, micro-batches, Adam; ``trainer.data_parallel``,
-``trainer.seed``), placed by Ray with no engine.
+Small models often write few parseable answers before RL, so RL spends its first steps, and its
+only varying reward, on the answer format. slime, verl and OpenRLHF ship an SFT stage for that;
+this one runs on the actor's Megatron trainer (``actor`` section: TP/PP, micro-batches, Adam;
+``trainer.data_parallel``, ``trainer.seed``), placed by Ray with no engine.
 
 Data (``sft.data``, :mod:`ragen_mega.sft_data`): ``format``, the env's own first-turn prompts
 (exactly what the rollout sends) with a uniformly random valid answer, which teaches the format
 and nothing about the solution; or a JSONL file of chats. The loss (:class:`SFTObjective`) is the
-token-mean negative log-likelihood of the target tokens only, or with ``sft.prompt_loss`` of every
+token-mean negative log-likelihood of the target tokens, or with ``sft.prompt_loss`` of every
 token (a model trained from scratch then keeps the board in its states). ``sft.steps`` steps of
-``sft.batch_size`` examples (epochs of a seeded shuffle), the held-out loss on ``sft.heldout``
-examples every ``sft.eval_every`` steps and at the first and last; scalars ``sft/loss``,
-``sft/heldout_loss``, ``sft/entropy``, ``sft/grad_norm``, ``sft/lr`` in ``metrics.jsonl`` and
-the trackers of ``trainer.loggers`` (TensorBoard: ``trainer.run_dir/tensorboard``; each sft run
-is a new wandb / MLflow run). At the end the weights are saved as a
-Megatron checkpoint (``trainer.run_dir/checkpoints/sft``) and written as a Hugging Face directory
-(``sft.out``, default ``trainer.run_dir/hf``) that ``train`` and ``eval`` take as
-``model.path``.
+``sft.batch_size`` examples (epochs of a seeded shuffle); the held-out loss on ``sft.heldout``
+examples every ``sft.eval_every`` steps and at the first and last. Scalars ``sft/loss``,
+``sft/heldout_loss``, ``sft/entropy``, ``sft/grad_norm``, ``sft/lr`` go to ``metrics.jsonl`` and
+``trainer.loggers`` (each sft run is a new wandb / MLflow run). The weights end as a Megatron
+checkpoint (``trainer.run_dir/checkpoints/sft``) and a Hugging Face directory (``sft.out``,
+default ``trainer.run_dir/hf``) that ``train`` and ``eval`` take as ``model.path``.
 """
 from __future__ import annotations
 

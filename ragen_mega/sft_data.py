@@ -1,37 +1,25 @@
-"""Data for ``ragen-mega sft``: a supervised warm start before RL, on the same Megatron trainer.
+"""Examples for ``ragen-mega sft``'s supervised warm start (why: :mod:`ragen_mega.sft`).
 
-Why: a small instruct model rarely writes the answer format the env's prompt asks for
-(``<answer> Left || Down </answer>``), so early RL steps are spent on format penalties and
-episodes without a single valid action. A short supervised pass on well-formed answers fixes the
-format first. The loss is taken on the assistant's tokens only (:class:`SFTExample.loss_mask`):
-the model learns to write answers, not to predict the env's prompts.
-
-Two sources of examples:
+The loss is on the assistant's tokens only (:class:`SFTExample.loss_mask`): the model learns to
+write answers, not to predict the env's prompts. Two sources:
 
 - :func:`load_chats`: a JSONL file of chats ``{"messages": [{"role": ..., "content": ...}]}``,
-  tokenized by the tokenizer's own chat template (:func:`chat_example`); loss on each assistant
-  message's content and the end-of-turn token that closes it (so the model learns to stop), not
-  on the template text that opens the assistant turn (``<|im_start|>assistant\\n``), nor on
-  system/user messages or the template's text after the end-of-turn token.
-- :func:`format_examples`: format-only targets, generated. The prompt is the env's own turn-1
-  prompt, token for token what the rollout sends (the env made by the registry, reset with the
-  example's seed, the prompt built by the rollout's own ``EpisodeState`` / ``PromptBuilder`` /
-  ``History``, so ``actions_left`` and everything else come from the same code); the target is a
-  uniformly random valid answer: 1..``agent.max_actions_per_turn`` actions, each uniform over
-  the env's ``valid_actions``, in the agent's answer format, closed by the tokenizer's EOS token
-  (the token the engine stops a response on). This teaches the answer format and the action
-  vocabulary, **not** the solution: the actions are random, independent of the observation, so
-  the warm start adds no prior over which move is good (a uniform policy, what RL starts from).
+  tokenized by the tokenizer's chat template (:func:`chat_example`); loss on each assistant
+  message's content and the end-of-turn token closing it (so the model learns to stop), not on
+  the template's text around it (``<|im_start|>assistant\\n``) nor on system/user messages.
+- :func:`format_examples`: generated format-only targets. The prompt is the env's turn-1 prompt,
+  token for token what the rollout sends (built by the rollout's own ``EpisodeState`` /
+  ``PromptBuilder`` / ``History``); the target is a uniformly random valid answer:
+  1..``agent.max_actions_per_turn`` actions, each uniform over the env's ``valid_actions``, in
+  the agent's answer format, closed by the tokenizer's EOS (where the engine stops a response).
+  This teaches the format and the action vocabulary, **not** the solution: the actions ignore the
+  observation, so the warm start adds no prior over which move is good.
 
 The prompt ends with :func:`~ragen_mega.agent.parse.response_prefix` (``<answer>``, or
 ``<think>`` in think mode), so a target starts right after it, as a sampled response does:
 ``" Left || Down </answer>"`` + EOS, or in think mode ``" </think> <answer> Left || Down
 </answer>"`` + EOS (an empty thought: nothing is made up to look like reasoning; RL grows the
-thoughts). The agent's own parser reads every target back to exactly its actions, format ok
-(checked here for every example).
-
-:func:`collate_examples` lays examples out as ``rollout/sample.py``'s ``collate`` does: right
-padded, column t belonging to token t.
+thoughts). Every target must parse back to exactly its actions, format ok (checked per example).
 """
 from __future__ import annotations
 
@@ -152,10 +140,9 @@ def chat_example(tokenizer, messages: list[dict], where: str = "") -> SFTExample
 
 
 def load_chats(path, tokenizer) -> list[SFTExample]:
-    """The chats of a JSONL file (one ``{"messages": [...]}`` object a line; blank lines are
-    skipped; other keys of the object are ignored) as :func:`chat_example` examples. A missing
-    file is ``FileNotFoundError``; a bad line, or a file without any chat, ``ValueError``, each
-    naming the file (and ``file:line``)."""
+    """The chats of a JSONL file (one ``{"messages": [...]}`` object a line; blank lines skipped,
+    other keys ignored) as :func:`chat_example` examples. A missing file raises
+    ``FileNotFoundError``; a bad line or no chat ``ValueError``, naming ``file:line``."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"SFT data file {str(path)!r} does not exist (or is not a file)")
@@ -191,11 +178,10 @@ def format_target(agent, actions: Sequence[str]) -> str:
 
 
 def format_examples(cfg, tokenizer, count: int, seed: int) -> list[SFTExample]:
-    """``count`` format-only examples for the run ``cfg`` (a ``RunConfig``): example k is the
-    turn-1 prompt of env part ``k % len(parts)`` (``train_parts(cfg.env)``, round-robin; one
-    part for a single env) reset with seed ``seed + k``, exactly the prompt ids the rollout sends,
-    followed by a uniformly random valid answer (module docstring) and the tokenizer's EOS token,
-    with the loss on that target only. Deterministic: the same arguments give the same examples."""
+    """``count`` format-only examples (module docstring) for the run ``cfg`` (a ``RunConfig``):
+    example k is the turn-1 prompt of env part ``k % len(parts)`` (``train_parts(cfg.env)``) reset
+    with seed ``seed + k``, then a random valid answer and EOS, the loss on those only.
+    Deterministic in its arguments."""
     if isinstance(count, bool) or not isinstance(count, int) or count < 1:
         raise ValueError(f"format_examples: count must be an int >= 1, got {count!r}")
     if isinstance(seed, bool) or not isinstance(seed, int):

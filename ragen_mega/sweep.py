@@ -1,28 +1,26 @@
-"""``ragen-mega sweep SWEEP.yaml``: the same run config under named variants and seeds, each
+"""``ragen-mega sweep SWEEP.yaml``: one run config under named variants and seeds, each
 (variant, seed) its own run, and the aggregates across seeds (``--report``).
 
 A sweep file (docs/sweeps.md, examples/sweeps/) names a base run config, overrides every run
-shares, the variants (a list of named override sets, a grid of values, or both: the grid is
-crossed with each listed variant), the seeds, the keys a seed sets, and the sweep's directory.
-Run (variant V, seed S) is ``SWEEP_DIR/V/seed_S`` (its ``trainer.run_dir``), with the base
-config, the shared overrides, V's, then each seed key set to ``S x its stride``. The runs go
-seed by seed (every variant's seed 0, then seed 1, ...), so a study stopped part-way compares
-its variants on the same seeds. Every run's
-config is built and validated (:func:`~ragen_mega.config.load_run_config`) before any run
-starts, so a typo in a variant fails at once, naming the variant, the seed and the key.
+shares, the variants (named override sets, a grid of values, or both: the grid is crossed with
+each listed variant), the seeds, the keys a seed sets, and the sweep's directory. Run (variant
+V, seed S) is ``SWEEP_DIR/V/seed_S`` (its ``trainer.run_dir``): the base config, the shared
+overrides, V's, then each seed key set to ``S x its stride``. Runs go seed-major (every
+variant's seed 0, then seed 1, ...), so a study stopped part-way compares its variants on the
+same seeds. Every run's config is validated before any run starts, so a typo in a variant fails
+at once, naming the variant, seed and key.
 
 Locally the runs go one after another, each a ``ragen-mega train`` subprocess (one run's crash
-or memory cannot take the sweep down). What a start does is ``ragen-mega train``'s own
-(:mod:`ragen_mega.run_intent`): a finished run is skipped (found complete here, no subprocess),
-a partial one resumed, and a run whose directory holds another config refused. A failed run is
-recorded with its exit code and the last lines of its stderr in ``SWEEP_DIR/sweep_status.json``
-while the others go on; the exit code is 1 when any run failed. SIGTERM, SIGINT or SIGUSR1 to
-the sweep is passed to the run under way (which saves its step and stops) and ends the sweep:
-started again, it goes on where it stopped.
+or memory cannot take the sweep down). A start does what ``ragen-mega train``'s would
+(:mod:`ragen_mega.run_intent`): a finished run is skipped without a subprocess, a partial one
+resumed, one whose directory holds another config refused. A failed run's exit code and stderr
+tail go to ``SWEEP_DIR/sweep_status.json`` while the others go on; the sweep exits 1 when any
+failed. SIGTERM, SIGINT or SIGUSR1 is passed to the run under way (which saves its step and
+stops) and ends the sweep; started again, it goes on where it stopped.
 
-``--sbatch`` writes ``SWEEP_DIR/sweep.sbatch``, one Slurm job array whose task i is run i
-through ``slurm/train.sbatch`` (its Ray cluster, its signal handling and requeue), and prints
-the ``sbatch`` command. ``--report`` is :mod:`ragen_mega.sweep_report`.
+``--sbatch`` writes ``SWEEP_DIR/sweep.sbatch``, a Slurm job array whose task i is run i through
+``slurm/train.sbatch`` (its Ray cluster, signal handling and requeue), and prints the ``sbatch``
+command. ``--report``: :mod:`ragen_mega.sweep_report`.
 """
 from __future__ import annotations
 
@@ -184,9 +182,8 @@ def _override(key: str, value: Any) -> str:
 def load_sweep(path: str | Path, overrides: Sequence[str] = (), sweep_dir: str | None = None
                ) -> tuple[SweepConfig, list[SweepRun]]:
     """The sweep file and its runs, every run's config validated; ConfigError names the sweep
-    key, or the variant, seed and run config key. ``overrides`` (``key=value``, the command
-    line's) come after the file's shared overrides and before the variant's; ``sweep_dir``
-    replaces the file's ``dir``."""
+    key, or the variant, seed and run config key. ``overrides`` (the command line's) apply after
+    the file's shared overrides, before the variant's; ``sweep_dir`` replaces the file's ``dir``."""
     path = Path(path)
     sweep = load_config(SweepConfig, path)
     if sweep_dir:
@@ -201,7 +198,6 @@ def load_sweep(path: str | Path, overrides: Sequence[str] = (), sweep_dir: str |
                           f"sweep file, {str(path)!r})")
     shared = [*(_override(k, v) for k, v in flatten(sweep.overrides).items()), *overrides]
     runs = []
-    # seed-major: a sweep stopped part-way has every variant on the same seeds so far
     for seed in sweep.seeds:
         for name, own in variant_overrides(sweep).items():
             run_dir = Path(sweep.dir).resolve() / name / f"seed_{seed}"

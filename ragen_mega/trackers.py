@@ -1,20 +1,17 @@
 """Where a run's step scalars go (``trainer.loggers``): TensorBoard, Weights & Biases, MLflow.
 
-Each tracker is one class with ``log(step, scalars)`` and ``close()``; :func:`open_trackers`
-opens the chosen ones and :class:`~ragen_mega.logging.RunLogger` writes every step's scalars to
-each. wandb and mlflow are imported only when chosen (:func:`missing_packages` tells the config
-check which packages a choice needs). Both also get the resolved config: wandb as the run's
-config; mlflow as one param per dotted key (``actor.lr``) and whole as the artifact
-``config.json``.
-
-A resumed training run continues the same wandb run and the same MLflow run: their ids are kept
-in ``RUN_DIR/trackers.json``; a new run in the directory starts new ones.
+Each tracker has ``log(step, scalars)`` and ``close()``; :func:`open_trackers` opens the chosen
+ones for :class:`~ragen_mega.logging.RunLogger`. wandb and mlflow are imported only when chosen
+(:func:`missing_packages` names what a choice needs) and get the resolved config: wandb as the
+run's config, mlflow as one param per dotted key (``actor.lr``) plus the artifact ``config.json``.
+A resumed run continues the same wandb and MLflow runs (ids in ``RUN_DIR/trackers.json``); a new
+run in the directory starts new ones.
 
 wandb honours ``WANDB_MODE`` (``offline`` writes under ``RUN_DIR/wandb/`` with no account;
 ``wandb sync`` uploads it later). With neither ``WANDB_MODE`` nor W&B credentials
-(``WANDB_API_KEY``, ``wandb login``) it logs offline and says so in one line: a run never stops
-at a login prompt. Project: ``WANDB_PROJECT`` (default ``ragen_mega``); files: ``WANDB_DIR``
-(default the run directory); run name: the run directory's name.
+(``WANDB_API_KEY``, ``wandb login``) it logs offline and says so: a run never stops at a login
+prompt. Project: ``WANDB_PROJECT`` (default ``ragen_mega``); files: ``WANDB_DIR`` (default the
+run directory); run name: the run directory's name.
 
 MLflow honours ``MLFLOW_TRACKING_URI`` (default ``sqlite:///RUN_DIR/mlflow.db``, artifacts in
 ``RUN_DIR/mlflow_artifacts``: MLflow 3 refuses new ``./mlruns`` file stores, and SQLite is the

@@ -2,16 +2,15 @@
 
 One step, as docs/design.md draws it::
 
-    rollout (rollout/manager.py: all episodes at once over the SGLang engines, or the streams' window)
+    rollout (rollout/manager.py: all episodes at once on the SGLang engines, or the streams' window)
       -> StarPO-S filter -> batch (one row per turn, or one per episode when packed)
       -> old log-probs (actor) and values (critic) -> advantages (algo/estimators.py, by name)
       -> critic update -> actor update -> weight sync into the engines -> log -> checkpoint
 
 In the critic's warm-up (the first ``critic.warmup_steps`` steps) the actor is not trained (its
 optimizer and LR schedule do not move; ``train/actor_frozen`` is 1, no ``actor/*`` scalars). The
-sync still runs and pushes the unchanged weights under the step's version: colocated engines
-drop their weights for the train phase and must get them back, and weight versions stay the
-loop's steps. It costs one sync per warm-up step (under 1% of a CPU demo step).
+sync still pushes the unchanged weights under the step's version: colocated engines drop their
+weights for the train phase and must get them back, and weight versions stay the loop's steps.
 
 With ``async_mode: one_step_off`` step k+1's rollout plays on the engines (another thread) while
 step k trains, and is waited for before the sync: an engine must not change weights under a
@@ -94,10 +93,9 @@ def train(cfg: RunConfig) -> list[dict[str, float]]:
 
 
 def write_references(cfg: RunConfig, run_dir: Path) -> None:
-    """``RUN_DIR/references.json``: the held-out evaluation's reference lines (``{"references":
-    ..., "per_tag": ...}``, as ``ragen-mega eval --out`` writes them), which ``ragen-mega plot``
-    draws on the success panel; not written when the run does not evaluate or its envs have
-    none."""
+    """``RUN_DIR/references.json``: the held-out reference lines (``{"references": ...,
+    "per_tag": ...}``, as ``ragen-mega eval --out`` writes them) that ``ragen-mega plot`` draws;
+    not written when the run does not evaluate or its envs have none."""
     if not cfg.trainer.eval_every:
         return
     lines, per_tag = held_out_references(cfg)
@@ -133,8 +131,7 @@ def run_loop(cfg: RunConfig, run: Run, logger, stop: preemption.StopRequest
             metrics = train_step(cfg, run, step, run.source.take(step))
             if t.eval_every and step % t.eval_every == 0:
                 metrics.update(evaluate(cfg, run, step))
-            # a step whose updates kept failing is logged, never saved: the newest checkpoint
-            # stays the last good one
+            # a step whose updates kept failing is logged, never saved (skipped_updates_error)
             failed = skipped_updates_error(metrics, t.max_skipped_updates_in_row)
             last = step == t.total_steps
             if failed is None and (last or stop.requested or

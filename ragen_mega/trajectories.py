@@ -36,9 +36,8 @@ stream window of an episode)::
         step_advantage   GiGPO's step term (null elsewhere)
 
 ``trainer.trajectory_samples: k`` keeps the first k groups of each step (by group id); unset,
-every group. Files are written whole or not at all (a temporary file renamed into place), so a
-killed run leaves no half-written step, and a resumed step writes its file again over the old
-one, never beside it.
+every group. Files are written whole or not at all (a temporary file renamed into place): a
+killed run leaves no half-written step, and a resumed step overwrites its file.
 """
 from __future__ import annotations
 

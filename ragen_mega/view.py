@@ -8,11 +8,10 @@ reward and the advantage. For the echo trap it marks responses repeated within a
 turn of another episode) and those seen in the previous step, counts answers that copy the
 prompt's example, and puts one seed's episode at two steps side by side.
 
-The app reads only files under ``RUN_DIR/trajectories`` and ``RUN_DIR/metrics.jsonl``, named
-by their step numbers (typed integers: no path comes from a request), and serves on loopback
-unless told otherwise; elsewhere only with a token (``http_token.py``: ``RAGEN_MEGA_VIEW_TOKEN``,
-the browser opens ``/?token=TOKEN`` once). A missing, corrupt or too-new file is a 4xx with a message the page
-shows, never a 500.
+The app reads only ``RUN_DIR/metrics.jsonl`` and files under ``RUN_DIR/trajectories`` named by
+step number (typed integers: no path comes from a request). It serves on loopback unless told
+otherwise, elsewhere only with a token (``http_token.py``: ``RAGEN_MEGA_VIEW_TOKEN``). A missing,
+corrupt or too-new file is a 4xx with a message the page shows, never a 500.
 """
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """``AgentConfig``: the knobs of the text protocol between an env and the model.
 
-The run's config tree embeds this dataclass as the ``agent:`` section, so the field names are
-user-facing config keys: keep them stable. Every value is checked when the object is built, and a bad one
-raises :class:`~ragen_mega.config_tree.ConfigError` (a ``ValueError``) whose message starts with the
-field's name, as every config section's does (the tree puts ``agent.`` in front).
+It is the config tree's ``agent:`` section, so the field names are user-facing keys: keep them
+stable. Values are checked on construction; a bad one raises
+:class:`~ragen_mega.config_tree.ConfigError` (a ``ValueError``) whose message starts with the
+field's name (the tree prefixes ``agent.``).
 """
 from __future__ import annotations
 

@@ -1,16 +1,9 @@
 """One episode's turns as the prompt builder needs them, and the window of recent ones.
 
-A turn is born with the env's observation and completed by the model's response token ids (as
-the engine sampled them: never re-tokenized), its parse and its reward. The rollout drives it::
-
-    history.observe(obs, actions_left)       # env -> text
-    prompt = builder.build(history)          # text -> prompt token ids
-    ...sample response_ids, parse, step env...
-    history.record(response_ids, parsed, reward)
-
-:meth:`History.window` is the memory: the current turn plus at most ``memory_turns`` answered
-turns before it (None: all). Keeping the whole record and cutting only when prompting lets the
-rollout log full episodes while every prompt stays bounded.
+:meth:`History.observe` opens a turn with the env's observation; :meth:`History.record` completes
+it with the response token ids as the engine sampled them (never re-tokenized), their parse and
+the reward. :meth:`History.window` is the memory: the whole record is kept and cut only when
+prompting, so the rollout can log full episodes while every prompt stays bounded.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ plus the sampled text. Its format is
     think mode:   <think> thoughts </think> <answer> a1 || a2 </answer>
     answer-only:  <answer> a1 || a2 </answer>
 
-Behaviour, chosen to match RAGEN's parser (``re.search`` of
+Behaviour matches RAGEN's parser (``re.search`` of
 ``<think>(.*?)</think>\\s*<answer>(.*?)</answer>`` with DOTALL; ``<answer>(.*?)</answer>`` in
 answer-only mode) plus its env manager's penalty for an answer without actions:
 
@@ -16,7 +16,7 @@ answer-only mode) plus its env manager's penalty for an answer without actions:
 - a missing tag (including a response cut off before ``</answer>``), or text other than whitespace
   between ``</think>`` and ``<answer>``, breaks the format;
 - tags are case-sensitive (``<ANSWER>`` is not a tag): the prompt spells them exactly;
-- text after ``</answer>`` is ignored, as RAGEN ignores it;
+- text after ``</answer>`` is ignored, as in RAGEN;
 - stray tags inside thought or answer (nested or duplicated ``<think>``/``<answer>``...) are
   deleted, then both are stripped;
 - the answer splits on ``action_sep``; pieces are stripped and empty ones dropped; the first

@@ -14,21 +14,20 @@ The chat has RAGEN's shape::
     ...
     assistant  (generation prompt) <think>      or <answer> in answer-only mode
 
-One code path serves both regimes: ``AgentConfig.memory_turns=None`` shows every past turn (RAGEN's
-classic growing chat, for ~10-turn envs), a small number shows only the last k (Verlog's memory
-window, so prompt cost stays flat over hundreds of turns). Each prompt plus its sampled response
-is one training sample; turn numbers stay absolute so the model knows how far along it is.
+``AgentConfig.memory_turns=None`` shows every past turn (RAGEN's classic growing chat, for
+~10-turn envs); a small number shows only the last k (Verlog's memory window: prompt cost stays
+flat over hundreds of turns). Each prompt plus its sampled response is one training sample; turn
+numbers stay absolute so the model knows how far along it is.
 
-Token-in, token-out: a past response is spliced into the prompt as the very ids the engine sampled
-(after the prefix tag the prompt had supplied), never as decoded-and-re-encoded text, which can
-tokenize differently. The chat template renders a placeholder in its place; the text around the
-placeholders is tokenized piece by piece. The pieces meet the response at the template's assistant
-header and end-of-turn marker, so for canonical ids the result equals tokenizing the whole chat
-(tests check this). A sampled end-of-turn token (e.g. ``<|im_end|>``) is not doubled by the
-template's own. ``Prompt.response_spans`` locates the spliced responses, so the last prompt of a
-classic episode plus its response is RAGEN's whole-episode sequence with a loss mask on every
-assistant turn. A template that rewrites past assistant turns (Qwen3 drops old ``<think>`` text)
-is not followed there: the sampled ids stay as they were.
+Token-in, token-out: a past response is spliced in as the very ids the engine sampled (after the
+prefix tag), never as re-encoded text, which can tokenize differently. The chat template renders a
+placeholder in its place and the text around the placeholders is tokenized piece by piece; the
+pieces meet the response at the assistant header and end-of-turn marker, so for canonical ids the
+result equals tokenizing the whole chat (tests check this). A sampled end-of-turn token (e.g.
+``<|im_end|>``) is not doubled by the template's own. ``Prompt.response_spans`` locates the spliced
+responses, so the last prompt of a classic episode plus its response is RAGEN's whole-episode
+sequence with a loss mask on every assistant turn. A template that rewrites past assistant turns
+(Qwen3 drops old ``<think>`` text) is not followed: the sampled ids stay as they were.
 """
 from __future__ import annotations
 
@@ -64,10 +63,9 @@ def example_answer(config: AgentConfig, valid_actions: Sequence[str]) -> list[st
 
 
 def format_hint(config: AgentConfig, valid_actions: Sequence[str] = ()) -> str:
-    """The response format the rules line asks for. With ``config.example_answer`` the answer
-    is an example made of the env's first (up to two) action words instead of a placeholder:
-    SmolLM2-135M copies ``[your answer]`` or the grid, but writes ``Left || Down`` after seeing
-    one (FrozenLake, 32 samples at temperature 1: 3 valid first actions against 0)."""
+    """The response format the rules line asks for. With ``config.example_answer`` the answer is
+    :func:`example_answer` instead of ``[your answer]``: a 135M model copies the placeholder or
+    the grid, but writes actions after seeing an example."""
     example = example_answer(config, valid_actions)
     answer = "[your answer]" if example is None else f" {config.action_sep} ".join(example)
     if config.think:
@@ -85,8 +83,8 @@ class Prompt:
     _sampled: list[list[int]] = field(repr=False, compare=False)    # their ids, in order
     _prefix_ids: list[int] = field(repr=False, compare=False)
 
-    # text and messages are for logs, tests and API models, never for the engine, and decoding
-    # a whole prompt every turn cost as much as tokenizing it: they are decoded when first read.
+    # text and messages serve logs, tests and API models, never the engine: decoded when first
+    # read, since decoding every prompt costs as much as tokenizing it.
 
     @cached_property
     def text(self) -> str:
@@ -131,10 +129,9 @@ class PromptBuilder:
         own = " (with your own actions)" if config.example_answer else ""
         self._rules = (f"Always output: {format_hint(config, valid_actions)}{own} with no extra text. "
                        f"Strictly follow this format.\n" if config.instructions else "")
-        # The template pieces of the last prompt, tokenized: the text between two sampled
-        # responses never changes once written, so the next turn tokenizes only its new piece(s),
-        # not the whole chat again, so a turn's cost does not grow with the chat
-        # (benchmarks/README.md). Only the last prompt's pieces are kept: bounded memory.
+        # The last prompt's template pieces, tokenized: text between two sampled responses never
+        # changes, so the next turn tokenizes only its new piece(s) and a turn's cost does not
+        # grow with the chat (benchmarks/README.md). Only the last prompt's are kept.
         self._encoded: dict[str, list[int]] = {}
 
     def copies_example(self, actions: Sequence[str]) -> bool:

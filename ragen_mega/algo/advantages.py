@@ -33,11 +33,10 @@ def _check_samples(**tensors: torch.Tensor) -> None:
 def _masked_gae_scan(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
                      gamma: float, lam: float, bootstrap: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GAE (Schulman et al. 2016) along the last dim of ``[rows, steps]``, visiting only the
-    positions where ``mask`` is set: a masked-out position is skipped entirely (its reward and
-    value are never read and it does not count as a discount step), so the step after a valid
-    position is the next *valid* position. ``bootstrap[row]`` is the value after the row's last
-    valid position (0 for a terminal state). Returns ``(advantages, returns)``, 0 where masked.
+    """GAE (Schulman et al. 2016) along the last dim of ``[rows, steps]`` over the positions
+    where ``mask`` is set; a masked-out position is skipped entirely (reward and value unread, no
+    discount step). ``bootstrap[row]`` is the value after the row's last valid position (0 for a
+    terminal state). Returns ``(advantages, returns)``, 0 where masked.
     """
     keep = mask.bool()
     next_value = bootstrap.to(values.dtype)
@@ -59,16 +58,15 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
         gamma: float = 1.0, lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-level GAE over the loss tokens of each row; returns ``(advantages, returns)``.
 
-    Multi-turn rows interleave generated tokens with observation tokens. Following verl's
-    ``compute_gae_advantage_return`` (which RAGEN uses with its loss mask), the recursion skips
-    masked positions: observation tokens are not MDP steps, so the TD error of the last token of
-    turn k bootstraps from the value at the first token of turn k+1, and ``gamma`` discounts once
-    per generated token. ``values[:, t]`` is the critic's value for the state in which token t is
-    generated. The row's last loss token is terminal (next value 0).
+    As verl's ``compute_gae_advantage_return`` (which RAGEN uses with its loss mask), the
+    recursion skips masked positions: observation tokens are not MDP steps, so turn k's last
+    token bootstraps from the value at turn k+1's first token, and ``gamma`` discounts once per
+    generated token. ``values[:, t]`` is the critic's value of the state token t is generated in.
+    The row's last loss token is terminal (next value 0).
 
-    A reward placed on a masked position would be silently dropped by that recursion, so it is
-    rejected: put each turn's reward on its last generated token. No whitening here (verl whitens
-    inside; we leave it to the caller, see :func:`masked_whiten`).
+    A reward on a masked position would be silently dropped, so it raises: put each turn's reward
+    on its last generated token. No whitening (verl whitens inside; here the caller does, see
+    :func:`masked_whiten`).
     """
     _check_tokens(token_rewards=token_rewards, values=values, mask=mask)
     off_mask = (token_rewards != 0) & ~mask.bool()
@@ -103,11 +101,10 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 def advantage_metrics(advantages: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
     """verl's ``critic/advantages/{mean,max,min}`` over the loss tokens (none: no scalars).
 
-    The mean is what a ``token-mean`` loss pushes each trained token by on net. Group-relative
-    advantages sum to 0 over a group's episodes, not over its tokens: where the failed episodes
-    are the long ones (an agent wandering until ``env.max_turns``), the mean is below 0 step
-    after step, and what every answer shares (its end, its commonest move) is pushed down on
-    net."""
+    The mean is the net push a ``token-mean`` loss gives each trained token. Group-relative
+    advantages sum to 0 over episodes, not tokens: when failed episodes are the long ones, the
+    mean stays below 0 and what every answer shares (its end, its commonest move) is pushed down.
+    """
     _check_tokens(advantages=advantages, mask=mask)
     trained = advantages[mask.bool()]
     if trained.numel() == 0:
@@ -158,10 +155,9 @@ def grpo(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True
     ``(score - group mean) / (group std + eps)``, std unbiased like ``torch.std`` and verl;
     ``norm_by_std=False`` is Dr. GRPO (Liu et al. 2025), mean subtraction only.
 
-    A group of one sample gets advantage 0: it has no baseline to compare against. (verl instead
-    uses mean 0 / std 1 there, i.e. the raw score, which turns a lone sample's reward into a
-    full-strength advantage.) Returns ``[batch]``; spread it over tokens with
-    :func:`broadcast_to_tokens`.
+    A group of one sample gets advantage 0: it has no baseline. (verl uses mean 0 / std 1 there,
+    turning a lone sample's raw score into a full-strength advantage.) Returns ``[batch]``; spread
+    it over tokens with :func:`broadcast_to_tokens`.
     """
     mean, std, count = _per_sample_stats(scores, group_ids)
     adv = scores - mean
@@ -174,17 +170,16 @@ def grpo(scores: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True
 def normalize_scores(scores: torch.Tensor, group_ids: torch.Tensor, method: str = "identity"
                      ) -> torch.Tensor:
     """RAGEN's episode-score normalisation (``agent_proxy.reward_normalization`` in its
-    ``ctx_manager``), applied before the advantage estimator, over the samples sharing
-    ``group_ids`` (same env seed / initial state: RAGEN's ``state`` grouping; its ``batch`` and
-    ``inductive`` groupings are no config's, so they are not here). ``method``:
+    ``ctx_manager``), before the advantage estimator, within ``group_ids`` (same env seed:
+    RAGEN's ``state`` grouping; its ``batch`` and ``inductive`` groupings are not used by any
+    config, so not here). ``method``:
       - ``identity``: unchanged,
       - ``mean``: subtract the group mean,
       - ``mean_std``: ``(x - mean) / (std + 1e-6)``, and 0 for a group whose std <= 1e-6
         (RAGEN's guard: an all-equal group carries no signal and dividing would amplify noise),
       - ``asym_clip``: ``mean_std`` clamped to [-1, 3] (keeps rare successes, bounds failures).
     Std is unbiased, as in RAGEN. A group of one sample gets 0 under every method but identity;
-    RAGEN instead skips normalisation of the whole batch when *every* group has one sample, a
-    special case this function does not copy.
+    RAGEN instead skips normalisation when *every* group has one sample (not copied here).
     """
     if method not in NORM_METHODS:
         raise ValueError(f"unknown reward normalization method {method!r}; "
@@ -238,10 +233,9 @@ def broadcast_to_tokens(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.T
 
 def _episode_layout(episode_ids: torch.Tensor, turn_indices: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Map each turn to (row, column) of a ``[n_episodes, max_turns]`` grid, column = turn index
-    minus the episode's first turn index in the batch; also return each row's last column.
-    Turns of one episode must be unique and consecutive (a window of an episode is fine, e.g.
-    Verlog's fixed-turn batching)."""
+    """Each turn's (row, column) in a ``[n_episodes, max_turns]`` grid (column: turn index minus
+    the episode's first in the batch) and each row's last column. An episode's turns must be
+    unique and consecutive (a window of an episode, as in Verlog's fixed-turn batching, is fine)."""
     episodes, row = torch.unique(episode_ids, return_inverse=True)
     n_rows = episodes.shape[0]
     turns = turn_indices.to(torch.int64)
@@ -277,13 +271,12 @@ def turn_level_gae(rewards: torch.Tensor, values: torch.Tensor, episode_ids: tor
         delta_k = rewards_k + gamma_turn * V_{k+1} - V_k
         A_k     = delta_k + gamma_turn * lam_turn * A_{k+1},      returns_k = A_k + V_k
 
-    ``values[k]`` is the critic's value of the state the turn acts in (the value at the turn's
-    prompt end, i.e. at its first generated token). Samples may come in any order; turns are
-    matched by ``episode_ids`` and ordered by ``turn_indices``. The last turn of an episode in the
-    batch is either terminal (``dones`` True: V after it is 0) or truncated - the episode goes on
-    past the batch, as in Verlog's fixed-turn batching - and then ``bootstrap_values`` at that
-    turn must hold V of the next state (the critic's value at the end of the next turn's prompt).
-    ``bootstrap_values`` is read nowhere else. A ``done`` before an episode's last turn is an error.
+    ``values[k]`` is the critic's value at the turn's first generated token. Samples may come in
+    any order; turns are matched by ``episode_ids`` and ordered by ``turn_indices``. An episode's
+    last turn in the batch is terminal (``dones`` True: next V is 0) or truncated (the episode
+    goes on past the batch, as in Verlog's fixed-turn batching); then ``bootstrap_values`` at that
+    turn, and only there, must hold V of the next state (at the end of the next turn's prompt).
+    A ``done`` before an episode's last turn is an error.
     """
     _check_samples(rewards=rewards, values=values, episode_ids=episode_ids,
                    turn_indices=turn_indices, dones=dones)
@@ -321,16 +314,15 @@ def bi_level_token_gae(turn_returns: torch.Tensor, token_values: torch.Tensor,
     """Token-level GAE inside each turn, driven by the turn-level return (the "low level" of
     bi-level GAE: ArCHer, Zhou et al. 2024; RAGEN/VAGEN ``compute_bi_level_gae_advantage_return``).
 
-    Row i is one turn. Its last loss token receives ``turn_returns[i]`` (from
-    :func:`turn_level_gae`) as a terminal reward and the recursion runs backwards over the
-    turn's loss tokens with ``gamma_token`` / ``lam_token``; ``token_values[i, t]`` is the
-    critic's value where token t is generated. Returns ``(advantages, returns)`` ``[batch, seq]``.
+    Row i is one turn: its last loss token receives ``turn_returns[i]`` (from
+    :func:`turn_level_gae`) as a terminal reward and GAE runs back over the turn's loss tokens
+    with ``gamma_token`` / ``lam_token``. Returns ``(advantages, returns)`` ``[batch, seq]``; a
+    row without loss tokens gets zeros.
 
     With ``gamma_token = lam_token = 1`` (Verlog's defaults) token t gets
-    ``turn_returns[i] - token_values[i, t]``; its first token gets the turn-level advantage, and
-    the whole is exactly Verlog's dual-discount GAE over the episode's concatenated tokens
-    (tested against a naive implementation of Verlog's recursion). A row without loss tokens
-    gets zeros.
+    ``turn_returns[i] - token_values[i, t]`` (the first token: the turn-level advantage), which
+    is exactly Verlog's dual-discount GAE over the episode's tokens (tested against a naive
+    implementation of its recursion).
     """
     _check_tokens(token_values=token_values, mask=mask)
     if turn_returns.shape != (mask.shape[0],):

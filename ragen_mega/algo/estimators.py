@@ -2,17 +2,13 @@
 
 An estimator is one function ``(batch, settings, *, token_values, bootstrap_values) -> batch``
 that adds ``advantages`` (and, for a critic's estimator, ``returns``) [B, S] to ``batch`` (the
-per-turn batch of ``rollout/batch.py``'s ``build_batch``), registered with the :func:`estimator`
-decorator, which also declares what it needs of the run (:class:`EstimatorSpec`: a critic or
-none, groups of two or more, streamed steps). The config checks a run against those declarations
-and names no estimator itself, so a new estimator, built in or the user's
-(``algo.adv_estimator: my_pkg.credit:my_advantages``, or ``FILE.py:FUNCTION``), is one function
-here or there and nothing else. ``settings`` is the run's ``algo`` section (any object with the
-attributes an estimator reads: ``gamma``, ``lam``, ``reward_norm``, ``grpo_norm_by_std``,
-``whiten_advantages``), so a new estimator's settings are new fields there and nothing between
-the config and the estimator passes them one by one.
-
-Pure tensor functions, as the rest of ``algo/``: the math is in :mod:`.advantages`.
+per-turn batch of ``rollout/batch.py``'s ``build_batch``). The :func:`estimator` decorator
+registers it and declares what it needs of the run (:class:`EstimatorSpec`); the config checks
+a run against those declarations and names no estimator itself. So a new estimator, built in or
+the user's (``algo.adv_estimator: my_pkg.credit:my_advantages`` or ``FILE.py:FUNCTION``), is one
+function and nothing else. ``settings`` is the run's ``algo`` section (``gamma``, ``lam``,
+``reward_norm``, ``grpo_norm_by_std``, ``whiten_advantages``...): a new estimator's settings are
+new fields there. Pure tensor functions; the math is in :mod:`.advantages`.
 """
 from __future__ import annotations
 
@@ -133,10 +129,9 @@ def gae_advantages(batch, settings, *, token_values=None, bootstrap_values=None)
     token. ``gamma``/``lam`` discount across turns; inside a turn tokens are undiscounted
     (Verlog's dual-discount GAE).
 
-    ``bootstrap_values`` [B]: at each cut sample (``batch["cut"]``: an episode that goes on past
-    this batch) the critic's value of the state after it; the cut turn's TD error reads it in
-    place of a terminal 0. Read nowhere else; None: every episode in the batch ends in it
-    (episodes mode).
+    ``bootstrap_values`` [B]: at each cut sample (``batch["cut"]``: its episode goes on past this
+    batch) the critic's value of the next state, read in place of a terminal 0 and nowhere else;
+    None: every episode ends in the batch (episodes mode).
 
     ``whiten_advantages``: the advantages are whitened over all of the batch's response tokens
     (:func:`masked_whiten`, as verl does); the returns, the critic's targets, are not.

@@ -2,10 +2,10 @@
 generalisation of it ("Reasoning Collapse in Agentic RL", arXiv 2604.06268; RAGEN's
 ``ragen/trainer/rollout_filter.py`` and ``docs/rollout_filtering.md``).
 
-Episodes are rolled out in groups that share an initial state (same env seed). A group whose
-episodes all earn the same reward carries no learning signal for a group-relative estimator and
-mostly adds noise; RAGEN found that keeping only the groups with the highest reward spread (the
-top 25%) delays the "echo trap" collapse. ``ratio=1`` keeps every group: plain StarPO.
+A group's episodes share an initial state (same env seed). A group whose episodes all earn the
+same reward gives a group-relative estimator no signal, only noise; RAGEN found that keeping the
+groups with the highest reward spread (top 25%) delays the "echo trap" collapse. ``ratio=1``
+keeps every group: plain StarPO.
 
 RAGEN-2 generalises the cut. Each group gets a score (``metric``, one of :data:`GROUP_METRICS`)
 and a ``strategy`` (one of :data:`STRATEGIES`) picks groups by it:
@@ -19,15 +19,13 @@ and a ``strategy`` (one of :data:`STRATEGIES`) picks groups by it:
   the lowest score over ``min_p``).
 
 ``include_zero=False`` drops the groups scoring 0 before the strategy runs (RAGEN's
-``include_zero``); ``top_k`` still counts ``ratio`` of all groups. ``mode`` orders the scores:
-``largest`` (StarPO-S's ``std``) or ``smallest`` (``std_rev``); ``std``/``std_rev`` are kept as
-the StarPO-S names and mean largest/smallest reward std.
+``include_zero``); ``top_k`` still counts ``ratio`` of all groups. ``mode``: ``largest`` or
+``smallest`` first; ``std``/``std_rev`` are StarPO-S's names for largest/smallest reward std.
 
-What the kept groups' samples weigh (:attr:`GroupSelection.weights`, multiplied into their
-advantages): ``loss_scaling`` ``linear`` or ``sqrt`` of the kept share of groups (RAGEN's
-``filter_loss_scaling``: a small kept share makes a smaller step), and ``soft_reweight``, each
-group's reward std over the largest kept one (RAGEN-2's soft advantage reweighting instead of a
-hard cut, which it applies to GRPO only).
+The kept groups' advantage multipliers (:attr:`GroupSelection.weights`): ``loss_scaling``
+``linear`` or ``sqrt`` of the kept share of groups (RAGEN's ``filter_loss_scaling``: a small kept
+share makes a smaller step), times, with ``soft_reweight``, each group's reward std over the
+largest kept one (RAGEN-2's soft reweighting instead of a hard cut, applied to GRPO only).
 
 Where this differs from RAGEN's code, and why:
 
@@ -203,10 +201,9 @@ def select_groups(rewards: torch.Tensor, group_ids: torch.Tensor, ratio: float =
                   selection_eps: float = 0.01, loss_scaling: str = "none",
                   soft_reweight: bool = False, entropy: torch.Tensor | None = None,
                   length: torch.Tensor | None = None) -> GroupSelection:
-    """Keep groups of members by ``metric`` and ``strategy`` (the module docstring says each);
-    the defaults are StarPO-S: the top ``ratio`` of groups by in-group reward std. Unset
-    (None), ``mode`` follows the metric (:func:`default_mode`) and ``top_p`` / ``min_p`` are
-    :data:`RAGEN2_FILTER_VALUE` under their strategy.
+    """Keep groups of members by ``metric`` and ``strategy`` (see the module docstring); the
+    defaults are StarPO-S. Unset (None), ``mode`` follows the metric (:func:`default_mode`) and
+    ``top_p`` / ``min_p`` are :data:`RAGEN2_FILTER_VALUE` under their strategy.
 
     ``rewards[i]`` is the total reward of member i (an episode), ``group_ids[i]`` its group;
     ``entropy`` and ``length`` (per member) are needed by those metrics only. Scores equal up

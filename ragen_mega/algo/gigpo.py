@@ -1,11 +1,11 @@
 """GiGPO: critic-free step-level credit (Feng et al. 2025, "Group-in-Group Policy Optimization
 for LLM Agent Training", arXiv 2505.10978; verl-agent's ``gigpo/core_gigpo.py``).
 
-GRPO gives every turn of an episode its episode's group-relative advantage, so a turn that walked
-into a hole and one that walked round it share one number. GiGPO adds a second, finer grouping
-without a critic: the episodes of a group start from the same state, so they keep meeting the
-same states (the *anchor states*) on the way, and the turns taken from one anchor state form a
-*step group* whose members can be compared directly. Each turn's advantage is::
+GRPO gives every turn of an episode the same advantage, so a turn that walked into a hole and one
+that walked round it share one number. GiGPO adds a finer grouping without a critic: a group's
+episodes start from the same state, so they keep meeting the same *anchor states*, and the turns
+taken from one anchor state form a *step group* whose members can be compared directly. Each
+turn's advantage is::
 
     A = A_episode + step_weight * A_step
 
@@ -13,15 +13,14 @@ same states (the *anchor states*) on the way, and the turns taken from one ancho
 - ``A_step`` (Eq. 5-7): the turn's discounted return from its state on, ``R_t = r_t + gamma *
   R_{t+1}`` over its episode's turns, against the returns of the other turns of its step group.
 
-Both levels normalise alike: mean subtraction, and division by the group's std when
-``norm_by_std`` (verl-agent's ``mean_std_norm``; ``False`` is its ``mean_norm``). A step group of
-one turn gets ``A_step = 0``: it has nobody to be compared with (verl-agent subtracts the group's
-own mean, the same 0).
+Both levels subtract the group mean and, with ``norm_by_std``, divide by its std (verl-agent's
+``mean_std_norm``; ``False`` is its ``mean_norm``). A step group of one turn gets ``A_step = 0``
+(verl-agent: the same 0).
 
-Where this differs from verl-agent, and why: its episode-level statistics are by default taken
-over the group's *turns* (``compute_mean_std_cross_steps``: a long episode counts once per turn),
-here over its episodes as the paper's Eq. 3 and :func:`grpo` do; a group of one episode gets 0
-here and its raw score there (as :func:`grpo` documents).
+Where this differs from verl-agent: its episode-level statistics are by default over the group's
+*turns* (``compute_mean_std_cross_steps``: a long episode counts once per turn), here over its
+episodes, as the paper's Eq. 3 and :func:`grpo`; a group of one episode gets 0 here, its raw
+score there (see :func:`grpo`).
 """
 from __future__ import annotations
 
@@ -39,11 +38,11 @@ def anchor_groups(state_keys: Sequence[str], group_ids: Sequence[int],
     """The step group of each turn ``[n]`` (int64 ids, numbered in order of first appearance):
     turns of one episode group (``group_ids``: same seed) whose anchor states match.
 
-    ``state_keys[i]`` is the key of the state turn i acts in (``TextEnv.state_key``; by default
-    the observation text). Matching is exact, or with ``similarity`` in (0, 1) approximate, as
-    verl-agent's ``enable_similarity``: a turn joins the first step group (in order of creation)
-    whose first key has a :class:`difflib.SequenceMatcher` ratio of at least ``similarity`` with
-    its own, else starts a new one. Turns of different episode groups never share a step group.
+    ``state_keys[i]`` is the key of the state turn i acts in (``TextEnv.state_key``; default: the
+    observation text). Matching is exact, or with ``similarity`` in (0, 1) approximate, as
+    verl-agent's ``enable_similarity``: a turn joins the first-created step group whose first key
+    has a :class:`difflib.SequenceMatcher` ratio >= ``similarity`` with its own, else starts one.
+    Turns of different episode groups never share a step group.
     """
     if len(state_keys) != len(group_ids):
         raise ValueError(f"anchor_groups: {len(state_keys)} state keys but {len(group_ids)} "
@@ -98,10 +97,9 @@ def gigpo(rewards: torch.Tensor, episode_ids: torch.Tensor, group_ids: torch.Ten
 
     ``rewards[i]`` is turn i's reward, ``episode_ids``/``group_ids``/``turn_indices`` place it,
     ``step_groups`` is :func:`anchor_groups`' output. The episode term scores each group member
-    by the sum of its turns' rewards, normalised within the group by ``reward_norm`` (RAGEN's
-    :func:`normalize_scores`) before :func:`grpo`; a member is its episode, or ``members[i]``
-    when given (streamed steps: the env stream, whose window sums compare across a group). The
-    step term's returns are discounted by ``gamma`` within each episode.
+    by its turns' summed reward, normalised by ``reward_norm`` (:func:`normalize_scores`), then
+    :func:`grpo`; a member is its episode, or ``members[i]`` when given (streamed steps: the env
+    stream, whose window sums compare across a group). Step returns discount by ``gamma``.
     """
     _check_samples(rewards=rewards, episode_ids=episode_ids, group_ids=group_ids,
                    turn_indices=turn_indices, step_groups=step_groups)

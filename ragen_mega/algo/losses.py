@@ -7,9 +7,9 @@ where this module differs from verl it says so and why.
 
 Aggregation across micro-batches and data-parallel ranks
 --------------------------------------------------------
-A mean over a *global* batch cannot be computed from per-micro-batch means when the micro-batches
-hold different numbers of tokens (ragged multi-turn masks always do). So :func:`aggregate` divides
-the masked *sum* by an optional ``normalizer``:
+Per-micro-batch means do not give the global mean when micro-batches hold different numbers of
+tokens (ragged multi-turn masks always do), so :func:`aggregate` divides the masked *sum* by an
+optional ``normalizer``:
 
 1. before the step, each rank computes ``loss_normalizer(mask_mb, mode)`` for each of its
    micro-batches, sums them, and all-reduces (SUM) the total over the data-parallel group;
@@ -17,23 +17,21 @@ the masked *sum* by an optional ``normalizer``:
 3. the *sum* of these losses over all micro-batches on all ranks is exactly the full-batch loss.
 
 Backends that average rather than sum (Megatron divides each micro-batch loss by the number of
-micro-batches M and DDP averages gradients over the D data-parallel ranks) must multiply the loss
-by ``M * D`` before backward so the gradient equals the full-batch gradient. The tests check
-step 3 against the full-batch value.
+micro-batches M; DDP averages gradients over D data-parallel ranks) must multiply the loss by
+``M * D`` before backward. The tests check step 3 against the full-batch value.
 
 Episodes alike (``episode-mean-token-mean``)
 --------------------------------------------
 A token-mean weighs an episode by its response tokens. In a multi-turn game the long episodes
-are mostly the failures (the agent wanders until ``max_turns``), so the tokens every response
-shares (``</answer>``, end of turn) carry a net negative advantage each step (one in-process
-FrozenLake run on textgame-small lost its end-of-turn token that way, ``docs/results.md``).
-Weighing every EPISODE alike (the mean over its response tokens, then the mean over episodes:
-verl's ``seq-mean-token-mean`` when, as in RAGEN, a whole trajectory is one sequence) makes the
-group-mean advantages sum to zero over those shared tokens. The mode holds in any layout (an
-episode packed into one row, split into per-turn rows, under a memory window, across
-micro-batches and ranks): :func:`episode_weighted_mask` puts each
-token's weight ``1 / (its episode's loss tokens)`` into the loss mask before micro-batching,
-after which the mode is a token-mean whose normalizer (the summed weights) counts episodes.
+are mostly failures (the agent wanders until ``max_turns``), so the tokens every response shares
+(``</answer>``, end of turn) get a net negative advantage each step (a FrozenLake run lost its
+end-of-turn token that way, ``docs/results.md``). Weighing every EPISODE alike (mean over its
+response tokens, then over episodes: verl's ``seq-mean-token-mean`` when, as in RAGEN, a whole
+trajectory is one sequence) makes group-mean advantages sum to zero over those shared tokens.
+It holds in any layout (one row per episode or per turn, a memory window, across micro-batches
+and ranks): :func:`episode_weighted_mask` puts each token's weight ``1 / (its episode's loss
+tokens)`` into the loss mask before micro-batching; the mode is then a token-mean whose
+normalizer (the summed weights) counts episodes.
 
 Entropy is computed by the trainer (vocab-parallel); its bonus is
 ``-entropy_coeff * aggregate(entropy, mask, mode, normalizer)``, nothing more is needed here.
@@ -122,15 +120,13 @@ def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mea
         (the original GRPO objective: long answers are down-weighted per token).
       - ``seq-mean-token-sum``: sum over each sequence's tokens, then mean over sequences.
       - ``seq-mean-token-sum-norm``: Dr. GRPO (Liu et al. 2025): token sum divided by a constant
-        ``horizon`` (default ``seq``, pass the configured max response length so micro-batches
-        padded to different widths agree), then mean over sequences. verl divides the batch's
-        summed token sums by the horizon only and never by the number of sequences, so its value
-        grows with batch size; this one is a mean, like the other modes.
+        ``horizon`` (default ``seq``; pass the configured max response length so micro-batches
+        padded to different widths agree), then mean over sequences. verl never divides by the
+        number of sequences, so its value grows with batch size; this one is a mean.
 
-    ``normalizer`` replaces the local count from :func:`loss_normalizer` (global token count for
-    ``token-mean``, global sequence count otherwise), which makes micro-batch losses add up to the
-    full-batch loss. It is a count: 0 is read as 1, so an empty batch gives 0, never NaN. Empty
-    rows contribute 0 in every mode.
+    ``normalizer`` replaces the local count of :func:`loss_normalizer` with the global one, so
+    micro-batch losses add up to the full-batch loss. It is a count: 0 is read as 1, so an empty
+    batch gives 0, never NaN. Empty rows contribute 0 in every mode.
     """
     _check_mode(mode)
     _check_same_shape(loss_mat=loss_mat, mask=mask)
@@ -174,12 +170,10 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     unlikely tokens with positive advantage grow, which keeps entropy from collapsing.
 
     Dual-clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games with Deep RL"): for
-    ``A < 0`` only, the loss is capped at ``-A * clip_ratio_c``, so a token whose ratio has already
-    exploded under a negative advantage cannot dominate the step. Positive-advantage tokens are
-    already bounded by the upper clip. ``clip_ratio_c=None`` turns it off; verl's default is 3.
-
-    Where a clip is active the loss is constant in ``logprobs``, so those tokens get exactly zero
-    gradient (tested).
+    ``A < 0`` only, the loss is capped at ``-A * clip_ratio_c``, so a token whose ratio exploded
+    under a negative advantage cannot dominate the step (the upper clip bounds ``A > 0``).
+    ``clip_ratio_c=None`` turns it off; verl's default is 3. Where a clip is active the loss is
+    constant in ``logprobs``: zero gradient (tested).
 
     ``is_weights`` (:func:`truncated_is_weights`) multiply each token's clipped loss, as verl
     applies its truncated IS ratio: behaviour-policy correction for stale samples.
@@ -243,10 +237,9 @@ def truncated_is_weights(old_logprobs: torch.Tensor, behaviour_logprobs: torch.T
     2018's truncation; verl's ``tis_imp_ratio_cap``, slime's ``--use-tis``), detached.
 
     ``behaviour_logprobs`` are the engine's at sampling time, ``old_logprobs`` the actor's
-    recomputed ones (the PPO proximal policy). When the samples are a weight version stale
-    (``async_mode: one_step_off``) the two differ, and the weight turns the PPO loss, an
-    expectation under the proximal policy, back into one under the policy that sampled. The cap
-    bounds the variance a token the engine found unlikely would bring."""
+    recomputed ones (the PPO proximal policy). With stale samples (``async_mode: one_step_off``)
+    they differ, and the weight turns the PPO loss back into an expectation under the policy that
+    sampled. The cap bounds the variance from tokens the engine found unlikely."""
     _check_same_shape(old_logprobs=old_logprobs, behaviour_logprobs=behaviour_logprobs)
     if not cap > 0:
         raise ValueError(f"truncated IS cap must be > 0, got {cap}")
@@ -286,13 +279,11 @@ def highlight_first_tokens(mask: torch.Tensor, weight: float) -> torch.Tensor:
     """``mask`` with every response's first loss token counted ``weight`` times (Verlog's
     ``highlight_first`` for the critic).
 
-    The turn-level GAE reads a turn's value at its first response token, so that one value
-    decides the turn's credit; weighting its loss term makes the critic fit it first. A response
-    starts where the mask switches on (column 0 or a 0 -> 1 step), so one turn per row and a
-    whole-chat row holding several responses are both covered. Used as the mask of
-    :func:`value_loss` (and of :func:`loss_normalizer` for its global normaliser), the token-mean
-    becomes a weighted mean, ``sum(w * l) / sum(w)``: a weighted token counts as ``weight``
-    tokens in every aggregation mode. ``weight=1`` returns ``mask`` itself.
+    Turn-level GAE reads a turn's value at its first response token, so that value decides the
+    turn's credit; weighting its loss term makes the critic fit it first. A response starts where
+    the mask switches on (column 0 or a 0 -> 1 step), so per-turn rows and whole-chat rows are
+    both covered. As the mask of :func:`value_loss` (and of :func:`loss_normalizer`), a weighted
+    token counts as ``weight`` tokens in every aggregation mode. ``weight=1`` returns ``mask``.
     """
     if not weight >= 1.0:
         raise ValueError(f"highlight weight must be >= 1, got {weight}")
@@ -313,12 +304,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         v_clip = old_values + clip(values - old_values, -clip_range_value, +clip_range_value)
         loss   = 0.5 * max((values - returns)^2, (v_clip - returns)^2)
 
-    Taking the max is pessimistic: the critic cannot move further than ``clip_range_value`` from
-    the value it had at rollout time to reduce its loss. ``clip_range_value=None`` is the plain
-    0.5 * squared error. Metrics (detached, token-means over ``mask``): ``vf_clip_frac`` (the
-    clipped term is the larger one) and ``vpred_mean``. The explained variance is a ratio of
-    whole-batch moments, no micro-batch mean: ``algo/objectives.py``'s ``ValueObjective``
-    computes it.
+    The max is pessimistic: the critic cannot move further than ``clip_range_value`` from its
+    rollout-time value to reduce its loss. ``clip_range_value=None`` is plain 0.5 * squared
+    error. Metrics (detached, token-means over ``mask``): ``vf_clip_frac`` (the clipped term is
+    the larger one) and ``vpred_mean``. Explained variance is a ratio of whole-batch moments, so
+    ``algo/objectives.py``'s ``ValueObjective`` computes it.
     """
     _check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
     unclipped = (values - returns).square()

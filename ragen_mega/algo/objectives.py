@@ -2,16 +2,15 @@
 (the actor) and the clipped value objective (the critic), by role (:data:`OBJECTIVES`); and the
 supervised warm start's (:class:`SFTObjective`, ``ragen-mega sft``).
 
-A trainer backend computes the model outputs (log-probs and entropy, or values) of one
-micro-batch and hands them to the objective it was given; the objective returns the loss and its
-statistics, under verl's names where verl has the quantity (built by name, one vector in
-:attr:`stat_names` order for the backend to sum: :meth:`Objective.stack`). How the loss is
-normalised over micro-batches and data-parallel ranks (``algo/losses.py``'s module doc) is the
-backend's: it passes the global normaliser in :class:`Normalization`, and the token-weighted
-statistics are shares of the global batch's (``global_tokens``), so they sum to its means.
+A trainer backend computes one micro-batch's model outputs (log-probs and entropy, or values)
+and hands them to its objective, which returns the loss and its statistics (verl's names where
+verl has the quantity; one vector in :attr:`stat_names` order for the backend to sum, see
+:meth:`Objective.stack`). Normalising over micro-batches and data-parallel ranks
+(``algo/losses.py``'s module doc) is the backend's: it passes the global normaliser in
+:class:`Normalization`, and token-weighted statistics are shares of the global batch's
+(``global_tokens``), so they sum to its means.
 
-``settings`` is the role's config section (any object with the attributes an objective reads),
-so an objective's new knob is one config field and nothing in between passes it along.
+``settings`` is the role's config section, so an objective's new knob is one config field.
 Pure tensor functions, as the rest of ``algo/``.
 """
 from __future__ import annotations
@@ -26,9 +25,9 @@ from ragen_mega.algo.losses import (aggregate, episode_weighted_mask, highlight_
 
 def weigh_episodes(batch: dict, mode: str) -> dict:
     """``batch`` with ``episode-mean-token-mean``'s weights in its loss mask (``algo/losses.py``:
-    every episode weighs alike); the batch as it is in the other modes. The weights come from the
-    batch's ``episode_loss_tokens``, counted by the driver over the whole step's batch, so they
-    hold however the rows are cut into mini-batches, ranks and micro-batches."""
+    every episode weighs alike); unchanged in the other modes. The weights come from
+    ``episode_loss_tokens``, counted by the driver over the whole step's batch, so they hold
+    however the rows are split into mini-batches, ranks and micro-batches."""
     if mode != "episode-mean-token-mean":
         return batch
     if "episode_loss_tokens" not in batch:
@@ -185,11 +184,9 @@ class ValueObjective(Objective):
 
 
 class SFTObjective(Objective):
-    """Supervised fine-tuning (``ragen-mega sft``): the negative log-likelihood of the target
-    tokens (``loss_mask``: the assistant's), normalised over micro-batches and ranks as the
-    actor's loss is (``loss_agg_mode``, the backend's :class:`Normalization`; an SFT batch has
-    no episodes, so ``episode-mean-token-mean`` is its token-mean); the mean target-token entropy
-    as a statistic."""
+    """Supervised fine-tuning (``ragen-mega sft``): the NLL of the target tokens (``loss_mask``:
+    the assistant's), normalised as the actor's loss (:class:`Normalization`; with no episodes,
+    ``episode-mean-token-mean`` is a token-mean); mean target-token entropy as a statistic."""
 
     stat_names = ("loss", "entropy")
 

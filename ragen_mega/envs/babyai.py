@@ -11,10 +11,10 @@ Levels are chosen by short name (BALROG's five task kinds) or by any registered 
 ===================  =========================================================================
 
 BALROG draws its tasks from babyai-text's ``MixedTrainLocal`` level, which minigrid does not
-ship. The first four are minigrid's levels for the same skills (one difference: BALROG's "open"
-is two rooms and a locked door, Open-v0 a 3x3 maze of closed doors; ``BabyAI-UnlockLocal-v0`` is
-the locked-door variant). The fifth is built here from minigrid's own instruction and verifier
-classes, so success is judged by minigrid in every level.
+ship. The first four are minigrid's levels for the same skills (except that BALROG's "open" is
+two rooms and a locked door, Open-v0 a 3x3 maze of closed doors; ``BabyAI-UnlockLocal-v0`` is
+the locked-door variant). The fifth is built from minigrid's instruction and verifier classes,
+so minigrid judges success in every level.
 
 Reward is minigrid's (``1 - 0.9 * steps / max_steps`` on success, else 0); ``success`` is
 "the mission was completed". ``max_steps=None`` keeps each level's own limit.
@@ -47,12 +47,9 @@ ACTIONS = ["turn left", "turn right", "go forward", "pick up", "drop", "toggle"]
 
 
 class PickupThenGoToLocal(LevelGen):
-    """One 8x8 room, 10 objects, a mission "pick up A then go to B" / "go to B after you pick up A".
-
-    BALROG's ``pick_up_seq_go_to`` task (from babyai-text, not in minigrid), rebuilt on
-    minigrid's ``LevelGen`` so that minigrid's verifier judges it. A and B never describe the same
-    object (otherwise "pick up the ball then go to the ball" could be satisfied oddly).
-    """
+    """BALROG's ``pick_up_seq_go_to`` (babyai-text's, not in minigrid) on minigrid's ``LevelGen``:
+    one 8x8 room, 10 objects, "pick up A then go to B" / "go to B after you pick up A". A and B
+    never describe the same object (else "pick up the ball then go to the ball" is odd)."""
 
     def __init__(self, **kwargs):
         super().__init__(num_rows=1, num_cols=1, num_dists=10, locked_room_prob=0,

@@ -1,14 +1,13 @@
 """BabyAI's egocentric view in words, in the style of BALROG's BabyAI-Text.
 
-The input is minigrid's own partial observation (``gen_obs()["image"]``: one
-``(type, color, state)`` triple per cell of the square view, the agent in the bottom-middle cell
-looking towards row 0). Reading that encoding rather than the full grid means the text says
-exactly what the agent can see: cells behind walls and closed doors are "unseen" there and are
-never described.
+The input is minigrid's partial observation (``gen_obs()["image"]``: one ``(type, color,
+state)`` triple per cell of the square view, the agent in the bottom-middle cell facing row 0).
+Reading it rather than the full grid makes the text say exactly what the agent sees: cells
+behind walls and closed doors are "unseen" and never described.
 
-Positions are relative to the agent: "2 steps left and 1 step forward". Like BabyAI-Text, only the
-nearest wall straight ahead, straight left and straight right is mentioned (enough to tell the
-agent where the room ends without listing every wall cell); every other visible thing is listed.
+Positions are relative to the agent: "2 steps left and 1 step forward". Like BabyAI-Text, only
+the nearest wall straight ahead, left and right is mentioned (where the room ends, without
+listing every wall cell); every other visible thing is listed.
 """
 from __future__ import annotations
 

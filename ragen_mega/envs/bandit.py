@@ -1,16 +1,15 @@
 """RAGEN's two-armed bandit: one pull, then the episode is over.
 
 One arm is low-risk (a fixed small reward), the other high-risk (a big reward with some
-probability, else a small one). The arms carry names whose meaning hints at their risk (RAGEN
-trains with Phoenix/Dragon and tests with e.g. Librarian/Trader), so the game measures whether a
-model reasons from the names to the better expected reward. With the defaults the high-risk arm
-is the better one: 0.25 x 1.0 = 0.25 > 0.1.
+probability, else a small one). Arm names hint at their risk (RAGEN trains with Phoenix/Dragon
+and tests with e.g. Librarian/Trader): the game measures whether a model reasons from the names
+to the better expected reward. With the defaults the high-risk arm is better: 0.25 x 1.0 > 0.1.
 
-The seed fixes the order in which the arms are shown (so "1"/"2" are not a fixed answer) and the
-high-risk arm's draw. ``info`` says which arm was pulled and whether it has the higher expected
-reward (``chose_better_arm``, also ``success`` as in RAGEN); with equal expectations both arms
-count as better. A short answer (at most 64 characters) naming exactly one arm pulls it ("2.
-Dragon"); text naming neither or both is an invalid-action step: reward 0, episode goes on.
+The seed fixes the order the arms are shown in (so "1"/"2" is no fixed answer) and the high-risk
+arm's draw. ``info["chose_better_arm"]`` (also ``success``, as in RAGEN) says whether the pulled
+arm has the higher expected reward; with equal expectations both count as better. A short answer
+(at most 64 characters) naming exactly one arm pulls it ("2. Dragon"); text naming neither or
+both is an invalid-action step: reward 0, the episode goes on.
 """
 from __future__ import annotations
 
@@ -31,9 +30,8 @@ _MAX_NAMING_CHARS = 64
 class BanditEnv(TextEnv):
     """Pull one of two named arms once; see the module docstring."""
 
-    # one pull is the whole episode: group members need their own draws (as RAGEN offsets the
-    # seed per instance), else a group sees one shared outcome and std-normalised advantages
-    # would mostly teach "the risky arm missed".
+    # one pull is the whole episode: each group member needs its own draw (RAGEN offsets the seed
+    # per instance), else std-normalised advantages mostly teach "the risky arm missed".
     seed_shared_in_group = False
 
     def __init__(self, low_risk_name: str = "Phoenix", high_risk_name: str = "Dragon",
@@ -95,8 +93,7 @@ class BanditEnv(TextEnv):
 
     def _named_arm(self, action: Any) -> int | None:
         """Index in the shown order of the one arm a short answer names ("2. Dragon", "Dragon
-        slot"), None if it names neither or both. Small models rarely write the bare name; a
-        short answer that is unambiguous still counts as that pull."""
+        slot"), None if it names neither or both (small models rarely write the bare name)."""
         if not isinstance(action, str) or len(action) > _MAX_NAMING_CHARS or "<" in action:
             return None  # a ramble, or tags the parser should have removed: not a pull
         words = f" {' '.join(re.findall(r'[a-z0-9]+', action.lower()))} "

@@ -7,8 +7,9 @@ valid/effective action rates and success without knowing the game.
 
 Rules every env keeps (tests check them for each registered env):
 - the same seed gives the same episode, in any process (no global RNG, no unordered sets);
-- any action text (empty, garbage, 100 KB, unicode) is an invalid-action step with
-  ``info["action_is_valid"] = False``, never an exception;
+- any action text (empty, garbage, 100 KB, unicode) that is no action is an invalid-action
+  step with ``info["action_is_valid"] = False``, never an exception; the built-in envs then
+  change nothing, pay 0 and count no step;
 - bad constructor kwargs raise ``ValueError``/``TypeError`` naming the kwarg.
 """
 from __future__ import annotations
@@ -22,9 +23,9 @@ class TextEnv(abc.ABC):
 
     #: registry name, set by :func:`ragen_mega.envs.registry.register_env`
     name: str = ""
-    #: True: every episode of a rollout group is reset with the group's seed (same initial state,
-    #: RAGEN's grouping). False: each member gets its own seed, for games whose whole episode is
-    #: one random outcome (the bandit), where a shared seed would give the group one shared draw.
+    #: True: every episode of a rollout group is reset with the group's seed (RAGEN's grouping).
+    #: False: each member gets its own seed, for games whose episode is one random outcome (the
+    #: bandit), where a shared seed would give the group one shared draw.
     seed_shared_in_group: bool = True
 
     @abc.abstractmethod
@@ -46,11 +47,10 @@ class TextEnv(abc.ABC):
         """Action words the env accepts (for the prompt); matching is case-insensitive."""
 
     def state_key(self, observation: str) -> str:
-        """The key of the state the agent acts in, given the observation it was shown: turns of
-        a rollout group with equal keys are GiGPO's anchor states (``algo.adv_estimator:
-        gigpo``), compared with each other. The default is the observation itself; override it
-        when the text holds what does not identify the state (a turn counter, a random flavour
-        line) or misses what does (hidden state)."""
+        """The key of the state the agent acts in, given its observation: turns of a rollout
+        group with equal keys are GiGPO's anchor states (``algo.adv_estimator: gigpo``). The
+        default is the observation; override it when the text holds what does not identify the
+        state (a turn counter) or misses what does (hidden state)."""
         return observation
 
     def close(self) -> None:

@@ -1,7 +1,5 @@
 """Small rules the built-in games share: guarding the episode's life, checking seeds and kwargs.
-
-Kept out of :mod:`ragen_mega.envs.base` so the interface stays a pure contract; any env may use
-them. (Action words are matched by :mod:`ragen_mega.envs.text_actions`.)
+Kept out of :mod:`ragen_mega.envs.base` so the interface stays a pure contract.
 """
 from __future__ import annotations
 

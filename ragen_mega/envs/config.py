@@ -1,6 +1,6 @@
-"""The ``env`` section of the run config: which env(s) a run plays, RAGEN's grouping, the
-held-out evaluation, env servers (the run's tree is ``ragen_mega/config.py``; the rules of a
-section are ``ragen_mega/config_tree.py``'s)."""
+"""The ``env`` section of the run config: the env(s) a run plays, RAGEN's grouping, held-out
+evaluation, env servers (the tree is in ``ragen_mega/config.py``, section rules in
+``ragen_mega/config_tree.py``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,8 +14,8 @@ _TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123
 
 def _check_env_name(name: str, name_key: str) -> None:
     """``name`` is a registered env or a user's ``MODULE:CLASS`` / ``FILE.py:CLASS`` (imported
-    here, so a bad one fails at load); else a ConfigError naming the key. (Whether the env
-    builds with its kwargs is the start-up check's: ``preflight.py``.)"""
+    here, so a bad one fails at load); else a ConfigError naming the key. ``preflight.py``
+    checks that the env builds with its kwargs."""
     from ragen_mega.envs import env_class, list_envs
 
     if not is_code_path(name):  # a registered env is not imported here (crafter, minigrid)
@@ -64,13 +64,13 @@ class EnvMixEntry:
 class EnvConfig:
     """The env(s) a run plays, RAGEN's grouping, and the held-out evaluation.
 
-    One env (the simple form): ``name``, ``kwargs``, ``env_groups`` groups of ``group_size``
-    episodes per step; evaluation on ``val_groups`` held-out groups of ``val_name`` (default: the
-    same env). Metrics are logged overall (``rollout/success``) and under the env's name as tag
+    One env: ``name``, ``kwargs``, ``env_groups`` groups of ``group_size`` episodes per step;
+    evaluation on ``val_groups`` held-out groups of ``val_name`` (default: the same env). Metrics
+    are logged overall (``rollout/success``) and with the env's name as tag
     (``rollout/sokoban/success``).
 
-    Several envs in one run (RAGEN's es_manager ``tags`` / ``n_groups``): list them in ``mix``;
-    each group plays one env, and every metric is also logged per tag::
+    Several envs (RAGEN's es_manager ``tags`` / ``n_groups``): list them in ``mix``; each group
+    plays one env, and every metric is also logged per tag::
 
         env:
           env_groups: 8            # the step's total: must equal the sum over mix (as in RAGEN)
@@ -84,12 +84,12 @@ class EnvConfig:
 
     ``name`` defaults to the tag; ``env_groups: 0`` makes an eval-only env (generalisation to an
     env never trained on), ``val_groups: 0`` a train-only one; ``max_turns`` lets a long-horizon
-    env (BabyAI, Crafter) play longer episodes than a puzzle next to it (RAGEN's per-env
-    ``max_actions_per_traj``); ``val_groups`` counts per env (an
-    added env never thins another's evaluation). With ``mix``, ``name``/``kwargs``/``val_name``/
-    ``val_kwargs`` at the top are refused (each entry says its env). Seeds: each env of a step
-    gets its own consecutive range, the ranges end to end, so a step's seeds are a function of
-    the step (resume) and no two envs share one (``rollout.seeding.mix_specs``).
+    env (BabyAI, Crafter) play longer than a puzzle beside it (RAGEN's per-env
+    ``max_actions_per_traj``); ``val_groups`` counts per env, so an added env never thins
+    another's evaluation. With ``mix``, a top-level ``name``/``kwargs``/``val_name``/``val_kwargs``
+    is refused. Each env of a step gets its own consecutive seed range, end to end, so a step's
+    seeds depend only on the step (resume) and no two envs share one
+    (``rollout.seeding.mix_specs``).
     """
     name: str = setting("bandit", choices=_env_names, also=_USER_ENV, help=(
         "the env a run plays (`ragen-mega play NAME` shows it)"))

@@ -2,33 +2,31 @@
 
 Two changes to crafter, each the smallest override that does it (:class:`ReproducibleCrafter`):
 
-1. Reproducibility. crafter keeps the objects of each 12x12 chunk in a ``set``
-   (``engine.World._chunks``), and objects hash by identity, i.e. by memory address. Every 10th
-   step ``Env._balance_chunk`` turns that set into a list and, when a chunk holds too many cows,
-   zombies or skeletons, despawns ``creatures[random.randint(len(creatures))]``: which creature
-   goes depends on the set's iteration order, that is on memory addresses, so the same seed and
-   actions give different worlds in different processes, and even in one process after other
-   episodes. Everything else is deterministic: world generation and creatures draw from the
-   world's seeded RandomState, the other containers are lists and insertion-ordered dicts, and
-   ``hash((seed, episode))`` of ints is not salted by PYTHONHASHSEED. Fix: hand
-   ``_balance_chunk`` the chunk's objects sorted by position (one object per cell, so the order
-   is total).
-2. Speed. ``Env.step`` renders a 64x64 image every step (most of its time). The text
-   needs none, so ``_obs`` returns None. Rendering is not pure, though: at night
-   ``LocalView._noise`` draws the darkness noise from the *world's* RandomState, so skipping it
-   would change every later cow move and spawn. ``_obs`` therefore takes the same random
-   numbers (same shape, same order) and paints nothing, and the game stays step-for-step equal
-   to crafter with rendering (tests check this over a night).
+1. Reproducibility. crafter keeps each 12x12 chunk's objects in a ``set``
+   (``engine.World._chunks``), and objects hash by memory address. Every 10th step
+   ``Env._balance_chunk`` lists that set and, when a chunk holds too many cows, zombies or
+   skeletons, despawns ``creatures[random.randint(len(creatures))]``: which one goes depends on
+   memory addresses, so the same seed and actions give different worlds in different processes,
+   even in one process after other episodes. All else is deterministic: world generation and
+   creatures draw from the world's seeded RandomState, other containers are lists and
+   insertion-ordered dicts, and ``hash((seed, episode))`` of ints is not salted by
+   PYTHONHASHSEED. Fix: ``_balance_chunk`` gets the chunk's objects sorted by position (one
+   object per cell, so the order is total).
+2. Speed. ``Env.step`` renders a 64x64 image every step (most of its time); the text needs none,
+   so ``_obs`` returns None. Rendering is not pure: at night ``LocalView._noise`` draws darkness
+   noise from the *world's* RandomState, so skipping it would change every later cow move and
+   spawn. ``_obs`` therefore draws the same random numbers (same shape and order) and paints
+   nothing, and the game stays step-for-step equal to crafter with rendering (tests check this
+   over a night).
 
 ``reset(seed)`` plays the first episode of ``crafter.Env(seed=seed)``. Reward is crafter's (+1 per
 achievement first unlocked this episode, +-0.1 per health point). The episode ends on death or
-after ``max_steps`` steps (crafter's ``length``; 2000 by default, as BALROG and Verlog use).
+after ``max_steps`` steps (crafter's ``length``; 2000 by default, as in BALROG and Verlog).
 ``info["success"]`` is true on every valid step once ``success_achievement`` (default
-``collect_diamond``, the hardest one) has been unlocked this episode, so an episode's last valid
-step tells whether it succeeded (invalid-action steps say False, as every env's do).
-``info["achievements"]`` lists what was unlocked this episode, ``info["new_achievements"]`` what
-this step unlocked; crafter's own info comes along (its per-achievement counts renamed
-``achievement_counts``; ``inventory``, ``semantic``, ``player_pos``, ``discount`` as they are).
+``collect_diamond``, the hardest) is unlocked this episode, so an episode's last valid step tells
+whether it succeeded (invalid-action steps say False, as in every env). ``info`` also holds
+this episode's and this step's unlocks and crafter's own info (its counts as
+``achievement_counts``).
 """
 from __future__ import annotations
 
@@ -47,8 +45,8 @@ ACTIONS = [name.replace("_", " ") for name in constants.actions]
 
 
 class ReproducibleCrafter(crafter.Env):
-    """``crafter.Env`` made reproducible across processes and without image rendering; see the
-    module docstring for where crafter's nondeterminism comes from and why ``_obs`` draws noise."""
+    """``crafter.Env``, reproducible across processes and without image rendering (module
+    docstring)."""
 
     def _balance_chunk(self, chunk, objs):
         super()._balance_chunk(chunk, sorted(objs, key=lambda obj: (obj.pos[0], obj.pos[1])))
@@ -191,9 +189,9 @@ class CrafterEnv(TextEnv):
 
     def _footprint(self, target: tuple[int, int], creature) -> tuple:
         """What the player's own action can change, for ``action_is_effective``: its cell, facing,
-        sleep, items, achievements, and the cell it faced before acting (the material there and
-        the health of the creature that stood there). Vitals are left out: they drift every step
-        whatever the action (eating and drinking show up as achievements)."""
+        sleep, items, achievements, and the cell it faced before acting (material, creature
+        health). Vitals drift every step whatever the action, so they are left out (eating and
+        drinking show up as achievements)."""
         player = self._game.player
         items = tuple((k, v) for k, v in player.inventory.items() if k not in VITALS)
         creature_state = None if creature is None else (creature.health, creature.removed)

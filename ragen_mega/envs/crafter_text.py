@@ -1,11 +1,10 @@
 """Crafter's state in words, in the style of BALROG's Crafter wrapper.
 
-Read from the world itself (materials and creatures), not from the image, so it costs no
-rendering. Covers what the agent's image would show: the 9x7 cells around the player. For each
-kind of thing there (tree, water, cow, zombie, ...) the nearest one is named with its offset,
-"tree 1 step up and 2 steps left"; ground (grass, sand, path) is left out as BALROG does, except
-for the cell the player faces, which is always named ("do" on grass can yield a sapling).
-Directions are crafter's own: "left" is what "move left" moves towards (x - 1), "up" is y - 1.
+Read from the world (materials and creatures), not the image, so nothing is rendered. Covers
+what the agent's image would show, the 9x7 cells around the player: the nearest thing of each
+kind with its offset, "tree 1 step up and 2 steps left". Ground (grass, sand, path) is left out
+as in BALROG, except in the faced cell, which is always named ("do" on grass can yield a
+sapling). Directions are crafter's: "left" is x - 1 (where "move left" goes), "up" is y - 1.
 """
 from __future__ import annotations
 

@@ -1,47 +1,44 @@
 """FrozenLake as a text game, backed by gymnasium's own FrozenLake.
 
 gymnasium does the dynamics (slippery moves, holes, goal, reward 1 on the goal); this class adds
-what the model needs: a seeded random map per episode, seeded dynamics (gymnasium's
-``reset(seed=seed)``), a text observation in RAGEN's symbols (optionally with coordinates),
-action words, and invalid-action handling.
+a seeded random map per episode, seeded dynamics (gymnasium's ``reset(seed=seed)``), a text
+observation in RAGEN's symbols (optionally with coordinates), action words, and invalid actions.
 
 Maps (``start_goal``):
 
-- ``"random"`` (the default), RAGEN's generator (``ragen/env/frozen_lake/utils.py``,
-  ``generate_random_map``): each tile is ice with probability ``p`` and a hole otherwise, start and
-  goal are two independent uniform cells; a draw whose start equals its goal, or whose goal cannot
-  be reached from the start by 4-neighbour moves over non-hole tiles, is thrown away whole (tiles,
-  start and goal are all drawn again). Start and goal overwrite whatever tile was drawn there. The
-  draws are made in RAGEN's order from gymnasium's seeded generator (``seeding.np_random(seed)``),
-  so seed ``s`` gives the map RAGEN's generator gives for ``s``. On 4x4 with ``p=0.8`` the start
-  and goal are 2.62 moves apart on average (exact), 21% of maps at distance 1.
-- ``"corners"``: gymnasium's ``generate_random_map(size, p, seed)``, start at the top-left and goal
-  at the bottom-right corner (distance ``2 * (size - 1)``), the same for the same seed.
+- ``"random"`` (default), RAGEN's generator (``ragen/env/frozen_lake/utils.py``,
+  ``generate_random_map``): each tile is ice with probability ``p``, else a hole; start and goal
+  are two independent uniform cells and overwrite the tile drawn there. A draw whose start equals
+  its goal, or whose goal cannot be reached by 4-neighbour moves over non-hole tiles, is redrawn
+  whole. Draws are made in RAGEN's order from gymnasium's seeded generator
+  (``seeding.np_random(seed)``), so seed ``s`` gives RAGEN's map for ``s``. Start-goal distances
+  on 4x4: docs/results.md, "On gymnasium's corner maps".
+- ``"corners"``: gymnasium's ``generate_random_map(size, p, seed)``, start top-left, goal
+  bottom-right (distance ``2 * (size - 1)``).
 
-As in RAGEN, a slippery step goes the intended way with probability ``success_rate`` (0.8) and
-otherwise to one of the two perpendicular directions, ``(1 - success_rate) / 2`` each (gymnasium's
-``success_rate`` argument; gymnasium's own default, 1/3, makes all three equally likely).
-``is_slippery=False`` (or ``success_rate=1``) makes every move go where it is meant to.
+As in RAGEN, a slippery step goes the intended way with probability ``success_rate`` (0.8), else
+to one of the two perpendicular directions, ``(1 - success_rate) / 2`` each (gymnasium's
+``success_rate``; its default, 1/3, makes all three equally likely). ``is_slippery=False`` (or
+``success_rate=1``) makes every move go where it is meant to.
 
-``observation_format`` is RAGEN's option of the same name: ``"grid"`` (the default) is the
-symbol grid; ``"coord"`` lists the board size and the zero-indexed (row, col) of the start, the
-goal, the player and the holes, in RAGEN's wording; ``"grid_coord"`` shows both (RAGEN's current
-``_3_frozen_lake`` config uses it, as ``CoordFrozenLake``, with ``success_rate: 1``).
+``observation_format`` is RAGEN's option: ``"grid"`` (default) the symbol grid; ``"coord"`` the
+board size and the zero-indexed (row, col) of start, goal, player and holes, in RAGEN's wording;
+``"grid_coord"`` both (RAGEN's ``_3_frozen_lake`` config uses it, as ``CoordFrozenLake``, with
+``success_rate: 1``).
 
-Text that is not an action word is an invalid-action step: nothing changes, reward 0, no step
-counted. The episode ends on the goal, in a hole, or after ``max_steps`` valid moves (gymnasium's
-own ``FrozenLake-v1`` time limit is 100); ``step`` after that raises.
+The episode ends on the goal, in a hole, or after ``max_steps`` valid moves (gymnasium's
+``FrozenLake-v1`` limit is 100); ``step`` after that raises.
 
 Where this differs from RAGEN, and why:
 
-- ``p`` defaults to 0.8 (RAGEN's env config defaults to 0.9, its generator function to 0.85);
-  in both, ``p`` is the probability of *ice*, not of a hole.
-- RAGEN retries a failing ``reset`` with the seed ``hash(str(seed))``, which changes with Python's
+- ``p`` defaults to 0.8 (RAGEN's env config: 0.9, its generator function: 0.85); in both, ``p``
+  is the probability of *ice*, not of a hole.
+- RAGEN retries a failing ``reset`` with seed ``hash(str(seed))``, which changes with Python's
   hash randomization; here nothing depends on ``hash``, and a valid map is always found (a start
   next to its goal is always valid, so the loop ends quickly for any ``p``).
-- The coordinate text drops the trailing spaces RAGEN leaves after ``Coordinates:`` and
-  ``Grid Map:``; the instruction states the coordinate range of the actual board (RAGEN's
-  ``CoordFrozenLake`` instruction says ``(5, 5)`` while its board is 4x4).
+- The coordinate text drops RAGEN's trailing spaces after ``Coordinates:`` and ``Grid Map:``; the
+  instruction states the actual board's coordinate range (RAGEN's ``CoordFrozenLake`` says
+  ``(5, 5)`` on a 4x4 board).
 - The instruction and invalid-action handling are this project's (RAGEN gives its instruction in
   the config and maps action ids itself).
 """
@@ -129,10 +126,9 @@ class FrozenLakeEnv(TextEnv):
     def __init__(self, size: int = 4, p: float = 0.8, is_slippery: bool = True,
                  success_rate: float = 0.8, max_steps: int = 100, start_goal: str = "random",
                  observation_format: str = "grid"):
-        """``p``: probability that a tile is frozen ice (the rest are holes); with
-        ``start_goal="corners"`` gymnasium redraws a map until the goal is reachable, so a small
-        ``p`` on a big lake takes long. ``start_goal``: ``"random"`` or ``"corners"``;
-        ``observation_format``: ``"grid"``, ``"coord"`` or ``"grid_coord"`` (module docstring)."""
+        """``p``: probability that a tile is ice, not a hole; with ``start_goal="corners"``
+        gymnasium redraws a map until the goal is reachable, so a small ``p`` on a big lake takes
+        long. ``start_goal`` and ``observation_format``: see the module docstring."""
         if not is_int(size) or size < 2:
             raise ValueError(f"frozen_lake: size must be an int >= 2, got {size!r}")
         if not is_real(p) or not 0 < p <= 1:
@@ -188,7 +184,7 @@ class FrozenLakeEnv(TextEnv):
     def reset(self, seed: int) -> str:
         seed = check_seed("frozen_lake", seed)
         desc = make_map(self.size, self.p, seed, self.start_goal)
-        if self._gym is None or desc != self._map:  # building gymnasium's table costs ~1 ms
+        if self._gym is None or desc != self._map:  # rebuild gymnasium's table only on a new map
             self._gym = gym_lake(desc, self.is_slippery, self.success_rate)
             self._map = desc
         self._gym.reset(seed=seed)  # re-seeds gymnasium's generator: seeded dynamics
@@ -222,10 +218,9 @@ class FrozenLakeEnv(TextEnv):
 
     @property
     def transitions(self) -> dict[int, dict[int, list[tuple[float, int, float, bool]]]]:
-        """gymnasium's transition table of the current map, the one ``step`` samples from:
-        ``P[state][action] = [(prob, next_state, reward, terminated), ...]``, states numbered
-        ``row * size + col``, actions as in :data:`ACTIONS`; holes and the goal loop on
-        themselves."""
+        """gymnasium's transition table of the current map, which ``step`` samples from:
+        ``P[state][action] = [(prob, next_state, reward, terminated), ...]``, states
+        ``row * size + col``, actions as in :data:`ACTIONS`; holes and the goal are absorbing."""
         if self._gym is None:
             raise RuntimeError("env 'frozen_lake': call reset(seed) before reading transitions")
         return self._gym.P

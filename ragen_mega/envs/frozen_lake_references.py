@@ -1,26 +1,25 @@
 """Reference success rates for FrozenLake, exact, by dynamic programming over the env's own
-transition table (gymnasium's ``P``, read from :attr:`FrozenLakeEnv.transitions`).
+transition table (gymnasium's ``P``, from :attr:`FrozenLakeEnv.transitions`).
 
 An episode is played as the rollout plays it (``ragen_mega/rollout/episode.py``): up to
-``max_turns`` turns; in each, the model writes one answer whose first ``max_actions_per_turn``
-actions (``agent/parse.py``) are stepped in order, blind, until one ends the episode; the env
-itself stops after ``max_steps`` valid moves. So at most ``min(max_turns * K, max_steps)``
-moves, ``K = max_actions_per_turn``. Success = reaching the goal (reward 1).
+``max_turns`` turns; in each, the first ``K = max_actions_per_turn`` actions of the model's answer
+(``agent/parse.py``) are stepped in order, blind, until one ends the episode; the env stops after
+``max_steps`` valid moves. So at most ``min(max_turns * K, max_steps)`` moves. Success = reaching
+the goal (reward 1).
 
 Lines, each a probability for one map:
 
-- :func:`random_valid`: every move a uniformly random action word (the answer always has K
-  valid actions); a random action goes each way with 1/4 whatever the slip, so slip does not
-  change it;
-- :func:`example_copy`: the same answer (e.g. the prompt's example ``Left || Down``, which
-  ``agent/prompt.py`` makes of the first ``min(2, K)`` action words) written every turn;
-- :func:`best_fixed`: the best such answer, over all answers of 1..K actions (4 + ... + 4**K);
-- :func:`optimal`: the best policy that sees the map and the player after every move (finite-
-  horizon DP over moves). With slippery ice this is an upper bound: a model writing K moves a turn
-  sees the player only between turns;
-- :func:`optimal_per_turn`: the best policy that sees the map and the player at the start of
-  each turn and then commits to an answer of 1..K moves (DP over turns). Equal to
-  :func:`optimal` on non-slippery ice, where a plan needs no feedback.
+- :func:`random_valid`: every move a uniformly random action word (K valid actions per answer);
+  a random action goes each way with 1/4 whatever the slip, so slip does not change it;
+- :func:`example_copy`: the same answer written every turn (e.g. the prompt's example
+  ``Left || Down``, the first ``min(2, K)`` action words, from ``agent/prompt.py``);
+- :func:`best_fixed`: the best such answer over all answers of 1..K actions (4 + ... + 4**K);
+- :func:`optimal`: the best policy that sees the map and the player after every move
+  (finite-horizon DP over moves); on slippery ice an upper bound, as a model writing K moves a
+  turn sees the player only between turns;
+- :func:`optimal_per_turn`: the best policy that sees the player at the start of each turn and
+  commits to an answer of 1..K moves (DP over turns); equal to :func:`optimal` on non-slippery
+  ice, where a plan needs no feedback.
 
 ``random_valid <= optimal_per_turn``, ``example_copy <= best_fixed <= optimal_per_turn <=
 optimal``. :func:`references` gives all of them for one map, :func:`mean_references` their means
@@ -152,8 +151,8 @@ def best_fixed(lake: Lake, max_turns: int, max_actions_per_turn: int) -> float:
 
 
 def optimal(lake: Lake, max_turns: int, max_actions_per_turn: int) -> float:
-    """The best policy seeing the player after every move, over all the moves allowed:
-    ``V_h(s) = max_a sum_s' P_a(s, s') V_{h-1}(s')``, ``V_0`` = 1 on the goal."""
+    """``V_h(s) = max_a sum_s' P_a(s, s') V_{h-1}(s')``, ``V_0`` = 1 on the goal, over all the
+    moves allowed."""
     _check(max_turns, max_actions_per_turn)
     value = lake.goal.copy()
     for _ in range(lake.horizon(max_turns, max_actions_per_turn)):
@@ -162,9 +161,8 @@ def optimal(lake: Lake, max_turns: int, max_actions_per_turn: int) -> float:
 
 
 def optimal_per_turn(lake: Lake, max_turns: int, max_actions_per_turn: int) -> float:
-    """The best policy seeing the player at the start of each turn and then writing an answer of
-    1..K actions: ``V_t = max_answer M_answer V_{t-1}`` (per state), with the moves left (the
-    env's ``max_steps``) counted down."""
+    """``V_t = max_answer M_answer V_{t-1}`` (per state) over answers of 1..K actions, with the
+    moves left (the env's ``max_steps``) counted down."""
     _check(max_turns, max_actions_per_turn)
     n = len(lake.goal)
     answers = {length: [] for length in range(1, max_actions_per_turn + 1)}

@@ -2,13 +2,13 @@
 
 Prints the env's instruction and each observation exactly as the model sees them, reads one
 action per line from stdin until the episode ends or stdin closes, and after each action prints
-a ``[step]`` line with reward, done and info. Lines the tool adds start with ``[``, so the rest
-of stdout is the model's text. Also runnable as ``python -m ragen_mega.envs.play``.
+a ``[step]`` line with reward, done and info. Only the tool's own lines start with ``[``. Also
+runnable as ``python -m ragen_mega.envs.play``.
 
-``--kwarg`` values are read as Python literals when they are one (``dim_room=(8,8)``,
-``is_slippery=False``, ``p=0.7``) and as plain strings otherwise (``low_risk_name=Trader``).
-Any other ``--NAME VALUE`` (or ``--NAME=VALUE``) is the same as ``--kwarg NAME=VALUE``, so
-``ragen-mega play babaisai --task two_room-goto_win`` works for every env's own kwargs.
+``--kwarg`` values are Python literals when they parse as one (``dim_room=(8,8)``,
+``is_slippery=False``, ``p=0.7``), else strings (``low_risk_name=Trader``). Any other
+``--NAME VALUE`` (or ``--NAME=VALUE``) means ``--kwarg NAME=VALUE``, as in
+``ragen-mega play babaisai --task two_room-goto_win``.
 """
 from __future__ import annotations
 
@@ -50,8 +50,8 @@ def option_kwargs(extra: list[str]) -> list[str]:
 
 
 def env_kwargs(kwarg_options: list[str], extra: list[str]) -> dict[str, Any]:
-    """The env kwargs of ``--kwarg K=V`` options and of the other ``--NAME VALUE`` options
-    (``extra``, what argparse did not know); ValueError for a key given twice."""
+    """The env kwargs of ``--kwarg K=V`` options and of ``extra`` (the ``--NAME VALUE`` options
+    argparse did not know); ValueError for a key given twice."""
     kwargs: dict[str, Any] = {}
     for text in kwarg_options + option_kwargs(extra):
         key, value = parse_kwarg(text)

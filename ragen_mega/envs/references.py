@@ -1,32 +1,27 @@
 """Reference success lines of an env, by env name: what a success rate must be read against.
 
-For the envs where they can be computed exactly, on the seeds played and under the run's turn
-and action budget (``max_turns`` turns of up to ``max_actions_per_turn`` actions each):
+Computed exactly where possible, on the seeds played and under the run's budget (``max_turns``
+turns of up to ``max_actions_per_turn`` actions each):
 
 - ``random_valid``: a uniformly random valid action at every move;
 - ``example_copy``: the prompt's example answer written every turn (only when the prompt shows
   one: ``agent.example_answer``);
-- ``best_fixed``: the best single answer written every turn, chosen for each map (so it is
-  not a map-blind line: one answer for every map can do much worse);
+- ``best_fixed``: the best single answer written every turn, chosen per map (not map-blind: one
+  answer for every map can do much worse);
 - ``optimal``: the best policy that sees the map.
 
 Each entry of :data:`REFERENCES` maps ``(env_kwargs, seeds, max_turns, max_actions_per_turn,
-example_answer)`` to the mean of each line over ``seeds`` (a seed listed twice counts twice);
-``example_answer`` is the list of action words the prompt shows, or None. An env without an
-entry has no lines; a line that does not apply to an env is left out.
+example_answer)`` to each line's mean over ``seeds`` (a seed listed twice counts twice);
+``example_answer`` is the prompt's action words, or None. An env without an entry has no lines;
+a line that does not apply to an env is left out.
 
-- ``frozen_lake``: dynamic programming over the env's transition table
-  (:mod:`.frozen_lake_references`). Its ``optimal`` sees the player at the start of each turn and
-  then commits to its answer, as the model does (``optimal_per_turn`` there; the same as seeing
-  every move on non-slippery ice).
-- ``sokoban``: search over the level's positions (:mod:`.sokoban_references`): the random
-  walk's distribution move by move, every fixed answer played out, breadth-first search for the
-  optimum (deterministic and fully seen, so the per-turn optimum is the per-move one).
-- ``bandit``: closed form. Success is choosing the arm of the higher expected reward, one pull
-  an episode, and the seed only orders the arms on screen, so every line is the same on every
-  seed: ``random_valid`` the share of the two arms that are better (1/2, or 1 when both are
-  equal), ``best_fixed`` and ``optimal`` 1 (name the better arm), ``example_copy`` whether the
-  example's first arm (the one it pulls) is a better one.
+- ``frozen_lake``: dynamic programming (:mod:`.frozen_lake_references`); its ``optimal`` is
+  ``optimal_per_turn`` there (sees the player at the start of each turn, as the model does).
+- ``sokoban``: search over the level's positions (:mod:`.sokoban_references`).
+- ``bandit``: closed form. Success is choosing the arm of higher expected reward and the seed
+  only orders the arms on screen, so every line is the same on every seed: ``random_valid`` the
+  share of better arms (1/2, or 1 when equal), ``best_fixed`` and ``optimal`` 1,
+  ``example_copy`` whether the example's first arm (the one it pulls) is a better one.
 """
 from __future__ import annotations
 
@@ -84,8 +79,8 @@ REFERENCES: dict[str, ReferenceFn] = {"frozen_lake": _frozen_lake, "bandit": _ba
 def reference_lines(env_name: str, env_kwargs: dict, seeds: Sequence[int], *, max_turns: int,
                     max_actions_per_turn: int, example_answer: Sequence[str] | None = None
                     ) -> dict[str, float] | None:
-    """The lines of ``env_name`` on ``seeds`` (module doc), keys in :data:`REFERENCE_KEYS`
-    order, or None when the env has none."""
+    """The lines of ``env_name`` on ``seeds``, keys in :data:`REFERENCE_KEYS` order, or None
+    when the env has none."""
     if env_name not in REFERENCES:
         return None
     seeds = list(seeds)

@@ -1,19 +1,17 @@
 """Name -> env class registry.
 
-Built-in envs are registered lazily (their module is imported on first ``make``) so that
-``import ragen_mega.envs`` stays cheap and does not import crafter or minigrid. A user's env is
-one decorator away::
+Built-in envs are registered lazily (imported on first ``make``), so ``import ragen_mega.envs``
+does not import crafter or minigrid. A user's env is one decorator away::
 
     from ragen_mega.envs import TextEnv, register_env
 
     @register_env("my_game")
     class MyGame(TextEnv): ...
 
-or one line for a class defined elsewhere: ``register_env("my_game")(MyGame)``, or, without
-importing it, ``register_env_path("my_game", "my_pkg.games:MyGame")``. A run's YAML can also
-name the class itself, ``env.name: my_pkg.games:MyGame`` or ``env.name: games.py:MyGame``: every
-process that builds the env (the driver, Ray env workers, an env server) imports it on first use
-and registers it under that name.
+or ``register_env("my_game")(MyGame)``, or, without importing it,
+``register_env_path("my_game", "my_pkg.games:MyGame")``. A run's YAML can also name the class,
+``env.name: my_pkg.games:MyGame`` or ``env.name: games.py:MyGame``: every process that builds the
+env (driver, Ray env workers, env server) imports it on first use and registers it by that name.
 """
 from __future__ import annotations
 
@@ -60,9 +58,8 @@ def list_envs() -> list[str]:
 
 
 def env_class(name: str) -> type[TextEnv]:
-    """The class registered under ``name``, or the class a ``MODULE:CLASS`` / ``FILE.py:CLASS``
-    name points to (imported, registered under ``name``); ValueError naming what is wrong
-    (unknown names list the known ones)."""
+    """The class registered under ``name``, or the one a ``MODULE:CLASS`` / ``FILE.py:CLASS``
+    name points to (imported and registered under ``name``); else ValueError."""
     if name not in _CLASSES:
         if name in _PATHS:
             module, _, attr = _PATHS[name].partition(":")

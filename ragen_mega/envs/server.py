@@ -1,9 +1,9 @@
 """``ragen-mega env-server ENV [--host H] [--port N] [--kwarg K=V ...]``: an env served over HTTP.
 
-Envs as services (NeMo Gym, ROLL's ROCK, SkyRL's OpenEnv): the env's dependencies stay out of the
-trainer's environment, and a slow env (Crafter, a browser) scales on CPU nodes of its own. One
-server holds many sessions, each its own instance of the env, built with the server's kwargs.
-JSON over HTTP, so any tool can speak it:
+Envs as services (NeMo Gym, ROLL's ROCK, SkyRL's OpenEnv) keep the env's dependencies out of the
+trainer's environment and let a slow env (Crafter, a browser) scale on CPU nodes of its own. One
+server holds many sessions, each an instance of the env built with the server's kwargs. JSON
+over HTTP:
 
 - ``GET /health`` -> ``{"env": NAME, "kwargs": {...}, "sessions": N}``;
 - ``POST /sessions`` ``{"seed": S}`` -> ``{"session_id", "env", "observation", "instruction",
@@ -13,19 +13,19 @@ JSON over HTTP, so any tool can speak it:
 - ``POST /sessions/{ID}/reset`` ``{"seed": S}`` -> ``{"observation", "state_key"}``;
 - ``DELETE /sessions/{ID}`` -> ``{"closed": ID}``.
 
-``state_key`` (the env's :meth:`~ragen_mega.envs.TextEnv.state_key` of the observation: GiGPO's
-anchor states) is an addition to the protocol the other fields do not depend on.
+``state_key`` (the env's :meth:`~ragen_mega.envs.TextEnv.state_key`: GiGPO's anchor states)
+extends the protocol; no other field depends on it.
 
-Bad input never costs the server or another session: an unknown or closed session is 404, a
-body that is not JSON or lacks a field 422 naming it (FastAPI's validation), a seed the env
-refuses 422 with its message, a step after the episode ended 409; an action text that is not an
-action is the env's own invalid-action step (200), as locally. An env that raises otherwise is
-a 500 with its message: the client counts it as an env failure, as a local env's exception.
-``rollout/remote_env.py`` is the client the rollout plays through (``env.remote``).
+Bad input never costs the server or another session: an unknown or closed session is 404, a body
+that is not JSON or lacks a field 422 naming it (FastAPI), a seed the env refuses 422 with its
+message, a step after the episode ended 409; a text that is no action is the env's own
+invalid-action step (200). Any other env exception is a 500 with its message, which the client
+counts as an env failure, as a local env's exception. ``rollout/remote_env.py`` is the rollout's
+client (``env.remote``).
 
-On an address other than loopback the server needs a token (``RAGEN_MEGA_ENV_SERVER_TOKEN`` in
-its environment, and the same in the trainer's, whose client sends it); with one, every request
-without ``Authorization: Bearer TOKEN`` is 401 (``http_token.py``).
+Off loopback the server needs a token (``RAGEN_MEGA_ENV_SERVER_TOKEN`` in its environment and in
+the trainer's, whose client sends it); then every request without ``Authorization: Bearer
+TOKEN`` is 401 (``http_token.py``).
 """
 from __future__ import annotations
 
@@ -101,9 +101,8 @@ class Sessions:
 
 
 def make_app(env_name: str, kwargs: dict[str, Any], token: str | None = None):
-    """The FastAPI app serving ``env_name`` built with ``kwargs`` (built once here, so a bad
-    kwarg fails at start-up, not at the first session); with ``token``, only to requests that
-    carry it."""
+    """The FastAPI app serving ``env_name`` with ``kwargs`` (built once here, so a bad kwarg
+    fails at start-up); with ``token``, only to requests that carry it."""
     make(env_name, **kwargs).close()
     sessions = Sessions(env_name, kwargs)
     app = FastAPI(title=f"ragen-mega env-server: {env_name}")
@@ -166,9 +165,9 @@ def make_app(env_name: str, kwargs: dict[str, Any], token: str | None = None):
 
 def serve(env_name: str, kwargs: dict[str, Any], host: str = "127.0.0.1", port: int = 0,
           token: str | None = None) -> None:
-    """Serve until stopped (SIGINT/SIGTERM). Binds first and prints ``serving ENV at URL`` on
-    stdout, so ``port=0`` (the OS picks a free port) can be used and read back. Off loopback
-    ``token`` is required (ValueError)."""
+    """Serve until SIGINT/SIGTERM. Binds first and prints ``serving ENV at URL`` on stdout, so
+    with ``port=0`` the OS-picked port can be read back. Off loopback ``token`` is required
+    (ValueError)."""
     import uvicorn
 
     check_listen(host, token, ENV_SERVER_TOKEN, "--host")

@@ -3,24 +3,21 @@
 Levels come from :mod:`ragen_mega.envs.sokoban_generator` (seeded reverse play, so every level is
 solvable). Rewards follow gym-sokoban, which RAGEN trains on: ``move_reward`` (default -0.1) per
 move, +1 when a push puts a box on a target, -1 when a push takes one off, +10 when every box is
-on a target. The bonuses are added on top of the move's ``move_reward``: the push that solves the
-level pays ``move_reward + 1 + 10``.
+on a target, each bonus on top of the move's ``move_reward`` (the solving push pays
+``move_reward + 1 + 10``).
 
-Steps: a move into a wall, or a push against a wall or another box, is a valid action that
-changes nothing (``action_is_effective`` False) and still pays ``move_reward``. Text that is not
-one of the four action words is an invalid-action step: nothing changes, reward 0, no step
-counted.
-The episode ends when solved or after ``max_steps`` valid moves; ``step`` after that raises.
+A move into a wall, or a push against a wall or another box, is a valid action that changes
+nothing (``action_is_effective`` False) and still pays ``move_reward``. The episode ends when
+solved or after ``max_steps`` valid moves; ``step`` after that raises.
 
-Why ``move_reward`` is a kwarg: the penalty for an invalid turn does not come from this env (it
-pays 0) but from the rollout, which adds ``agent.format_penalty`` (RAGEN: -0.1) once to a turn
-whose response breaks the format or holds an unknown action
-(:func:`ragen_mega.rollout.episode.take_turn`). With the defaults a move costs -0.1 too, so an
-episode that will not be solved scores no worse by writing invalid turns than by moving (and
-better than with turns of several moves, each paying -0.1): moving is not worth it to a loser.
-RAGEN has the same trap; the default keeps RAGEN's -0.1. Set e.g. ``move_reward=0`` or ``-0.01``
-to make a move cheaper than an invalid turn. The sign is that of a reward: the value is *added*
-to each valid move's reward, so a cost is negative.
+Why ``move_reward`` is a kwarg: an invalid turn's penalty comes not from this env (it pays 0) but
+from the rollout, which adds ``agent.format_penalty`` (RAGEN: -0.1) once to a turn that breaks
+the format or holds an unknown action (:func:`ragen_mega.rollout.episode.take_turn`). With the
+defaults a move costs -0.1 too, so an episode that will not be solved scores no worse with
+invalid turns than by moving (and better than with turns of several moves): moving does not pay
+for a loser. RAGEN has the same trap; the default keeps RAGEN's -0.1. ``move_reward=0`` or
+``-0.01`` makes a move cheaper than an invalid turn. The value is *added* to each valid move's
+reward, so a cost is negative.
 """
 from __future__ import annotations
 
@@ -50,12 +47,9 @@ class SokobanEnv(TextEnv):
     def __init__(self, dim_room: tuple[int, int] = (6, 6), num_boxes: int = 1,
                  max_steps: int = 100, search_depth: int = 100,
                  move_reward: float = MOVE_REWARD):
-        """``search_depth``: how many reverse moves from the solved position the generator looks
-        at when scrambling a level (smaller: boxes stay closer to their targets).
-        ``move_reward``: the reward added for every valid move, blocked ones included (default
-        -0.1 as RAGEN; negative is a cost); box and finish bonuses come on top. With the default
-        a move costs as much as an invalid turn's ``agent.format_penalty``; see the module
-        docstring."""
+        """``search_depth``: reverse moves from the solved position the generator plays when
+        scrambling a level (smaller: boxes stay closer to their targets). ``move_reward``: added
+        for every valid move, blocked ones included (module docstring)."""
         if (not isinstance(dim_room, (tuple, list)) or len(dim_room) != 2
                 or not all(is_int(v) and v >= 5 for v in dim_room)):
             raise ValueError(f"sokoban: dim_room must be two ints >= 5 (rows, cols), "
@@ -164,9 +158,8 @@ Cell = tuple[int, int]
 def move_outcome(player: Cell, step: Cell, blocked: Callable[[Cell], bool],
                  has_box: Callable[[Cell], bool]) -> tuple[Cell, tuple[Cell, Cell] | None] | None:
     """Sokoban's rule for one move, on any representation of a position: the player's new cell
-    and the push it makes (a box's cell and where it goes, or None), or None when the move is
-    blocked (a wall ahead, or a box that a wall or another box holds). The env and its exact
-    reference lines (``sokoban_references.py``) both move by it."""
+    and its push (a box's cell and where it goes, or None), or None when blocked (a wall ahead,
+    or a box held by a wall or another box). The env and ``sokoban_references.py`` both use it."""
     nxt = (player[0] + step[0], player[1] + step[1])
     if blocked(nxt):
         return None

@@ -9,9 +9,10 @@ gym-sokoban's idea, written afresh because that package ignores seeds and breaks
    scrambled position can always be solved by replaying the walk in reverse.
 
 The backwards search visits every position within ``search_depth`` reverse moves (breadth
-first, capped at ``_MAX_STATES``) and keeps the one with the highest gym-sokoban score (box swaps x
-total box distance from the start targets, every box off its target). Randomness comes only from
-the ``numpy.random.Generator`` passed in, so the same seed gives the same level in every process.
+first, capped at ``_MAX_STATES``) and keeps the one with the highest gym-sokoban score: box swaps
+x total box distance from the start targets, among positions with every box off a target.
+Randomness comes only from the ``numpy.random.Generator`` passed in, so the same seed gives the
+same level in every process.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ _STEPS = list(DIRECTIONS.values())
 #: share of the room's inside that the random walk turns into floor
 _FLOOR_FRACTION = 0.75
 _MAX_TRIES = 100
-#: cap on positions the backwards search visits (keeps big rooms with many boxes fast)
+#: cap on positions the backwards search visits (bounds the time in big rooms with many boxes)
 _MAX_STATES = 20_000
 
 
@@ -93,12 +94,8 @@ def _carve_floor(rng: np.random.Generator, dim_room: tuple[int, int]) -> np.ndar
 
 
 def _reverse_play(rng: np.random.Generator, solved: Level, depth: int) -> Level | None:
-    """Search positions reachable backwards from ``solved`` in at most ``depth`` reverse moves
-    (breadth first, at most ``_MAX_STATES`` of them) and return the best-scoring one.
-
-    As in gym-sokoban, the score is box swaps x total box distance from the start targets, and
-    only positions with every box off the targets count; None if there is no such position.
-    """
+    """The best-scoring position within ``depth`` reverse moves of ``solved`` (module
+    docstring), or None if no position has every box off the targets."""
     walls = solved.walls
     origin = tuple(tuple(int(v) for v in rc) for rc in np.argwhere(solved.boxes))
     # state: (player, boxes as a tuple in the order of ``origin``); value: (swaps, last pulled)

@@ -1,11 +1,10 @@
 """Reference success rates for Sokoban, exact, by search over the level's positions.
 
 A position is the player's cell and the set of box cells; walls and targets never move. Moves
-follow the env's own rule (:func:`~ragen_mega.envs.sokoban.move_outcome`), so a blocked move
-changes nothing and still counts as a step. Play is as the rollout plays it (see
-``frozen_lake_references.py``): up to ``max_turns`` turns of up to ``K = max_actions_per_turn``
-moves each, stepped blind until the level is solved, and the env stops after ``max_steps``
-moves; so at most ``N = min(max_turns * K, max_steps)`` moves. Success = every box on a target.
+follow the env's rule (:func:`~ragen_mega.envs.sokoban.move_outcome`): a blocked move changes
+nothing and still counts. Play is the rollout's (``frozen_lake_references.py``): up to
+``max_turns`` turns of up to ``K = max_actions_per_turn`` moves, stepped blind until solved,
+at most ``N = min(max_turns * K, max_steps)`` moves. Success = every box on a target.
 
 Lines, each a probability for one level:
 
@@ -14,8 +13,7 @@ Lines, each a probability for one level:
 - :func:`fixed_answer` / :func:`best_fixed`: one answer (1..K moves) written every turn; the
   best over all 4 + ... + 4**K answers (``example_copy`` is the prompt's example answer);
 - :func:`optimal`: the level can be solved in N moves or fewer (breadth-first search). The env
-  is deterministic and the model sees the whole board at every turn, so seeing the player only
-  between turns costs nothing: this is the per-turn optimum too.
+  is deterministic and fully seen, so this is the per-turn optimum too.
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """Matching a model's action text against an env's action words.
 
 Models write "Turn left", "turn  left", "TURN_LEFT", "[turn left]." or a 100 KB ramble; all but
-the last should reach the same action, and none may raise. Matching ignores case, surrounding and
-repeated whitespace, surrounding punctuation, quotes and brackets, and treats "_" like a space
-(crafter's own names are "move_left", BALROG's "move left"). Anything else is no match: the env
-then takes an invalid-action step.
+the last reach the same action, and none raises. Matching ignores case, outer and repeated
+whitespace, outer punctuation, quotes and brackets, and reads "_" as a space (crafter's
+"move_left", BALROG's "move left"). Anything else is no match: an invalid-action step.
 """
 from __future__ import annotations
 

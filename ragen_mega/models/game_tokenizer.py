@@ -4,28 +4,25 @@
 Why not SmolLM2's tokenizer: a model of about a million weights with a 49 152-row vocabulary
 spends nearly all its compute in the embedding and the LM head.
 
-Why phrases, not words: the pre-tokenizer splits the text at line ends and after each
-coordinate item (``"),"``), and nowhere else, so byte-level BPE over the games' prompts learns
-whole lines and items as tokens: ``Player: (1, 0)``, ``Goal: (3, 2)``, ``_OO_`` (a board row),
-`` Up </answer>`` (a whole answer). RAGEN's FrozenLake ``grid_coord`` observation is then 23
-tokens where a word-level BPE takes 100, and each fact of the board is one token that a layer of
-attention can pick out by what it is. With words, the player's row is a digit token that means
-"player" only through the tokens four places before it, and a two-layer model trained from
-scratch must first learn to read that from reward, which made it learn several times slower
-or not at all (docs/results.md, "A small model from scratch").
+Why phrases, not words: the pre-tokenizer splits the text only at line ends and after each
+coordinate item (``"),"``), so byte-level BPE over the games' prompts learns whole lines and
+items as tokens: ``Player: (1, 0)``, ``Goal: (3, 2)``, ``_OO_`` (a board row), `` Up </answer>``
+(a whole answer). Each fact of the board is then one token that a layer of attention can pick
+out by what it is; with words, the player's row is a digit that means "player" only through the
+tokens four places before it, which a two-layer model trained from scratch must first learn
+from reward (docs/results.md, "A small model from scratch").
 
 Byte-level: the 256 bytes are in the vocabulary, so any text encodes (no unknown token) and
-``decode(encode(text)) == text``; an env the corpus never saw still works, only with longer
-prompts. The chat template is ChatML (``<|im_start|>role ... <|im_end|>``, as SmolLM2 and Qwen
-write it), so the agent's prompts, SFT and the gateway use it as they use any chat model's.
-The model that carries it must be of a type whose tokenizer transformers loads from
+``decode(encode(text)) == text``; an env the corpus never saw works, with longer prompts. The
+chat template is ChatML (``<|im_start|>role ... <|im_end|>``, as SmolLM2 and Qwen write it). The
+model that carries it must be of a type whose tokenizer transformers loads from
 ``tokenizer.json`` as written (Qwen3: yes; Qwen2: transformers 5 swaps in Qwen2's own word
 pre-tokenizer), which ``tests/test_textgame_model.py`` checks.
 
 The corpus is rendered by the agent's own :class:`~ragen_mega.agent.prompt.PromptBuilder` (with
-SmolLM2's chat template, only the message texts are kept) over seeded random episodes of the
-games, so it holds exactly the phrases the prompts use. Deterministic: the same corpus gives the
-same vocabulary and merges on every machine.
+SmolLM2's chat template, message texts only) over seeded random episodes of the games, so it
+holds exactly the prompts' phrases. Deterministic: the same corpus gives the same vocabulary
+and merges on every machine.
 """
 from __future__ import annotations
 
@@ -98,10 +95,9 @@ def corpus(reference_tokenizer, episodes: int = 48, max_turns: int = 4) -> Itera
 
 
 def train_tokenizer(texts: Iterator[str], vocab_size: int = 4096):
-    """A ``PreTrainedTokenizerFast``: byte-level BPE over ``texts`` split into phrases (the
-    module docstring), at most ``vocab_size`` entries counting the bytes and
-    :data:`SPECIAL_TOKENS` (fewer when the corpus runs out of merges: the games' corpus has
-    about 2 400), ChatML template."""
+    """A ``PreTrainedTokenizerFast``: byte-level BPE over ``texts`` split into phrases (module
+    docstring), at most ``vocab_size`` entries counting the bytes and :data:`SPECIAL_TOKENS`
+    (fewer when the corpus runs out of merges, as the games' corpus does), ChatML template."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

@@ -2,20 +2,17 @@
 sync read about a model, with no megatron-core import (the Megatron ``TransformerConfig`` and
 layer spec built from it live in ``backends/megatron/transformer_config.py``).
 
-:class:`ModelSpec` holds what the mapping and the model need from a config (with the vocabulary
-padded for TP). ``LocalAttention`` / ``LOCAL_ATTENTIONS`` name the core attentions a layer spec
-without TransformerEngine can use; they are here, importing nothing, so the run's config
-validates ``local_attention`` and the Megatron backend builds it from one list without the
+``LocalAttention`` / ``LOCAL_ATTENTIONS`` (the local layer spec's core attentions) are here,
+importing nothing, so the run's config and the Megatron backend share one list without the
 config layer loading megatron.
 
 Supported families: llama (SmolLM2, Llama 2/3 without rope scaling), qwen2 (q/k/v biases),
 qwen3 (q/k RMSNorm per head, head_dim may differ from hidden/heads), and their mixtures of
-experts: qwen3_moe (Qwen3-30B-A3B, 235B-A22B) and qwen2_moe (adds a gated shared expert). In the
-MoE families every layer's MLP is a router over ``num_experts`` experts of
-``moe_intermediate_size``, ``num_experts_per_tok`` of them per token; ``norm_topk_prob``
-renormalises the chosen experts' router probabilities. Anything this trainer would silently
-compute differently (rope scaling, sliding window, biases on other projections, another
-activation, dense layers among the sparse ones) is refused with an error naming the config key.
+experts: qwen3_moe (Qwen3-30B-A3B, 235B-A22B) and qwen2_moe (adds a gated shared expert), every
+layer's MLP a router over ``num_experts`` experts, ``num_experts_per_tok`` per token. Anything
+this trainer would compute differently (rope scaling, sliding window, biases on other
+projections, another activation, dense layers among the sparse ones) is refused with an error
+naming the config key.
 """
 from __future__ import annotations
 
@@ -65,10 +62,9 @@ class ModelSpec:
         return self.num_experts > 0
 
     def padded_vocab(self, tp: int = 1) -> int:
-        """Rows of the padded embedding: a multiple of ``vocab_divisor * tp`` (each TP shard a
-        multiple of the divisor) that is the SAME for every power-of-two TP up to 8, so a
-        checkpoint saved at one such TP loads at another (Megatron-LM's ``divisor * tp`` rule
-        would make Qwen2.5's 151936 rows 151936 at TP1 but 152064 at TP2)."""
+        """Rows of the padded embedding: a multiple of ``vocab_divisor * tp`` that is the SAME
+        for every power-of-two TP up to 8, so a checkpoint saved at one such TP loads at another
+        (Megatron-LM's ``divisor * tp`` rule gives Qwen2.5 151936 rows at TP1, 152064 at TP2)."""
         mult = math.lcm(self.vocab_divisor * 8, self.vocab_divisor * tp)
         return -(-self.vocab_size // mult) * mult
 
@@ -108,10 +104,9 @@ def _load_config_dict(config_or_dir) -> dict:
 
 
 def read_config_json(path) -> dict:
-    """The JSON object in ``path`` (an HF ``config.json``). A file that is no JSON object raises
-    ``ValueError`` naming the file, and for a syntax error the line and the column: ``json``'s
-    own message (``Expecting ',' delimiter: line 2 column 1``) names no file, and the
-    conversion CLI prints only the message."""
+    """The JSON object in ``path`` (an HF ``config.json``). Anything else raises ``ValueError``
+    naming the file (and for a syntax error the line and column): ``json``'s own message names
+    no file, and the conversion CLI prints only the message."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -206,7 +201,7 @@ def _moe_fields(cfg: dict) -> dict:
                                                  or 0) if cfg["model_type"] == "qwen2_moe" else 0}
 
 
-# the local layer spec's core attention (backends/megatron/transformer_config.layer_spec):
-# "sdpa" = one fused scaled_dot_product_attention call, "unfused" = Megatron's DotProductAttention
+# the local layer spec's core attention (transformer_config.layer_spec): "sdpa" = one fused
+# scaled_dot_product_attention call, "unfused" = Megatron's DotProductAttention
 LocalAttention = Literal["sdpa", "unfused"]
 LOCAL_ATTENTIONS = get_args(LocalAttention)

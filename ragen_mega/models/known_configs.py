@@ -1,9 +1,8 @@
 """The ``config.json`` of the Hub models the examples name, for a plan made without the weights.
 
-``ragen-mega plan`` sizes a run from its model's architecture; the examples point
-``model.path`` at ``/path/to/Qwen2.5-7B-Instruct`` and the like, which a laptop planning a
-cluster run does not hold. :func:`known_config` gives the architecture keys of these models by
-the directory's (or hub id's) last component. Values as published on the Hub:
+``ragen-mega plan`` sizes a run from its model's architecture, but the examples' ``model.path``
+(``/path/to/Qwen2.5-7B-Instruct``, ...) is not on a laptop planning a cluster run. Values as
+published on the Hub:
 
 - https://huggingface.co/Qwen/Qwen2.5-0.5B-Instruct/blob/main/config.json
 - https://huggingface.co/Qwen/Qwen2.5-3B-Instruct/blob/main/config.json

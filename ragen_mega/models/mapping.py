@@ -3,24 +3,21 @@ conversion and weight sync.
 
 The table is :func:`rules` (layer rules use ``"{i}"``); the other functions answer questions
 about it for a ``spec`` (a ``ModelSpec``) and a ``role`` ("actor": LM head, "critic": value
-head): which pipeline chunk holds which parameters and, through :func:`rule_of`, the
-:class:`Rule` of one parameter, whose methods say what it is called on each side and how a TP
-split cuts it. Conversion goes both ways (``hf_to_megatron_shard`` and its streaming
-twin for loading, ``megatron_to_hf`` for export, which takes full tensors or a list of TP shards
-in TP-rank order). :func:`check_checkpoint` compares a checkpoint's tensor shapes with
-:func:`expected_hf_shapes` and names the config field a tensor contradicts.
+head): which pipeline chunk holds which parameters and, through :func:`rule_of`, one
+parameter's :class:`Rule`: its names on each side and how a TP split cuts it. Loading uses
+``hf_to_megatron_shard`` (or its streaming twin), export ``megatron_to_hf`` (full tensors or TP
+shards in TP-rank order). :func:`check_checkpoint` names the config field a tensor contradicts.
 
 Names. Megatron names are those of ``GPTModel`` built with the *local* layer spec
 (``decoder.layers.3.self_attention.linear_qkv.weight``). A "global" name carries the global layer
-index; a model chunk's own ``named_parameters`` carry local indices (``to_local``/``to_global``
-convert). The TE layer spec fuses the pre-norms into the linears, and its grouped-GEMM experts
-(``TEGroupedMLP``) keep one ``weight{j}`` per local expert in a layer-wide linear:
-:func:`local_spec_name` renames both to the local spec's names.
+index, a chunk's own ``named_parameters`` local ones (``to_local``/``to_global`` convert).
+:func:`local_spec_name` renames the TE layer spec's parameters (pre-norms fused into the
+linears, grouped-GEMM experts) to the local spec's.
 
 Layouts (the reasons the table exists):
 - ``linear_qkv`` is grouped per KV head: for each group g, its q heads, then k_g, then v_g
-  (megatron splits ``[ng, (np/ng + 2) * hn]``). A plain ``[q; k; v]`` stack is wrong. Because
-  groups are contiguous, the TP split of the fused tensor is a contiguous row split.
+  (megatron splits ``[ng, (np/ng + 2) * hn]``), not a plain ``[q; k; v]`` stack. Groups are
+  contiguous, so the TP split of the fused tensor is a contiguous row split.
 - ``linear_fc1`` is ``[gate; up]`` on EVERY TP rank: rank r holds ``[gate_r; up_r]``, so the
   split/merge works on the halves, not on the fused rows.
 - Column-parallel weights split dim 0, row-parallel dim 1, norms are replicated; embedding and
@@ -30,19 +27,18 @@ Layouts (the reasons the table exists):
   from ``model.embed_tokens.weight``; it is never exported (HF has no lm_head when tied).
 - Critic: same backbone; ``output_layer.weight`` is a replicated [1, hidden] value head, HF name
   ``score.weight``, optional on load (an actor checkpoint has none: the head stays zero).
-- Mixtures of experts (``spec.is_moe``): the MLP is Megatron's ``MoELayer`` with
-  ``SequentialMLP`` experts. The router ``mlp.router.weight`` is HF's ``mlp.gate.weight``
-  (replicated); expert e's ``linear_fc1`` / ``linear_fc2`` are HF's per-expert
-  ``mlp.experts.{e}.gate_proj``/``up_proj`` and ``down_proj`` (transformers' on-disk names; it
-  fuses them in memory only), split over TP as a dense MLP's. qwen2_moe's shared expert is
-  ``mlp.shared_experts.linear_fc1/fc2`` and its sigmoid gate ``mlp.shared_experts.gate_weight``
-  (HF ``mlp.shared_expert_gate.weight``, [1, hidden], replicated).
+- Mixtures of experts (``spec.is_moe``): Megatron's ``MoELayer`` with ``SequentialMLP``
+  experts. The router ``mlp.router.weight`` is HF's ``mlp.gate.weight`` (replicated); expert
+  e's ``linear_fc1`` / ``linear_fc2`` are HF's ``mlp.experts.{e}.gate_proj``/``up_proj`` and
+  ``down_proj`` (transformers' on-disk names; it fuses them in memory only), split over TP as a
+  dense MLP's. qwen2_moe's shared expert is ``mlp.shared_experts.linear_fc1/fc2``, its sigmoid
+  gate ``mlp.shared_experts.gate_weight`` (HF ``mlp.shared_expert_gate.weight``, [1, hidden],
+  replicated).
 
-Streaming: ``megatron_to_hf`` handles one parameter at a time, so a weight sync can gather one
-parameter's TP shards, convert, send, and drop it before the next. ``Rule.tp_pieces`` is the
-one description of how a TP split cuts the full tensor (``Rule.split``/``Rule.merge`` use it
-too): each piece is a view, contiguous for row splits, so shards can be received straight into
-place.
+Streaming: ``megatron_to_hf`` handles one parameter at a time, so a weight sync can gather,
+convert, send and drop each before the next. ``Rule.tp_pieces`` is the one description of how
+a TP split cuts the full tensor (``Rule.split``/``Rule.merge`` use it): each piece is a view,
+contiguous for row splits, so shards can be received straight into place.
 """
 from __future__ import annotations
 
@@ -69,10 +65,10 @@ _TE_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.linear_fc([12])\.weight(\d+)$"
 
 
 def local_spec_name(name: str) -> str:
-    """A parameter name of a model built with the TE layer spec (fused pre-norms, grouped-GEMM
-    experts) as the local spec calls it, which is the name the rules speak; a local-spec name
-    comes back unchanged. TE's grouped expert weights have the shape of the ``SequentialMLP``
-    expert linear they replace (``[out / TP, in]``, gate and up halves per TP rank alike)."""
+    """A TE-layer-spec parameter name (fused pre-norms, grouped-GEMM ``weight{j}`` per local
+    expert) as the local spec, and the rules, call it; a local-spec name comes back unchanged.
+    TE's grouped expert weights have the shape of the ``SequentialMLP`` linear they replace
+    (``[out / TP, in]``, gate and up halves per TP rank alike)."""
     for te_name, local_name in _TE_ALIASES.items():
         if name.endswith(te_name):
             return name[: -len(te_name)] + local_name
@@ -128,8 +124,7 @@ class Rule:
 
     def tp_pieces(self, full: torch.Tensor, tp_rank: int, tp_size: int) -> list[torch.Tensor]:
         """Views of ``full`` (TP=1 layout) that TP rank ``tp_rank`` holds, in the order its
-        shard stacks them along ``tp_dim``: the one description of a TP split, read both ways
-        (a receiver can fill ``full`` piece by piece without a merge copy)."""
+        shard stacks them along ``tp_dim`` (a receiver can fill ``full`` without a merge copy)."""
         if self.tp_dim is None or tp_size == 1:
             return [full]
         if self.fuse == "gate_up":  # rank r holds [gate_r; up_r]
@@ -174,8 +169,7 @@ class Rule:
     def hf_to_shard(self, hf_tensors: Sequence[torch.Tensor], spec: ModelSpec, tp_rank: int,
                     tp_size: int) -> torch.Tensor:
         """TP rank ``tp_rank``'s shard of this parameter from its HF tensors (in ``hf``
-        order): also the layout a LoRA adapter reads off a fused linear
-        (``backends/megatron/lora.py`` feeds it row and column indices)."""
+        order); ``backends/megatron/lora.py`` feeds it row and column indices."""
         return self.split(self.from_hf(hf_tensors, spec, tp_size), tp_rank, tp_size)
 
 
@@ -245,10 +239,8 @@ def _rules_by_name(spec: ModelSpec, role: str) -> dict[str, Rule]:
 
 
 def adaptable_rules(spec: ModelSpec, role: str = "actor") -> list[Rule]:
-    """The linears a LoRA adapter may wrap: a layer's TP-split ones (attention's qkv and
-    output projection, the MLP's fc1 and fc2: a dense MLP's, each expert's and the shared
-    expert's) and an actor's untied LM head. The router, the embedding and a critic's value
-    head are not among them."""
+    """The linears a LoRA adapter may wrap: a layer's TP-split ones (qkv, output projection, every
+    MLP's fc1 and fc2) and an actor's untied LM head; not the router, embedding or value head."""
     layer = [r for r in rules(spec, role) if r.place == "layer" and r.tp_dim is not None
              and r.megatron.endswith(".weight")]
     head = [r for r in rules(spec, role) if r.place == "head" and r.vocab and r.export]
@@ -431,11 +423,8 @@ def iter_hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelS
                               role: str = "actor", ep_rank: int = 0, ep_size: int = 1
                               ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (local Megatron name, this TP rank's shard) for one model chunk (of expert-parallel
-    rank ``ep_rank``: its own experts only).
-
-    ``hf_state`` is only indexed by the names this chunk needs (a lazy safetensors view works).
-    A missing HF tensor raises KeyError naming it (except optional ones, which are skipped).
-    """
+    rank ``ep_rank``: its own experts only). ``hf_state`` is indexed only by the names the chunk
+    needs (a lazy view works); a missing non-optional HF tensor raises KeyError naming it."""
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} outside [0, tp_size={tp_size})")
     spec.check_parallel(tp_size, pp_size, vpp)
@@ -465,11 +454,9 @@ def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec, 
 
 def megatron_to_hf(items: Iterable[tuple[str, torch.Tensor | Sequence[torch.Tensor]]],
                    spec: ModelSpec, role: str = "actor") -> Iterator[tuple[str, torch.Tensor]]:
-    """Convert (global Megatron name, full tensor or list of TP shards) pairs to HF pairs.
-
-    One item in -> one to three HF tensors out, nothing held between items. Vocab-parallel
-    tensors lose their padding rows. A tied output layer copy is skipped (HF has none).
-    """
+    """Convert (global Megatron name, full tensor or list of TP shards) pairs to HF pairs: one
+    to three HF tensors per item, nothing held between items, vocabulary padding dropped, a tied
+    output layer's copy skipped."""
     for name, value in items:
         rule = rule_of(name, spec, role)
         if not rule.export:
@@ -500,10 +487,8 @@ def hf_shape(hf_name: str, spec: ModelSpec, role: str = "actor") -> tuple[int, .
 
 
 def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]:
-    """HF tensor name -> dims as (config key, factor): the size is ``config[key] * factor``.
-
-    Used by :func:`check_checkpoint` to name the config key a tensor contradicts.
-    """
+    """HF tensor name -> dims as (config key, factor): the size is ``config[key] * factor``
+    (so :func:`check_checkpoint` can name the key a tensor contradicts)."""
     H, V, F = ("hidden_size", 1), ("vocab_size", 1), ("intermediate_size", 1)
     E, M = ("num_experts", 1), ("moe_intermediate_size", 1)
     S = ("shared_expert_intermediate_size", 1)
@@ -537,13 +522,10 @@ def expected_hf_shapes(spec: ModelSpec, role: str = "actor") -> dict[str, tuple]
 
 def check_checkpoint(spec: ModelSpec, shapes: Mapping[str, Sequence[int]],
                      role: str = "actor") -> None:
-    """Compare a checkpoint's tensor names/shapes with ``spec``; name the contradicted field.
-
-    ``shapes`` maps HF tensor names to shapes (e.g. read from safetensors headers without loading
-    data); for a critic the optional ``score.weight`` is not required. Raises
-    ConfigMismatchError for a wrong dimension (naming the config key, the value it has and the
-    value the tensor implies), a missing tensor or an unexpected one.
-    """
+    """Compare a checkpoint's HF tensor ``shapes`` (e.g. from safetensors headers) with
+    ``spec``. Raises ConfigMismatchError for a wrong dimension (naming the config key, its value
+    and the value the tensor implies), a missing tensor or an unexpected one; a critic's
+    optional ``score.weight`` is not required."""
     expected = expected_hf_shapes(spec, role)
     for name, dims in expected.items():
         if name not in shapes:

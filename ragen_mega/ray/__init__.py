@@ -1,1 +1,1 @@
-"""Ray orchestration: placement, actor groups, engines and trainers as Ray actors, the driver loop."""
+"""Ray orchestration: placement, actor groups, and engines, trainers and env workers as actors."""

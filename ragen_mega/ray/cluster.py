@@ -1,18 +1,16 @@
 """Connecting to (or starting) the Ray cluster a run uses.
 
-On a slurm cluster the sbatch script starts a Ray head and workers and the driver connects with
-``address="auto"``; on a laptop the driver starts a private local Ray. Every process must agree
-on ``RAY_AUTH_MODE`` (a mismatch fails with InvalidAuthToken), so it is set here, once, before
-Ray starts, unless the user set it. Only the Ray this process started is ever stopped.
+On slurm the sbatch script starts a Ray head and workers and the driver connects with
+``address="auto"``; on a laptop the driver starts a private local Ray, with a reaper
+(``ray/reaper.py``) that ends Ray's agents, which outlive a SIGKILLed driver. Only the Ray this
+process started is ever stopped. Every process must agree on ``RAY_AUTH_MODE`` (a mismatch fails
+with InvalidAuthToken), so it is set here, before Ray starts, unless the user set it.
 
-Every process of the job (trainer ranks, engine workers and the SGLang servers they start) gets
-``THP_MEM_ALLOC_ENABLE=1`` on machines without CUDA: torch then backs large CPU tensors with
-transparent huge pages. A CPU weight sync is mostly first-touch page faults on fresh buffers
-(export, SGLang's receive buffers, its load copy), and huge pages halve it
-(benchmarks/README.md, weight sync). It must be set before a process allocates, hence here.
-
-A local Ray gets a reaper (``ragen_mega/ray/reaper.py``): Ray's own agents outlive a SIGKILLed
-driver, and the reaper ends them.
+On machines without CUDA every process of the job (trainer ranks, engine workers, their SGLang
+servers) gets ``THP_MEM_ALLOC_ENABLE=1``, which must be set before it allocates: torch then backs
+large CPU tensors with transparent huge pages, halving the first-touch page faults (export,
+SGLang's receive buffers, its load copy) that dominate a CPU weight sync (benchmarks/README.md,
+weight sync).
 """
 from __future__ import annotations
 

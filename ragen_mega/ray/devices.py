@@ -1,15 +1,13 @@
 """Which physical GPUs a group of placement-group bundles holds, found by asking Ray in each one.
 
 An SGLang engine with ``engine_tp`` devices spans ``engine_tp`` bundles, but its Ray actor can
-only take resources from the one bundle it is scheduled in, so it asks for no GPU (see
-``engine_group.py``). Ray then sets no ``CUDA_VISIBLE_DEVICES`` for it (it sets the variable
-only for a worker that was given GPUs), and a server started from it would see every GPU of the
-node and start on GPU 0..tp-1, on top of trainer rank 0 or another engine. So before an engine
-starts, one tiny task per bundle asks Ray which GPU that bundle holds; the engine's server is
-launched with exactly those ids.
-
-The probe asks for a small fraction of a GPU and no CPU, so it also fits a colocated bundle whose
-trainer rank holds half of the GPU, and it gets that same GPU: a bundle's GPU is one device.
+take resources only from the bundle it is scheduled in, so it asks for no GPU, and Ray sets no
+``CUDA_VISIBLE_DEVICES`` for it. A server started from it would see every GPU of the node and
+start on GPUs 0..tp-1, on top of trainer rank 0 or another engine. So before an engine starts,
+one tiny task per bundle asks Ray which GPU that bundle holds, and the server is launched on
+exactly those ids. The probe asks for :data:`PROBE_GPUS` and no CPU, so it also fits a colocated
+bundle whose trainer rank holds half the GPU, and gets that same GPU (a bundle's GPU is one
+device).
 """
 from __future__ import annotations
 

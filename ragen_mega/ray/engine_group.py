@@ -1,21 +1,16 @@
 """SGLang rollout engines placed by Ray, and the rollout's generate function over all of them.
 
-Each :class:`EngineWorker` is a small Ray actor that starts one SGLang server on its node (the
-server is the actor's child process group, so killing the actor's group stops it) and reports
-its URL. The driver then talks to the servers directly over HTTP: generation never goes through
-Ray's object store.
+Each :class:`EngineWorker` is a small Ray actor that starts one SGLang server on its node (its
+child process group) and reports its URL; the driver then talks to the servers over HTTP, never
+through Ray's object store. The worker asks Ray for no GPU: the group finds each engine's GPUs
+first and the server starts on exactly those (``ray/devices.py`` says why).
 
-An engine with ``tp`` devices spans ``tp`` bundles, but a Ray actor can only take resources from
-the one bundle it sits in, so the worker asks for no GPU and Ray gives it no
-``CUDA_VISIBLE_DEVICES``. The group therefore finds each engine's GPUs first
-(``ray/devices.py``) and the worker starts its server on exactly those.
-
-An engine whose server dies during a rollout costs a retry, not the run: the request that meets
-the dead server raises :class:`~ragen_mega.rollout.types.EngineRestarted` once the group's
-:class:`~ragen_mega.ray.engine_supervisor.EngineSupervisor` has restarted it and given it the
-current weights, and the rollout manager plays every episode that was using it again from its
-start. With seeded sampling (``rollout/seeding.py``) the replay gives the same tokens, so the
-step's samples are those of a run without the fault.
+A server that dies during a rollout costs a retry, not the run: the request that meets it raises
+:class:`~ragen_mega.rollout.types.EngineRestarted` once the group's
+:class:`~ragen_mega.ray.engine_supervisor.EngineSupervisor` has restarted it with the current
+weights, and the rollout manager plays every episode that was using it again from its start.
+With seeded sampling (``rollout/seeding.py``) the replay gives the same tokens, so the step's
+samples are those of a run without the fault.
 """
 from __future__ import annotations
 
@@ -82,20 +77,18 @@ def _server_args(ep: int, routed_experts) -> list[str]:
 class EngineGroup:
     """``num_engines`` SGLang servers, engine ``e`` on the GPUs of ``bundles[e]`` (when the
     bundles hold GPUs); :meth:`generate` spreads requests over them.
-    ``seeded_sampling``: the servers honour ``sampling_seed``; ``memory_saver`` (colocated runs):
-    :meth:`release_memory` frees their GPU memory; ``mem_fraction``: SGLang's
-    ``--mem-fraction-static`` (see ``backends/sglang/server.py``); ``max_restarts_per_step``:
-    restarts of dead engines allowed between two ``supervisor.take_fault_counts()``.
-    ``ep``: SGLang's ``--ep-size`` (a mixture of experts' experts split over the engine's TP
-    ranks). ``routed_experts`` (a mixture of experts: its ``(layers, top-k, experts)``): the
-    servers record, and every generation returns, the experts each token was routed to
-    (routing replay). ``lora_targets`` (a LoRA run whose syncs send adapters): the servers keep
-    those modules' base weights and merge the adapters in (``backends/sglang/lora_merge.py``).
-    ``lora_serving`` ((rank, target modules) of a run whose engines serve the adapters by
-    name, ``backends/sglang/lora_serving.py``): each request names :attr:`adapter`, the
-    version the last sync loaded, and its tokens carry that version. ``batch_requests``: the
-    requests one pass of the event loop makes go to each engine as one batch
-    (``backends/sglang/request_batcher.py``).
+
+    ``seeded_sampling``: the servers honour ``sampling_seed``. ``memory_saver`` (colocated):
+    :meth:`release_memory` frees their GPU memory. ``mem_fraction``: SGLang's
+    ``--mem-fraction-static``. ``max_restarts_per_step``: restarts of dead engines allowed
+    between two ``supervisor.take_fault_counts()``. ``ep``: SGLang's ``--ep-size`` (the experts
+    split over the engine's TP ranks). ``routed_experts`` (a mixture of experts' ``(layers,
+    top-k, experts)``): every generation returns the experts each token was routed to (routing
+    replay). ``lora_targets``: the servers merge the adapters each sync sends into those
+    modules (``backends/sglang/lora_merge.py``). ``lora_serving`` ((rank, target modules);
+    ``backends/sglang/lora_serving.py``): each request names :attr:`adapter`, the version the
+    last sync loaded, and its tokens carry that version. ``batch_requests``: the requests of one
+    event-loop pass go to each engine as one batch (``backends/sglang/request_batcher.py``).
     ``resync({engine: url})``: loads the current weights into restarted engines (None: the
     engines serve ``model_path`` as it is, so a new server already has them). :attr:`supervisor`
     finds, restarts and resyncs dead engines, and describes each restart in ``fault_log``."""
@@ -216,9 +209,9 @@ class EngineGroup:
     def run(self, work: Coroutine[Any, Any, T]) -> T:
         """Run ``work`` (which talks to the engines, e.g. through :meth:`generate`) in a fresh
         event loop and return its result. The HTTP clients belong to the loop they were first
-        used in, so they are closed before it ends, and the next call opens new ones. While
+        used in, so they are closed before it ends and the next call opens new ones. While
         :meth:`serve_forever` holds the clients on another thread's loop (``trainer.async_mode:
-        fully``), ``work`` runs on that loop instead, beside what it plays there."""
+        fully``), ``work`` runs on that loop instead."""
         resident = self._resident
         if resident is not None and threading.current_thread() is not self._resident_thread:
             return asyncio.run_coroutine_threadsafe(work, resident).result()
@@ -248,10 +241,10 @@ class EngineGroup:
     def generation_paused(self) -> Iterator[None]:
         """Requests in flight wait while the block runs (a weight sync under a running
         rollout): SGLang retracts them to its queue at a token boundary, and after the block
-        they continue with the weights it loaded, their earlier tokens' KV cache recomputed
-        (slime's and AReaL's partial rollouts); each reports which weights sampled which of
-        its tokens (``Generation.versions``). The pause and continue go through clients of
-        their own (the rollout's belong to its loop)."""
+        they continue with the new weights, their earlier tokens' KV cache recomputed (slime's
+        and AReaL's partial rollouts); ``Generation.versions`` says which weights sampled each
+        token. The pause and continue use clients of their own (the rollout's belong to its
+        loop)."""
         from ragen_mega.backends.sglang.client import EngineClient
 
         clients = [EngineClient(c.url, api_key=self.api_key) for c in self.clients]

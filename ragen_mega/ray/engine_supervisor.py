@@ -1,17 +1,15 @@
 """What happens when an SGLang server dies, in one place.
 
-A long run meets dead engines at three points: under a rollout's request, between a rollout and
-the weight sync (the train phase), and in the middle of a sync. :class:`EngineSupervisor` owns
-all of it: how a dead server is found (its process exited, or its HTTP server does not answer),
-the restart (the worker starts a new server on the same devices), the step's allowance
-(``rollout.max_engine_restarts_per_step``), the ``fault/engine_restarts`` and
-``fault/episodes_retried`` counters, and bringing a restarted server to the trainer's weights
-(``resync``, or, while a rollout overlaps training, keeping it for the next sync). A restarted
-server takes no request until a sync has given it the trainer's weights
-(:attr:`EngineSupervisor.unsynced`, marked before the engine group can reach it), so no token
-is ever sampled from the checkpoint it loaded. Every path goes through
-:meth:`EngineSupervisor.recover`; each recovery is described in ``RUN_DIR/faults.jsonl`` and
-handed to the :attr:`EngineSupervisor.listeners`.
+A long run meets dead engines under a rollout's request, between a rollout and the weight sync
+(the train phase), and in the middle of a sync. :class:`EngineSupervisor` owns all of it:
+finding a dead server (its process exited, or its HTTP server does not answer), the restart (a
+new server on the same devices), the step's allowance (``rollout.max_engine_restarts_per_step``),
+the ``fault/engine_restarts`` and ``fault/episodes_retried`` counters, and bringing a restarted
+server to the trainer's weights (``resync``, or the next sync while a rollout overlaps training).
+A restarted server takes no request until a sync has given it the trainer's weights
+(:attr:`EngineSupervisor.unsynced`, marked before the engine group can reach it), so no token is
+sampled from the checkpoint it loaded. Every path goes through :meth:`EngineSupervisor.recover`;
+each recovery is described in ``RUN_DIR/faults.jsonl`` and handed to the ``listeners``.
 
 The design follows slime's isolation of its engines' health monitor from the rollout; the code
 is our own.
@@ -86,17 +84,16 @@ class EngineSupervisor:
     def recover(self, reason: BaseException | None, suspects: Sequence[int] | None = None, *,
                 broken_sync: bool = False) -> dict[int, str]:
         """Restart the dead engines among ``suspects`` (default: all); return ``{engine: url}``
-        of every engine restarted, whose servers have the checkpoint they loaded until a weight
-        sync (or :meth:`after_request_failed`'s resync) gives them the trainer's weights.
+        of every engine restarted. They serve the checkpoint they loaded until a weight sync (or
+        :meth:`after_request_failed`'s resync) gives them the trainer's weights.
 
-        ``reason``: the error that made the caller suspect them, re-raised if none of them is
-        dead (a refused request or update is not an engine's fault); None: a routine check.
-        ``broken_sync``: ``reason`` failed a weight sync, so if any engine is dead every engine
-        restarts: the others were left inside the broken update, waiting in a broadcast receive
-        that never completes (which also keeps them from answering a request to leave it).
-        The dead count against the step's allowance (past it: ``RuntimeError`` naming the
-        engine's log and the config key); the others are counted in ``fault/engine_restarts``
-        but not limited."""
+        ``reason``: the error that made the caller suspect them, re-raised if none is dead (a
+        refused request or update is not an engine's fault); None: a routine check.
+        ``broken_sync``: ``reason`` failed a weight sync, so if any engine is dead all restart:
+        the others wait in a broadcast receive that never completes (and would not answer a
+        request to leave it). The dead count against the step's allowance (past it:
+        ``RuntimeError`` naming the engine's log and the config key); the others are counted in
+        ``fault/engine_restarts`` but not limited."""
         with self._lock:
             checked = list(range(len(self.workers)) if suspects is None else suspects)
             recovery = Recovery(_describe(reason), broken_sync, checked,
@@ -115,10 +112,10 @@ class EngineSupervisor:
     def after_request_failed(self, engine: int, life: int, error: BaseException) -> bool:
         """A rollout's request to ``engine`` (in its ``life``-th life) failed with ``error``:
         return once the engine is up again, or re-raise ``error`` if its server is alive (the
-        request itself was refused). The first request to fail restarts it; the others find it
-        restarted. True: it serves the trainer's weights; False: resyncs are deferred
-        (:meth:`deferred`), so it waits for the next weight sync (:attr:`unsynced`). Blocking:
-        call it off the rollout's event loop."""
+        request itself was refused). The first failed request restarts it; the others find it
+        restarted. True: it serves the trainer's weights; False: resyncs are :meth:`deferred`,
+        so it waits for the next weight sync (:attr:`unsynced`). Blocking: call it off the
+        rollout's event loop."""
         with self._lock:  # a second request that failed on it waits here, then returns
             if self.lives[engine] == life:  # else another request has restarted it
                 restarted = self.recover(error, [engine])

@@ -3,14 +3,14 @@
 Crafter or BabyAI episodes run hundreds of turns and a step has 100+ of them: in the driver their
 env steps would compete with the event loop that feeds the engines. Here each :class:`EnvWorker`
 (a Ray actor in its own placement-group bundle) hosts many envs keyed by episode id, and the
-driver holds a :class:`RemoteEnv` per episode: the same awaitable handle as
+driver holds a :class:`RemoteEnv` per episode, the same awaitable handle as
 ``rollout.episode.LocalEnv`` (Ray object refs are awaitable), so ``run_episode`` plays both.
 
 Episode ``i`` plays on worker ``i % num_workers``: a step's episode ids are consecutive, so this
-balances the workers, and it is a function of the episode alone. A worker runs its calls one at
-a time (a plain Ray actor): env steps are CPU-bound Python, so threads would gain nothing under
-the GIL; more workers is the way to more parallelism. A call that fails (the worker died, the env
-raised) is re-raised as :class:`EnvWorkerError` naming the worker, the episode and the call.
+balances the workers and depends on the episode alone. A worker runs its calls one at a time:
+env steps are CPU-bound Python, so threads would gain nothing under the GIL; more workers give
+more parallelism. A failed call (the worker died, the env raised) is re-raised as
+:class:`EnvWorkerError` naming the worker, the episode and the call.
 """
 from __future__ import annotations
 

@@ -2,16 +2,15 @@
 
 Ray ties its raylet and GCS to the driver (the kernel's parent-death signal) and the raylet's
 workers follow the raylet, but its dashboard and runtime-env agents do not: when their raylet
-dies they report it to the GCS, which died with it, wait out Ray's 60 s publish timeout, and then
-hang in interpreter shutdown (seen alive two minutes after the driver's SIGKILL). Nothing would
-ever stop them.
+dies they report it to the GCS, dead too, wait out Ray's 60 s publish timeout, then hang in
+interpreter shutdown, and nothing else would stop them.
 
-The reaper is a small process of ours in its own session. While the driver lives, it records
-every process under the Ray the driver started (the pids Ray's node reports and their
-descendants, each with its start time); when the driver ends, for any reason, the kernel closes
-the reaper's stdin, and the reaper gives the recorded processes a few seconds to exit by
-themselves and SIGKILLs those still running. It only ever touches processes it saw under that
-Ray; a pid since reused by another process (a different start time) is left alone.
+The reaper is a small process of ours in its own session. While the driver lives it records
+every process under the driver's Ray (the pids Ray's node reports and their descendants, each
+with its start time); when the driver ends, however it ends, the kernel closes the reaper's
+stdin, and the reaper gives the recorded processes :data:`GRACE_S` to exit, then SIGKILLs the
+rest. It touches only processes it saw under that Ray; a reused pid (a different start time) is
+left alone.
 
     python -m ragen_mega.ray.reaper ROOT_PID [ROOT_PID ...]   # stdin: a pipe from the driver
 """

@@ -73,14 +73,13 @@ class Run:
 
     def sync_weights(self, version: int) -> dict[str, float]:
         """Push the actor's weights into every engine as ``version``. An engine that died since
-        the rollout (the train phase) is restarted first, and one restarted during an overlapped
-        rollout (not given weights from its thread) waits here: both join the weight-update
-        group, so this one sync gives them the weights. An engine that dies during the sync fails
-        it on every trainer rank; then every engine is restarted and the sync is made again into
-        the new ones (``EngineSupervisor.recover(error, broken_sync=True)``), as often as the
-        step's restart allowance lets it. Colocated engines are released at this
-        point (after start-up, and after each rollout): they take their weight memory back first
-        and their KV cache only once the weights are in (slime's order). A replayed run
+        the rollout (the train phase) is restarted first; it and any restarted during an
+        overlapped rollout join the weight-update group, so this one sync gives them the weights.
+        An engine that dies during the sync fails it on every trainer rank; then every engine is
+        restarted and the sync made again (``EngineSupervisor.recover(error,
+        broken_sync=True)``), as often as the step's restart allowance lets it. Colocated
+        engines, released here (after start-up and each rollout), take their weight memory back
+        first and their KV cache once the weights are in (slime's order). A replayed run
         (``trainer.replay_rollouts``) has no engine: nothing is sent."""
         if self.engines is None:
             self.weight_version = version
@@ -111,10 +110,9 @@ class Run:
         return metrics
 
     def resync_engines(self, urls: dict[int, str]) -> None:
-        """Engines ``urls`` (index -> url) were restarted: the actor's weight-update channel
-        takes them in and the weights the engines serve go out again (the engines'
-        ``resync``; called on the thread that holds the trainer, never from an overlapped
-        rollout's)."""
+        """The engines' ``resync``: restarted engines ``urls`` (index -> url) join the actor's
+        weight channel and get the current weights again. Call it on the trainer's thread,
+        never an overlapped rollout's."""
         self.actor.sync_weights(self.weight_version, new_engines=urls)
 
 
@@ -198,9 +196,9 @@ def _routing_shape(model_dir: str) -> tuple[int, int, int] | None:
 
 def _place(run: Run, with_trainers: bool) -> None:
     """Start the run's processes, each kept in ``run`` as soon as it exists. Trainer ranks on
-    devices of their own start first and build their models while the engines start (Ray
-    creates actors in the background; the first call to them waits): the two longest start-ups
-    of a run overlap. Colocated trainer ranks wait for the engines to release the devices."""
+    devices of their own build their models while the engines start (Ray creates actors in the
+    background; the first call waits), so the run's two longest start-ups overlap. Colocated
+    trainer ranks wait for the engines to release the devices."""
     from ragen_mega.ray.engine_group import EngineGroup
     from ragen_mega.ray.env_workers import EnvWorkerGroup
 

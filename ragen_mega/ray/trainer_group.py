@@ -116,12 +116,11 @@ class TrainerWorker:
         """Push the current weights into the engines as ``version`` (collective over every
         rank; the ``sync/*`` metrics from rank 0).
 
-        Only rank 0 receives full tensors: the other ranks send their shards straight to it, up
-        to a bucket ahead, and rank 0 puts each tensor on the wire to the engines as soon as it
-        is whole. ``new_engines`` (index -> url): engines that were restarted; rank 0's channel
-        first takes them in place of the old ones (the others send the same values again).
-        That, or a failed send (a new engine that fails to join), is raised on rank 0 once the
-        export has run to its end on every rank (``send_export``)."""
+        The other ranks send their shards to rank 0, up to a bucket ahead, and rank 0 puts each
+        tensor on the wire as soon as it is whole. ``new_engines`` (index -> url): restarted
+        engines, which rank 0's channel first takes in place of the old ones. A failure there
+        or in the send is raised on rank 0 once the export has run to its end on every rank
+        (``send_export``)."""
         if self.channel is None:
             raise RuntimeError("sync_weights: call connect_engines first")
         from ragen_mega.backends.sglang.client import EngineClient
@@ -166,8 +165,8 @@ class TrainerGroup:
         self.group = ActorGroup(TrainerWorker, pg, bundles, num_cpus=num_cpus, num_gpus=num_gpus,
                                 init_args=(threads,))
         self.role = role
-        # The ranks start in the background (Ray hands rank 0's address to the others when it
-        # is known); the first call waits for them and raises a rank's failure to start.
+        # The ranks start in the background (Ray hands rank 0's address on once known); the
+        # first call waits for them and raises a rank's failure to start.
         address = self.group.actors[0].host_rendezvous.remote()
         self._starting = self.group.call_async("start", address, role, hf_dir, config, derived)
 

@@ -2,10 +2,10 @@
 
 ``python -m ragen_mega.ray.wait_cluster --address HEAD_IP:PORT --nodes N [--gpus-per-node G]
 [--timeout-s S] [--step-pids PID ...]`` returns 0 once N nodes are alive with at least G GPUs
-each, or 1 with what the cluster had when the time ran out, or as soon as one of the processes
-starting Ray (``--step-pids``, the srun steps) has exited. A fixed sleep is either too short (the driver meets a
-half-formed cluster and its placement group waits, then fails, on resources that are still
-coming) or wasted time; a node that never joins should be a clear error naming it.
+each; 1 with what the cluster had when the time ran out, or as soon as one of the processes
+starting Ray (``--step-pids``, the srun steps) has exited. A fixed sleep is either too short
+(the driver's placement group waits, then fails, on a half-formed cluster) or wasted time, and
+a node that never joins should be a clear error naming it.
 """
 from __future__ import annotations
 

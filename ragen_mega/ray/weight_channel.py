@@ -1,17 +1,16 @@
 """How a trainer rank's weights reach the engines: one :class:`WeightChannel` per rank.
 
-Every rank of the actor holds one and calls :meth:`WeightChannel.push` at each sync (the export
-is collective: every rank takes part); only global rank 0's channel talks to the engines. Two
-kinds, picked by :func:`open_weight_channel` from the sync mode:
+Every rank of the actor calls :meth:`WeightChannel.push` at each sync (the export is
+collective); only global rank 0's channel talks to the engines. :func:`open_weight_channel` picks
+the kind from the sync mode, and the trainer worker does not know which one it feeds:
 
 * :class:`ExportChannel` (``"distributed"``: a broadcast group; ``"tensor"``: colocated shared
-  memory): the export's HF-named tensors (full weights, or the adapters merged engine-side)
-  streamed bucket by bucket (``backends/sglang/weight_sender.py``);
+  memory): the export's HF-named tensors (full weights, or adapters the engines merge) streamed
+  bucket by bucket (``backends/sglang/weight_sender.py``);
 * :class:`AdapterChannel` (``"lora"``: ``actor.lora.sync: native``): the adapters gathered and
   written as a PEFT directory the engines load by name (``backends/sglang/lora_serving.py``).
 
-The trainer worker does not know which one it feeds; engines restarted since the last sync
-(``new_engines``) are taken in by the channel before it sends.
+Engines restarted since the last sync (``new_engines``) are taken in before the channel sends.
 """
 from __future__ import annotations
 

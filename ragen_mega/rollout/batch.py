@@ -1,7 +1,7 @@
 """From played episodes to a training batch: StarPO-S filter, collate, the cut bootstrap's input.
 
-The steps between rollout and trainer, kept as plain functions over :class:`Sample` records and
-tensors (the estimators themselves are ``algo/estimators.py``, by name):
+Plain functions over :class:`Sample` records and tensors (the estimators are
+``algo/estimators.py``):
 
 1. :func:`filter_groups` - StarPO-S (and RAGEN-2's generalisation, ``algo/filter.py``): keep
    the groups whose episode rewards vary most.
@@ -34,19 +34,18 @@ class Filtered(NamedTuple):
 
 
 def filter_groups(samples: Sequence[Sample], by_stream: bool = False, **settings) -> Filtered:
-    """The rollout filter (StarPO-S by default; ``settings`` are :func:`select_groups`'s, the
-    ``filter`` section): the samples of the kept groups, the filter's metrics, each kept
-    sample's advantage weight (1 unless ``filter.loss_scaling`` or ``filter.soft_reweight``) and
-    every group's score (the trajectory files record it). The filter ranks all groups together
-    (as RAGEN does); a mixed-env step also reports how many groups of each env tag it kept
-    (``filter/<tag>/kept_groups``), since one env can crowd out another. The kept list may be
-    empty (``top_p``/``min_p`` find no group worth training).
+    """The rollout filter (``settings``: :func:`select_groups`'s, the ``filter`` section): the
+    kept groups' samples, the ``filter/*`` metrics, each kept sample's advantage weight (1 unless
+    ``filter.loss_scaling`` or ``filter.soft_reweight``) and every group's score (for the
+    trajectory files). All groups are ranked together, as in RAGEN; a mixed-env step also
+    reports ``filter/<tag>/kept_groups``, since one env can crowd out another. The kept list may
+    be empty (``top_p``/``min_p`` find no group worth training).
 
     A group member is an episode, scored by its total reward, its turns' mean token NLL
-    (``entropy``) and its response tokens (``length``); ``by_stream`` (``rollout.mode:
-    turns``) takes each env stream's turns in this step's window instead: every stream of a
-    group played the same seeds for the same number of turns, so their window sums are
-    comparable where their episodes are not (docs/design.md, "Long horizons")."""
+    (``entropy``) and its response tokens (``length``). ``by_stream`` (``rollout.mode: turns``)
+    takes each env stream's turns in this step's window instead: a group's streams played the
+    same seeds for the same number of turns, so their window sums are comparable where their
+    episodes are not (docs/design.md, "Long horizons")."""
     member_ids = torch.tensor([s.stream if by_stream else s.episode_id for s in samples])
     members, group_ids, scores = episode_scores(member_ids,
                                                 torch.tensor([s.group_id for s in samples]),

@@ -1,13 +1,13 @@
 """The collapse probes' input from a step's rollout (``trainer.collapse_every``; the metrics are
 ``algo/collapse.py``'s, under RAGEN-2's names ``collapse_first_turn_sample/...``).
 
-As RAGEN does, on first turns: every episode's first-turn reasoning ``z_i`` (the response's
-text before ``</think>``; the prompt ends with ``<think>``) is scored after the first prompt
-``x_j`` of every group of the step (one column a group: its episodes share the seed, so the
-prompt). A sample of ``max_samples`` reasonings (without replacement, seeded by the step) keeps
-the cross batch at ``max_samples x groups`` rows. The reasoning is the decoded text re-tokenized
-(RAGEN's way: a ``</think>`` may share a token with what precedes it, so the sampled ids cannot
-be cut at it). Log-probs come from the actor as it is before the step's update.
+As in RAGEN, on first turns: each episode's first-turn reasoning ``z_i`` (the response text
+before ``</think>``) is scored after the first prompt ``x_j`` of every group of the step (one
+column a group: its episodes share the seed, so the prompt). ``max_samples`` reasonings (without
+replacement, seeded by the step) bound the cross batch at ``max_samples x groups`` rows. The
+reasoning is the decoded text re-tokenized, as RAGEN does: ``</think>`` may share a token with
+what precedes it, so the sampled ids cannot be cut at it. Log-probs come from the actor before
+the step's update.
 """
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
 """Multi-turn episodes against the engines, all of them concurrently.
 
-Every episode is its own coroutine: it builds its prompt, awaits its own generation, steps its
-own env and goes on, so an episode never waits for the slowest one of the batch (unlike a
-lock-step "generate the whole batch, then step all envs" loop). An episode drives its env through
-an async handle (:class:`EnvHandle`), so the same code plays an env in this process
+Every episode is its own coroutine (prompt, generation, env step, repeat), so it never waits for
+the slowest one of the batch, as a lock-step "generate all, then step all" loop would. It drives
+its env through an async :class:`EnvHandle`, so the same code plays an env in this process
 (:class:`LocalEnv`; slow steps such as Crafter's in a worker thread, so the event loop keeps
-feeding the engines) or in a Ray actor elsewhere in the cluster (``ray.env_workers``). The types
-it shares with the engines are in ``rollout/types.py``; which seeds a step's episodes play, in
-``rollout/seeding.py``.
+feeding the engines) or in a Ray actor (``ray.env_workers``). Shared types are in
+``rollout/types.py``; a step's seeds come from ``rollout/seeding.py``.
 """
 from __future__ import annotations
 
@@ -59,9 +57,8 @@ class Episode:
 class EpisodeState:
     """One episode between two of its turns: its env, prompt state and running tallies.
 
-    :func:`take_turn` advances it by one turn; :func:`run_episode` plays it to its end in one go,
-    and the env streams of ``rollout/streams.py`` carry it over training steps, so both play
-    exactly the same turns."""
+    :func:`take_turn` advances it by one turn. :func:`run_episode` plays it to its end in one
+    go and ``rollout/streams.py`` carries it over training steps; both play the same turns."""
     spec: EpisodeSpec
     env: EnvHandle
     builder: PromptBuilder
@@ -188,11 +185,9 @@ async def run_episode(spec: EpisodeSpec, *, tokenizer, agent: AgentConfig, gener
                       env_steps_in_thread: bool = False,
                       open_env: OpenEnvFn | None = None) -> Episode:
     """Play one episode to its end or its turn limit (``spec.max_turns``, else ``max_turns``); one
-    :class:`Sample` per turn. The env comes from ``open_env`` (e.g. ``EnvWorkerGroup.open``: a
-    remote env), or by default is made here (stepped in a thread with ``env_steps_in_thread``).
-    An env that raises raises :class:`EnvFailed`; a prompt the engine refuses as too long
-    (``generate`` raises :class:`PromptTooLong`) ends the episode before that turn (no turn at
-    all: an episode without samples, which the step drops)."""
+    :class:`Sample` per turn. The env comes as in :func:`open_episode`. An env that raises raises
+    :class:`EnvFailed`; a prompt the engine refuses as too long (:class:`PromptTooLong`) ends
+    the episode before that turn (at turn 1: no samples, and the step drops the episode)."""
     state = await open_episode(spec, tokenizer=tokenizer, agent=agent, max_turns=max_turns,
                                env_steps_in_thread=env_steps_in_thread, open_env=open_env)
     samples: list[Sample] = []

@@ -1,10 +1,10 @@
 """Faults a run survives, and the per-step counters that say how many it met.
 
-A long agent run meets a user's env that raises, a prompt that outgrows the engine's context,
-a NaN update: each costs one episode or one update, not the run. Every fault is counted in the
-step's :class:`FaultCounters` (logged every step as ``fault/<name>``, 0 when nothing happened, so
-a dashboard shows a flat line rather than a missing one) and described, one JSON line each, in
-``RUN_DIR/faults.jsonl`` and on stderr, so a user learns which env, seed and exception it was.
+A user's env that raises, a prompt that outgrows the engine's context, a NaN update: each costs
+one episode or one update, not the run. Every fault is counted in the step's
+:class:`FaultCounters` (logged every step as ``fault/<name>``, 0 when nothing happened, so a
+dashboard shows a flat line rather than a gap) and described, one JSON line each, in
+``RUN_DIR/faults.jsonl`` and on stderr (which env, seed and exception).
 """
 from __future__ import annotations
 
@@ -87,13 +87,12 @@ async def episode_or_drop(spec: EpisodeSpec, play) -> Episode | DroppedEpisode:
 async def replay_on_restart(play: Callable[[], Awaitable[T]], *, retried: Callable[[], None],
                             undo: Callable[[], Awaitable[None]] | None = None,
                             wait_for_sync: bool = False) -> T:
-    """``await play()`` (an episode, a window, one stream's window), played again from its
-    start each time a restarted engine cuts it short (:class:`EngineRestarted`): ``undo``
-    first puts back what the cut try changed (the streams' state), ``retried`` counts the
-    replay. A restarted engine that waits for the next weight sync (``resynced`` False) ends
-    it instead, the error re-raised for the caller to play it again after that sync, unless
-    ``wait_for_sync``: a fully asynchronous rollout, whose replay waits for an engine with
-    weights while the trainer goes on and syncs."""
+    """``await play()`` (an episode, a window, one stream's window), replayed from its start
+    each time a restarted engine cuts it short (:class:`EngineRestarted`): ``undo`` first
+    reverts what the cut try changed (the streams' state), ``retried`` counts the replay. If the
+    restarted engine waits for the next weight sync (``resynced`` False), the error is re-raised
+    for the caller to replay after that sync, unless ``wait_for_sync`` (a fully asynchronous
+    rollout: the replay waits for an engine with weights while the trainer goes on and syncs)."""
     while True:
         try:
             return await play()

@@ -1,40 +1,34 @@
 """``trainer.async_mode: fully``: the engines play the coming steps' episodes while the trainer
 trains, and never stop for it (AReaL's asynchronous RL, on this project's steps).
 
-A thread of its own plays step ``s``'s episodes (the seeds step ``s`` would play in any mode:
-``RolloutManager.train_specs``), as many at once as a step has, and starts the next step's as
-soon as an episode ends, so the engines stay as full as in the middle of a synchronous step.
-With ``rollout.mode: turns`` each env stream plays its window of one step after another, each
-stream at its own pace (Verlog's long episodes: no stream waits for another's slow turns), and
-step ``s``'s window is every stream's ``s``-th. The trainer takes step ``s`` once all of it is
-in (:meth:`FullyAsyncRollout.take`) and trains on it with the weights of step ``s - 1``. The
-weight sync lands between two tokens of the requests in flight
-(``EngineGroup.generation_paused``): a turn a sync cut continues with the new weights, and each
-token keeps the version that sampled it (``Sample.token_versions``); the loss takes the engine's
-per-token log-probs as the behaviour policy through the truncated IS weight
-(``actor.tis_cap``), the actor's recomputed ones as PPO's proximal policy (AReaL's decoupled
-objective).
+A thread of its own plays step ``s``'s episodes (the seeds of ``RolloutManager.train_specs``, as
+in any mode), as many at once as a step has, and starts the next step's as soon as one ends, so
+the engines stay as full as mid-step in a synchronous run. With ``rollout.mode: turns`` each env
+stream plays its windows one step after another at its own pace (Verlog's long episodes: no
+stream waits for another's slow turns); step ``s``'s window is every stream's ``s``-th. The
+trainer takes step ``s`` once all of it is in (:meth:`FullyAsyncRollout.take`) and trains on it
+with the weights of step ``s - 1``. A weight sync lands between two tokens of the requests in
+flight (``EngineGroup.generation_paused``): a cut turn continues with the new weights and each
+token keeps the version that sampled it (``Sample.token_versions``). The loss takes the engine's
+per-token log-probs as the behaviour policy through the truncated IS weight (``actor.tis_cap``)
+and the actor's recomputed ones as PPO's proximal policy (AReaL's decoupled objective).
 
 **Admission** (the staleness bound): an episode (or a stream's window) of step ``s`` starts only
-once the engines serve version ``s - 1 - trainer.max_staleness`` or newer. Its tokens are
-sampled at that version or later, and it trains at version ``s - 1``: no trained token is more
-than ``max_staleness`` versions older than the weights it trains. The check is made where the
-work starts (SkyRL's admission control), so nothing is ever played only to be dropped: an engine
-that is that far ahead waits instead (``time/engine_idle_s``). AReaL bounds the same quantity,
-the version lag of a trajectory's first token, by capping how many trajectories may have
-started.
+once the engines serve version ``s - 1 - trainer.max_staleness`` or newer; it trains at version
+``s - 1``, so no trained token is more than ``max_staleness`` versions stale. The check is made
+where the work starts (SkyRL's admission control), so nothing is played only to be dropped: an
+engine that far ahead waits instead (``time/engine_idle_s``). AReaL bounds the same quantity
+(the version lag of a trajectory's first token) by capping how many trajectories have started.
 
 **A dead engine** is restarted from this thread (``EngineSupervisor.deferred``: no trainer call
-here); the episode (or the stream's window) that met it plays again, and no request goes to the
-new server until a sync has given it the trainer's weights (``EngineGroup._serving_engine``):
-the trainer's next sync, or the one :meth:`FullyAsyncRollout.take` makes at once when the
-trainer is waiting.
+here); the episode (or window) that met it plays again, and no request goes to the new server
+until a sync gives it the trainer's weights (``EngineGroup._serving_engine``): the trainer's next
+sync, or the one :meth:`FullyAsyncRollout.take` makes at once when the trainer is waiting.
 
-**Resume**: what the engines played ahead of the newest checkpoint is not saved; a resumed run
-plays step ``s + 1`` on from its first episode (its seeds are a function of the step), so every
-step still trains on exactly its own episodes and none is lost. The streams are saved where
-step ``s``'s window left them (``PlayedStep.streams_state``), so a resumed stream plays window
-``s + 1`` from there, as in any mode.
+**Resume**: what was played ahead of the newest checkpoint is not saved; a resumed run replays
+step ``s + 1`` from its first episode (seeds are a function of the step), so every step trains
+on exactly its own episodes. The streams are saved where step ``s``'s window left them
+(``PlayedStep.streams_state``), so a resumed stream plays window ``s + 1`` from there.
 """
 from __future__ import annotations
 
@@ -60,10 +54,9 @@ POLL_S = 0.05
 
 class FullyAsyncRollout:
     """The ``fully`` :class:`~ragen_mega.rollout.source.RolloutSource`: plays steps
-    ``first_step`` .. ``last_step`` over ``manager``'s engines on a thread of its own (module
-    docstring); the engines serve ``version`` now. ``resync()`` gives the engines
-    restarted under the rollout the trainer's weights again; :meth:`take` calls it (on the
-    trainer's thread) while it waits."""
+    ``first_step`` .. ``last_step`` over ``manager``'s engines on its own thread; the engines
+    serve ``version`` now. ``resync()`` gives engines restarted under the rollout the trainer's
+    weights; :meth:`take` calls it (on the trainer's thread) while it waits."""
 
     def __init__(self, manager: RolloutManager, *, first_step: int, last_step: int,
                  max_staleness: int, version: int, resync: Callable[[], object]):
@@ -144,9 +137,9 @@ class FullyAsyncRollout:
         self.weights_synced(version)
 
     def state_dict(self) -> dict:
-        """What the checkpoint of the step last taken keeps: where the env streams stood when
-        its window ended (``rollout.mode=turns``), no pending rollout (the steps played
-        ahead are played again on resume: module docstring)."""
+        """What the last taken step's checkpoint keeps: where the env streams stood when its
+        window ended (``rollout.mode=turns``); no pending rollout (steps played ahead are
+        replayed on resume)."""
         return {"streams": self._streams_state, "pending": None}
 
     def stop(self) -> None:
@@ -208,10 +201,9 @@ class FullyAsyncRollout:
 
     async def _play_stream(self, stream) -> None:
         """``rollout.mode: turns``: one env stream plays its window of each step in turn (the
-        turns it plays in any mode, seeded alike), each once the step is admitted, and hands
-        it in with where the stream stood after it (the step's checkpoint keeps that). A
-        window an engine restart cut short is played again from its start, by this stream
-        alone."""
+        same turns, seeded alike, as in any mode) once the step is admitted, and hands it in with
+        where the stream stood after it (for the step's checkpoint). A window an engine restart
+        cut short is replayed from its start by this stream alone."""
         streams, manager = self.manager.streams, self.manager
         try:
             for step in range(self.first_step, self.last_step + 1):
@@ -225,7 +217,7 @@ class FullyAsyncRollout:
                     retried=lambda: manager.engines.supervisor.count_retried(1),
                     undo=lambda: streams.restore_stream(stream, start), wait_for_sync=True)
                 self._hand_in(step, stream.index, (part, stream.saved()))
-        except Exception as e:  # noqa: BLE001 - an env's or engine's error: the step's take raises it
+        except Exception as e:  # noqa: BLE001 - an env's or engine's error: take() raises it
             self._fail(e)
 
     async def _admitted(self, step: int) -> bool:
@@ -243,7 +235,7 @@ class FullyAsyncRollout:
     async def _play(self, step: int, index: int, spec) -> None:
         try:
             outcome = await self.manager.play_episode(spec, step, wait_for_sync=True)
-        except Exception as e:  # noqa: BLE001 - an engine's error, or a bug: the step's take raises it
+        except Exception as e:  # noqa: BLE001 - an engine's error or a bug: take() raises it
             self._fail(e)
             return
         self._hand_in(step, index, outcome)

@@ -1,22 +1,22 @@
 """An OpenAI-compatible gateway to the engines, for agents the user wrote (``rollout.agent``).
 
-slime's OpenAI adapter, AReaL's proxy and Agent Lightning let an agent loop written against the
-OpenAI client be trained as it is. While a rollout plays, the run serves
-``/episodes/{EPISODE}/v1/chat/completions`` and ``/episodes/{EPISODE}/v1/completions``: each
-episode's agent gets its own base URL (``http://HOST:PORT/episodes/EPISODE/v1``), so its calls
-group into that episode. Every call is one turn of the episode and becomes one
-:class:`~ragen_mega.rollout.sample.Sample` with the exact prompt ids the engine was given and the
-ids and log-probs it sampled: the gateway tokenizes (``rollout/token_history.py``), never the
-trainer, and a conversation that goes on from the previous call reuses the sampled tokens.
+As slime's OpenAI adapter, AReaL's proxy and Agent Lightning do, it trains an agent loop written
+against the OpenAI client as it is. While a rollout plays, the run serves
+``/episodes/{EPISODE}/v1/chat/completions`` and ``/episodes/{EPISODE}/v1/completions``; each
+episode's agent gets its own base URL (``http://HOST:PORT/episodes/EPISODE/v1``), which groups
+its calls. Every call is one turn and becomes one :class:`~ragen_mega.rollout.sample.Sample`
+with the exact prompt ids the engine was given and the ids and log-probs it sampled: the gateway
+tokenizes (``rollout/token_history.py``), never the trainer, and a conversation that continues
+the previous call reuses the sampled tokens.
 
 The request and response shapes are OpenAI's for the fields supported: ``model`` (any name: the
 run's policy answers), ``messages`` (roles system/user/assistant, text content) or ``prompt``
 (one string), ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``),
 ``stop``, ``n`` (1), ``logprobs`` (chat: true/false; completions: 0/null), ``stream`` (false).
-Any other field is refused (400 naming it), never ignored: an agent relying on ``tools`` or
-``seed`` must learn that here, not from a silently different rollout. A missing sampling field
-takes the rollout's value (``rollout.temperature`` or, in the held-out evaluation,
-``rollout.val_temperature``; ``rollout.top_p``; ``rollout.max_new_tokens``).
+Any other field is refused (400 naming it), never ignored, so an agent relying on ``tools`` or
+``seed`` learns it here, not from a silently different rollout. A missing sampling field takes
+the rollout's value (``rollout.temperature``, or ``rollout.val_temperature`` in held-out
+evaluation; ``rollout.top_p``; ``rollout.max_new_tokens``).
 
 Errors use OpenAI's body (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad
 field, a call past the episode's turn limit, or a prompt longer than the engine's context
@@ -114,11 +114,10 @@ class Gateway:
 
     @contextlib.asynccontextmanager
     async def serving(self) -> AsyncIterator[None]:
-        """Serve on the running event loop (the one the engines' clients and the agents use)
-        until the block ends. Port 0 binds a free port, kept for the rest of the run's rollouts
-        so the URLs stay stable. One rollout plays at a time (an overlapped one is joined before
-        the next starts), so one server at a time; a block inside another on the same loop (an
-        evaluation played beside ``async_mode: fully``'s rollout) uses the server already up."""
+        """Serve on the running event loop (the engines' clients' and the agents') until the
+        block ends. Port 0 binds a free port, kept for the rest of the run so URLs stay stable.
+        One rollout plays at a time, so one server at a time; a block nested on the same loop
+        (an evaluation beside ``async_mode: fully``'s rollout) uses the server already up."""
         import uvicorn
 
         if self._serving is asyncio.get_running_loop():
@@ -135,8 +134,8 @@ class Gateway:
             raise RuntimeError(f"the gateway cannot listen on {self.host}:{self.port} "
                                f"(rollout.gateway_host, rollout.gateway_port): {e}") from e
         self.port, self._serving = sock.getsockname()[1], asyncio.get_running_loop()
-        # keep-alive far past the agents' clients' own (httpx: 5 s), so a connection an agent
-        # reuses is never one the gateway closed meanwhile (uvicorn's default is also 5 s)
+        # keep-alive far past the agents' clients' own (httpx: 5 s), so an agent never reuses
+        # a connection the gateway closed meanwhile (uvicorn's default is also 5 s)
         server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="off",
                                                access_log=False, timeout_keep_alive=600))
         task = asyncio.create_task(server.serve(sockets=[sock]))

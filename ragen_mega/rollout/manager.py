@@ -1,16 +1,13 @@
 """The rollout manager: how one step's rollout is played over the engines.
 
 It owns everything between "the engines serve weights version k" and "here are the step's
-samples": the step's episode specs and seeds (``rollout/episode.py``), episodes mode (every
-episode of the step played to its end, all at once) or the env streams' window
-(``rollout.mode: turns``, ``rollout/streams.py``), seeded sampling (``rollout/seeding.py``), the
-replay of what a restarted engine cut short (``ray/engine_supervisor.py`` restarts it), the fault
-counters, playing the next step in the background while this one trains
-(``async_mode: one_step_off``), and the held-out evaluation. The training loop (``train.py``) and
-``ragen-mega eval`` both play through it, and it is the seam a test uses to inject a fault.
-
-It holds no trainer: weights reach the engines elsewhere (``ray/run.py``), and the weight
-version a rollout is stamped with is passed in by the caller.
+samples": episode specs and seeds (``rollout/seeding.py``), episodes mode (every episode played
+to its end, all at once) or the env streams' window (``rollout.mode: turns``,
+``rollout/streams.py``), seeded sampling, replaying what a restarted engine cut short, the fault
+counters, playing the next step in the background (``async_mode: one_step_off``) and the
+held-out evaluation. ``train.py`` and ``ragen-mega eval`` both play through it; tests inject
+faults here. It holds no trainer: weights reach the engines elsewhere (``ray/run.py``) and the
+caller passes the weight version.
 """
 from __future__ import annotations
 
@@ -55,12 +52,10 @@ class PlayedStep:
     window: Window | None = None
 
     def state_dict(self) -> dict:
-        """Plain values only (samples as :meth:`Sample.to_dict`, the counters as
-        :meth:`FaultCounters.state_dict`), so the checkpoint that keeps a pending rollout
-        (``async_mode: one_step_off``) loads with ``torch.load(weights_only=True)`` and survives a
-        renamed class. Of a streamed step's window only what training still reads is kept: the
-        prompts after its cuts (the critic's bootstrap); its finished and dropped episodes are
-        in the metrics and fault counters already."""
+        """Plain values only, so a checkpoint keeping a pending rollout (``async_mode:
+        one_step_off``) loads with ``torch.load(weights_only=True)`` and survives a renamed
+        class. Of a streamed window only the prompts after its cuts (the critic's bootstrap) are
+        kept; its finished and dropped episodes are in the metrics and fault counters already."""
         state = {"samples": [s.to_dict() for s in self.samples],
                  "metrics": {str(k): float(v) for k, v in self.metrics.items()},
                  "rollout_s": float(self.rollout_s), "faults": self.faults.state_dict()}
@@ -138,11 +133,9 @@ class RolloutManager:
     def rollout_in_background(self, step: int, weight_version: int) -> Future:
         """:meth:`rollout` on a daemon thread (``async_mode: one_step_off``); its PlayedStep (or
         exception) in the returned future. The thread only drives the engines' HTTP clients and
-        the envs, on an event loop of its own: trainer calls stay on the caller's thread, so an
-        engine restarted under it ends it (``EngineRestarted``, not ``resynced``) instead of
-        being given weights from here (the next weight sync does, on the caller's thread). A
-        daemon: if the step fails while it is in flight, the run's teardown stops the engines
-        under it and the process can exit without waiting for it."""
+        the envs on its own event loop; trainer calls stay on the caller's thread, so an engine
+        restarted under it ends it (``EngineRestarted``, not ``resynced``) and gets its weights
+        at the next sync. A daemon, so a failed step's teardown need not wait for it."""
         future: Future = Future()
 
         def work():
@@ -156,9 +149,9 @@ class RolloutManager:
 
     def episodes(self, step: int, *, evaluate: bool = False, faults: FaultCounters | None = None,
                  show_progress: bool = False) -> tuple[list[Episode], float]:
-        """Play one step's episodes (training seeds, or the held-out seeds at eval temperature),
-        all at once; seconds taken. An episode a restarted engine cut short is played again from
-        its start; one whose env raised is left out, counted in ``faults``. ``show_progress``:
+        """Play one step's episodes (training seeds, or held-out seeds at eval temperature) all
+        at once; also return the seconds taken. An episode a restarted engine cut short is
+        replayed; one whose env raised is left out and counted in ``faults``. ``show_progress``:
         a progress bar of finished episodes (``ragen-mega eval``)."""
         env = self.cfg.env
         specs = (mix_specs(val_parts(env), group_size=env.val_group_size,
@@ -188,10 +181,10 @@ class RolloutManager:
 
     async def play_episode(self, spec: EpisodeSpec, step: int, *, evaluate: bool = False,
                            wait_for_sync: bool = False) -> Episode | DroppedEpisode:
-        """One episode of step ``step`` (at the training or the held-out temperature), played
-        again from its start whenever a restarted engine cut it short (``wait_for_sync``: also
-        when that engine waits for the next sync; :func:`replay_on_restart`); one whose env
-        raised comes back as a :class:`DroppedEpisode`."""
+        """One episode of step ``step`` (training or held-out temperature), replayed whenever a
+        restarted engine cut it short (``wait_for_sync``: also when that engine waits for the
+        next sync; :func:`replay_on_restart`); one whose env raised comes back as a
+        :class:`DroppedEpisode`."""
         env, r = self.cfg.env, self.cfg.rollout
         temperature = r.val_temperature if evaluate else r.temperature
 
@@ -215,13 +208,12 @@ class RolloutManager:
     def window(self, step: int, faults: FaultCounters, weight_version: int
                ) -> tuple[Window, float]:
         """Every stream's ``turns_per_step`` turns with the weights the engines serve,
-        ``weight_version`` (that of step ``step - 1``, or of ``step - 2`` when the window plays
-        while step ``step - 1`` trains); stream ``s``'s k-th request of the step is seeded with
-        (trainer.seed, step, s, k). Faults are counted in ``faults``; a window an engine
-        restart cut short is played again from its start (each stream's episodes then replay
-        from their resets, as on resume). A window that ends in an error leaves the streams
-        where it started: an overlapped one that met a restarted engine waiting for weights
-        is played again after the step's sync."""
+        ``weight_version`` (step ``step - 1``'s, or ``step - 2``'s when the window plays while
+        step ``step - 1`` trains); stream ``s``'s k-th request is seeded with (trainer.seed,
+        step, s, k). Faults are counted in ``faults``. A window an engine restart cut short is
+        replayed from its start (each stream's episodes from their resets, as on resume). A
+        window that ends in an error leaves the streams where it started, so an overlapped one
+        that met an engine waiting for weights can replay after the step's sync."""
         sampling = self._sampling(self.cfg.rollout.temperature)
 
         async def play_window() -> Window:
@@ -244,9 +236,8 @@ class RolloutManager:
         return window, time.perf_counter() - start
 
     async def play_stream_window(self, stream, step: int) -> Window:
-        """One env stream's window of step ``step`` (``rollout.mode: turns``), as its part
-        of the step's window (``EnvStreams.play_stream``); its requests seeded as in
-        :meth:`window`, by a generate function made afresh for each call (a replay samples
+        """One env stream's part of step ``step``'s window (``EnvStreams.play_stream``), seeded
+        as in :meth:`window` by a generate function made afresh for each call (a replay samples
         what the cut try sampled)."""
         return await self.streams.play_stream(
             stream, self._generate("stream", step, stream.index),

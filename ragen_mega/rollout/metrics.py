@@ -14,11 +14,10 @@ from ragen_mega.rollout.sample import Sample
 
 def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
     """Means of the per-episode metrics, reward mean/std, response length, pass@k over groups
-    of k episodes, ``mixed_groups`` (the share of groups with both a won and a lost episode) and
-    ``wins_after_turn_1`` (the share of won episodes that won after their first turn; absent when
-    none won): over all episodes under ``prefix/`` and for each env tag under
-    ``prefix/<tag>/``. Per tag also the mean in-group reward std, the echo-trap signal of that
-    env (the run-wide one is the StarPO-S filter's own ``filter/in_group_std``)."""
+    of k episodes, ``mixed_groups`` (share of groups with both a won and a lost episode) and
+    ``wins_after_turn_1`` (share of won episodes that won after turn 1; absent when none won),
+    under ``prefix/`` and per env tag under ``prefix/<tag>/``. Per tag also the mean in-group
+    reward std, that env's echo-trap signal (run-wide: the filter's ``filter/in_group_std``)."""
     out = _episode_stats(episodes, prefix)
     by_tag: dict[str, list[Episode]] = {}
     for e in episodes:
@@ -36,14 +35,12 @@ def summarize(episodes: list[Episode], prefix: str) -> dict[str, float]:
 def summarize_window(samples: list[Sample], finished: list[Episode], prefix: str, *,
                      trained_version: int) -> dict[str, float]:
     """A streamed step (``rollout.mode: turns``): :func:`summarize` of the episodes that finished
-    in it (none finished: no episode scalars this step) but for its group scalars (``pass@k``,
-    ``group_reward_std_before_filter``): the episodes of one group that end in a step may be
-    different seeds' (streams drift apart), and the filter's own ``filter/in_group_std`` is the
-    streams' spread. Over all and per env tag also
-    ``samples`` (turn samples played), ``episodes_finished``, ``episode_length`` (mean turns of
-    the finished episodes; absent if none finished), ``weight_staleness`` (mean weight versions
-    between a sample's sampling and ``trained_version``, the weights being trained) and
-    ``response_length`` over every sample of the window, not only the finished episodes'."""
+    in it (if any), without its group scalars (``pass@k``, ``group_reward_std_before_filter``):
+    a group's episodes that end in one step may be different seeds' (streams drift apart), and
+    ``filter/in_group_std`` is the streams' spread. Over all and per env tag also ``samples``
+    (turn samples played), ``episodes_finished``, ``episode_length`` (mean turns of the finished
+    episodes, if any), ``weight_staleness`` (mean versions between sampling and
+    ``trained_version``) and ``response_length`` over every sample of the window."""
     out = {k: v for k, v in (summarize(finished, prefix) if finished else {}).items()
            if "/pass@" not in k and not k.endswith("/group_reward_std_before_filter")}
     parts = [(prefix, samples, finished)]

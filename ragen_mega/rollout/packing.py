@@ -2,19 +2,17 @@
 
 With unbounded memory (``agent.memory_turns: null``, past responses spliced in as sampled) turn
 k+1's prompt ids begin with turn k's prompt + response ids, so the episode's last prompt +
-response already holds every turn's tokens, each at the SAME column as in that turn's own row.
-Training that one row instead of the n per-turn rows feeds the shared prefix once instead of n
-times, and changes nothing the loss sees: causal attention gives each token the same context in
-both rows (same log-probs, same critic values), every response token stays a loss token with its
-engine log-prob, observations and templates stay out of the loss, and the token-mean loss sums
-the same tokens over the same count.
+response holds every turn's tokens, each at the SAME column as in its own row. Training that one
+row instead of n per-turn rows feeds the shared prefix once, and the loss sees the same thing:
+causal attention gives each token the same context (same log-probs and critic values), response
+tokens keep their engine log-probs, observations and templates stay out of the loss, and the
+token-mean sums the same tokens over the same count.
 
-The advantage estimators keep reading the per-turn batch (turn rewards, each turn's first-token
-value): this module only moves per-token tensors between the two layouts
-(:meth:`TrainLayout.to_train`, :meth:`TrainLayout.to_per_turn`); a per-turn row maps to one
-training row, columns unchanged. The prefix property is checked per episode; an episode where it
-does not hold (a memory window, answers re-rendered as text, a prompt that sheds old turns, an
-empty response) keeps its per-turn rows and is counted.
+The estimators keep reading the per-turn batch; this module only moves per-token tensors between
+the two layouts (:meth:`TrainLayout.to_train`, :meth:`TrainLayout.to_per_turn`), columns
+unchanged. The prefix property is checked per episode; an episode without it (a memory window,
+answers re-rendered as text, a prompt that sheds old turns, an empty response) keeps its
+per-turn rows and is counted.
 """
 from __future__ import annotations
 
@@ -71,9 +69,8 @@ class TrainLayout:
 
 def layouts_agree(mode: str, loss_agg_modes: Sequence[str]) -> bool:
     """Packing is on when ``mode`` (``trainer.pack_trajectories``) is ``auto`` and every trained
-    model's loss sums its loss mask (``token-mean``, ``episode-mean-token-mean``, whose weights
-    follow the episode into any row): the ``seq-mean-*`` modes weigh each SEQUENCE alike, so one
-    row per episode instead of one per turn would change the objective."""
+    model's loss sums its loss mask (``token-mean``, ``episode-mean-token-mean``): the
+    ``seq-mean-*`` modes weigh each SEQUENCE alike, so packing would change the objective."""
     return mode == "auto" and all(m in TOKEN_WEIGHTED for m in loss_agg_modes)
 
 

@@ -1,17 +1,15 @@
 """Envs served over HTTP (``ragen-mega env-server``, ``envs/server.py``), played as local ones.
 
-``env.remote: [URL, ...]`` makes the rollout open each episode's env as a session on one of the
-servers (episode ``i`` on server ``i mod len(urls)``), through :class:`HttpEnv`, an
-:class:`~ragen_mega.rollout.types.EnvHandle` like ``LocalEnv``: prompts, rewards, seeds and the
-samples are those of the same env played locally. The server builds the env with its own
-kwargs; :func:`check_servers` (the start-up check) makes sure each server serves the config's
-env with the config's kwargs.
+``env.remote: [URL, ...]`` opens each episode's env as a session on a server (episode ``i`` on
+server ``i mod len(urls)``) through :class:`HttpEnv`, an
+:class:`~ragen_mega.rollout.types.EnvHandle` like ``LocalEnv``: prompts, rewards, seeds and
+samples are those of the same env played locally. The server builds the env with its own kwargs;
+:func:`check_servers` (at start-up) checks each serves the config's env and kwargs.
 
-Faults are the rollout's usual env failures: a server that is down, answers garbage or does not
-answer within ``env.remote_timeout_s`` makes the call raise, the episode is dropped and counted
-(``fault/episodes_dropped``), and the run goes on while the step's failure rate stays under
-``rollout.max_env_failure_rate``. Every episode opens its own HTTP session, so a server that
-comes back is simply used again by the next episode that lands on it.
+A server that is down, answers garbage or misses ``env.remote_timeout_s`` is an ordinary env
+failure: the episode is dropped and counted (``fault/episodes_dropped``) and the run goes on
+within ``rollout.max_env_failure_rate``. Every episode opens its own HTTP session, so a server
+that comes back is used again by the next episode that lands on it.
 
 Servers started with a token (``RAGEN_MEGA_ENV_SERVER_TOKEN``) get it from the same variable in
 the trainer's environment, sent as ``Authorization: Bearer``.

@@ -1,13 +1,12 @@
 """Training replayed from a dump: slime's ``--save-debug-rollout-data`` and
 ``--load-debug-rollout-data``.
 
-With ``trainer.save_rollouts`` the loop writes each step's rollout as it trains on it
-(:meth:`PlayedStep.state_dict`: the samples' token ids and engine log-probs, rewards, the
-rollout's metrics and fault counts; the form a checkpoint keeps a pending rollout in) to
+With ``trainer.save_rollouts`` the loop writes each step's rollout
+(:meth:`PlayedStep.state_dict`: token ids, engine log-probs, rewards, metrics, fault counts) to
 ``RUN_DIR/trajectories/step_N.rollout.pt``. A run with ``trainer.replay_rollouts: DIR`` starts
-no engine and takes step N's rollout from ``DIR`` instead of playing it: the same batch through
-the same filter, estimator and updates, to debug a loss on a rollout that went wrong or to
-compare estimators or settings on fixed batches. Its checkpoints are its own trainer's.
+no engine and takes step N's rollout from ``DIR``: the same batch through the same filter,
+estimator and updates, to debug a loss on a bad rollout or compare settings on fixed batches.
+Its checkpoints are its own trainer's.
 """
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
 """The one record that carries a turn from the engine to the trainer, and its batch form.
 
-Each turn of an episode is one :class:`Sample` (docs/design.md, "Long horizons"): the prompt ids the
-engine was given, the response ids it sampled and their log-probs, exactly as sampled
-(token-in/token-out: nothing is re-tokenized), the turn's reward, and where the turn belongs
-(episode, group of episodes sharing a seed, turn number). The trainer's batch is built from these
-records by :func:`collate` and never from text.
+Each turn of an episode is one :class:`Sample` (docs/design.md, "Long horizons"): the prompt ids
+the engine was given, the response ids and log-probs it sampled (token-in/token-out: nothing is
+re-tokenized), the turn's reward, and where it belongs (episode, group, turn number).
+:func:`collate` builds the trainer's batch from these records, never from text.
 """
 from __future__ import annotations
 
@@ -63,15 +62,11 @@ class Sample:
                              f"(prompt + response - 1) x layers x top-k")
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field as plain Python values (lists of ints and floats, str, bool, None, and
-        ``info`` as nested dicts/lists of those; ``routed_experts`` stays a tensor), so a
+        """Every field as plain Python values (``routed_experts`` stays a tensor), so a
         checkpoint holding it loads with ``torch.load(weights_only=True)``; :meth:`from_dict`
-        gives an equal Sample back.
-
-        ``info`` (``episode.take_turn``: ``format_ok``, ``finish_reason``, ``steps``) must hold
-        only such values: anything else (an object, an array) raises TypeError naming its key
-        rather than being dropped, which would make a resumed run's samples differ from the
-        saved ones."""
+        gives an equal Sample back. Anything else in ``info`` (an object, an array) raises
+        TypeError naming its key rather than being dropped, which would make a resumed run's
+        samples differ from the saved ones."""
         return {"prompt_ids": [int(t) for t in self.prompt_ids],
                 "response_ids": [int(t) for t in self.response_ids],
                 "rollout_logprobs": [float(x) for x in self.rollout_logprobs],

@@ -6,11 +6,10 @@ Env seeds: group ``g`` of a step plays one seed in all its episodes (or one seed
 an env whose ``seed_shared_in_group`` is False), each env of a mix on its own consecutive range,
 the ranges end to end, and step k's range right after step k-1's.
 
-Sampling seeds: with ``rollout.seeded`` the k-th request of an episode (turn k) carries
-``sampling_seed = request_seed(trainer.seed, phase, step, episode_id, k)``, so the episode's
-tokens do not depend on what else the engines are running, and a resumed run replays the
-uninterrupted one (its data cursor is the step). In ``rollout.mode: turns`` the key is
-(trainer.seed, "stream", step, stream, k): the k-th request a stream makes in the step.
+Sampling seeds: with ``rollout.seeded`` an episode's k-th request carries
+``sampling_seed = request_seed(trainer.seed, phase, step, episode_id, k)``, so its tokens do not
+depend on what else the engines run and a resumed run replays the uninterrupted one. In
+``rollout.mode: turns`` the key is (trainer.seed, "stream", step, stream, k).
 """
 from __future__ import annotations
 
@@ -45,10 +44,9 @@ def group_specs(env_name: str, env_kwargs: dict[str, Any], *, env_groups: int, g
                 max_turns: int | None = None) -> list[EpisodeSpec]:
     """RAGEN's grouping: ``env_groups`` groups of ``group_size`` episodes. Group ``g`` plays seed
     ``first_seed + g`` in every episode, unless the env's ``seed_shared_in_group`` is False; then
-    episode ``i`` plays seed ``first_seed + i`` (the seed range used is the same size either way:
-    :func:`seeds_per_step`). Group ids start at ``first_group`` (episode ids follow them), so the
-    groups of several envs in one step stay distinct (:func:`mix_specs`). ``max_turns``: the
-    env's own turn limit (None: the run's)."""
+    episode ``i`` plays seed ``first_seed + i`` (:func:`seeds_per_step` counts the range). Group
+    ids start at ``first_group`` (episode ids follow), so several envs' groups in one step stay
+    distinct. ``max_turns``: the env's own turn limit (None: the run's)."""
     shared = env_class(env_name).seed_shared_in_group
     return [EpisodeSpec(env_name, dict(env_kwargs),
                         first_seed + (g if shared else g * group_size + k),
@@ -96,15 +94,15 @@ def val_parts(env) -> list[EnvPart]:
 
 
 def mix_seeds_per_step(parts: Sequence[EnvPart], group_size: int) -> int:
-    """How many consecutive seeds one call of :func:`mix_specs` uses: the parts' ranges end to end."""
+    """How many consecutive seeds one :func:`mix_specs` call uses: the parts' ranges end to end."""
     return sum(seeds_per_step(p.name, p.groups, group_size) for p in parts)
 
 
 def mix_specs(parts: Sequence[EnvPart], *, group_size: int, first_seed: int) -> list[EpisodeSpec]:
     """The episodes of one step over several envs: :func:`group_specs` for each part in order,
-    each part on its own seed range right after the previous part's (no two envs share a seed,
-    and the whole step spans :func:`mix_seeds_per_step` seeds, so step k's seeds stay a function
-    of k), group ids numbered on across parts. One part is exactly :func:`group_specs`."""
+    each on its own seed range after the previous part's (no two envs share a seed; the step
+    spans :func:`mix_seeds_per_step` seeds), group ids numbered on across parts. One part is
+    exactly :func:`group_specs`."""
     specs: list[EpisodeSpec] = []
     first_group = 0
     for p in parts:

@@ -4,12 +4,12 @@
 * :class:`SynchronousRollouts` (``off``, and a replayed run): step k's rollout is played when the
   loop asks for it, with the weights of step k-1.
 * :class:`OneStepOffRollouts` (``one_step_off``): step k+1's rollout plays on another thread while
-  step k trains, and is waited for before the sync (an engine must not change weights under a
-  request); it is saved with step k's checkpoint, so a resumed run trains on exactly it.
+  step k trains and is waited for before the sync (an engine must not change weights under a
+  request); step k's checkpoint saves it, so a resumed run trains on exactly it.
 * :class:`~ragen_mega.rollout.fully_async.FullyAsyncRollout` (``fully``): the engines play ahead
-  on a thread of their own, within ``trainer.max_staleness``.
+  on their own thread, within ``trainer.max_staleness``.
 
-Each takes episodes or the streams' windows alike (``rollout.mode``): that lives in
+``rollout.mode`` (episodes or streams' windows) is handled in
 :class:`~ragen_mega.rollout.manager.RolloutManager`.
 """
 from __future__ import annotations
@@ -92,10 +92,9 @@ class OneStepOffRollouts(SynchronousRollouts):
                                                                            step - 1)})
 
     def before_sync(self, metrics: dict[str, float]) -> None:
-        """Wait for the overlapped rollout. One that met a restarted engine waiting for the
-        weights (``EngineRestarted``, not ``resynced``: it has served only the checkpoint it
-        loaded) is dropped, and the next :meth:`take` plays it again after this sync, which
-        also gives that engine the trainer's weights."""
+        """Wait for the overlapped rollout. One that met a restarted engine waiting for weights
+        (``EngineRestarted``, not ``resynced``) is dropped; the next :meth:`take` replays it
+        after this sync, which also gives that engine the trainer's weights."""
         if self._next is None:
             return
         start = time.perf_counter()

@@ -1,29 +1,28 @@
 """Env streams: episodes that run across training steps (``rollout.mode: turns``).
 
-In ``turns`` mode a training step does not play whole episodes: each env stream plays exactly
-``rollout.turns_per_step`` turns, and the stream's episode goes on in the next step where this
-one cut it (Verlog's fixed-turn batches). A finished episode is followed at once by the stream's
-next one, so no stream waits for the slowest episode and every step trains the same number of
-turn samples (docs/design.md, "Long horizons").
+Each env stream plays exactly ``rollout.turns_per_step`` turns a step, and its episode goes on in
+the next step where this one cut it (Verlog's fixed-turn batches). A finished episode is followed
+at once by the stream's next one, so no stream waits for the slowest episode and every step
+trains the same number of turn samples (docs/design.md, "Long horizons").
 
 Streams keep RAGEN's seed groups: stream ``s`` is the ``s``-th episode of
-:func:`~ragen_mega.rollout.seeding.train_step_specs`, and its ``j``-th episode plays what episodes
-mode plays at step ``j + 1``: so the streams of group ``g`` play the same seed sequence, and the
-seed of episode ``j`` of group ``g`` is a function of ``(g, j)`` alone. Episode ids are
+:func:`~ragen_mega.rollout.seeding.train_step_specs`, and its ``j``-th episode plays what
+episodes mode plays at step ``j + 1``, so a group's streams play the same seed sequence and
+episode ``j`` of group ``g`` has a seed that is a function of ``(g, j)`` alone. Episode ids are
 ``j * num_streams + s``, unique over the run.
 
-Exact resume: :meth:`EnvStreams.state_dict` holds, per stream, its episode index and the
-responses of the turns its current episode has played; :meth:`EnvStreams.load_state_dict` replays
-them through the same :func:`~ragen_mega.rollout.episode.take_turn` on a freshly reset env (envs
-are deterministic given seed and actions), so the resumed stream is where the saved one was.
+Exact resume: :meth:`EnvStreams.state_dict` holds, per stream, its episode index and its current
+episode's responses; :meth:`EnvStreams.load_state_dict` replays them through
+:func:`~ragen_mega.rollout.episode.take_turn` on a freshly reset env (envs are deterministic given
+seed and actions), so the resumed stream is where the saved one was.
 
 Faults (``rollout/faults.py``) cost an episode, never the window's size: an env that raises drops
-its episode's samples of this window (those of earlier windows are trained already) and the
-stream goes on with its next episode; a prompt the engine refuses as too long ends the episode
-before that turn, truncated (its last sample of the window becomes its ``last``; if it has none in
-this window, the previous window's cut bootstrapped it and only the fault is counted). Either
-way the stream plays on until it has its ``turns_per_step`` samples. A window that an engine
-restart interrupted is played again from where it started (:meth:`EnvStreams.restore`).
+its episode's samples of this window (earlier windows' are trained already) and the stream goes
+on with its next episode. A prompt too long for the engine ends the episode before that turn,
+truncated (its last sample in the window becomes ``last``; with none in this window, the previous
+window's cut bootstrapped it and only the fault is counted). Either way the stream plays on until
+it has ``turns_per_step`` samples. A window an engine restart interrupted is replayed from where
+it started (:meth:`EnvStreams.restore`).
 """
 from __future__ import annotations
 
@@ -116,10 +115,9 @@ class EnvStreams:
     async def play_window(self, generate_for: Callable[[int], GenerateFn],
                           sampling: dict[str, Any], weight_version: int, *,
                           max_failures: int | None = None) -> Window:
-        """Every stream plays ``turns_per_step`` turns concurrently (:meth:`play_stream`);
-        ``generate_for(s)`` is stream ``s``'s generate function for this step, ``weight_version``
-        the weights the engines hold (recorded in each sample). If any stream raises, the others
-        are cancelled (their envs stay open: :meth:`restore`)."""
+        """Every stream plays ``turns_per_step`` turns concurrently (:meth:`play_stream`) with
+        ``generate_for(s)``; ``weight_version`` (the engines' weights) is recorded in each sample.
+        If any stream raises, the others are cancelled (their envs stay open: :meth:`restore`)."""
         try:
             async with asyncio.TaskGroup() as tasks:
                 played = [tasks.create_task(self.play_stream(
@@ -135,9 +133,8 @@ class EnvStreams:
     async def play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any],
                           *, max_failures: int | None = None) -> Window:
         """Stream ``stream``'s ``turns_per_step`` turns of one window, as a window of their own
-        (:meth:`Window.merged` joins the streams'). A stream whose envs raise more than
-        ``max_failures`` times in the window (default ``turns_per_step``: every episode it tried
-        failed) ends it with RuntimeError naming the first failure."""
+        (:meth:`Window.merged` joins them). More than ``max_failures`` env failures in the window
+        (default ``turns_per_step``) raise RuntimeError naming the first."""
         part = Window([], [], {})
         limit = self.turns_per_step if max_failures is None else max_failures
         part.samples, part.finished = await self._play_stream(stream, generate, sampling, part,

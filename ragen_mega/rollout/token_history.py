@@ -1,22 +1,19 @@
 """One agent episode's conversation as token ids: what the gateway (``rollout/gateway.py``) sends
 the engine when an agent speaks in chat messages or prompt strings.
 
-Re-tokenizing a conversation is the classic multi-turn RL bug: the assistant's earlier reply,
-decoded to text and encoded again, need not give back the ids the engine sampled (a merge across
-a word boundary, a stripped space, a special token spelled out), so the trainer would score
-tokens the policy never produced. Here the chat template is applied once per new message and
-never to a reply the engine wrote: a call whose messages extend the previous call's conversation
-(the same messages, then the returned assistant message exactly as returned, then new ones) is
-sent as the previous call's prompt ids + the sampled ids + the ids of the new text only. The
-"new text" is what the template renders after the sampled reply: the template's end of the
-assistant turn (``<|im_end|>`` if the engine stopped without it, then ``\\n``) and the new
-messages with the generation prompt.
+Re-tokenizing a conversation is the classic multi-turn RL bug: an earlier reply, decoded and
+encoded again, need not give back the sampled ids (a merge across a word boundary, a stripped
+space, a special token spelled out), so the trainer would score tokens the policy never produced.
+Here the template is never applied to a reply the engine wrote: a call whose messages extend the
+previous call's conversation (the same messages, the assistant message exactly as returned, then
+new ones) is sent as the previous prompt ids + the sampled ids + the ids of the new text only:
+what the template renders after the reply (its end of the assistant turn, ``<|im_end|>`` if the
+engine stopped without it, then ``\\n``; then the new messages and the generation prompt).
 
-A call that does not extend the history (an edited earlier message, a reordered one, a template
-that rewrites assistant content, e.g. Qwen3 dropping past reasoning) is rendered from scratch
-and reported as such (``extends`` False), so the gateway can count it: its sample is still
-exact (the engine sampled from exactly those prompt ids), it only no longer shares a prefix with
-the episode's earlier samples.
+A call that does not extend the history (an edited or reordered message, a template that
+rewrites assistant content, e.g. Qwen3 dropping past reasoning) is rendered from scratch and
+reported (``extends`` False) for the gateway to count. Its sample is still exact; it only no
+longer shares a prefix with the episode's earlier samples.
 """
 from __future__ import annotations
 

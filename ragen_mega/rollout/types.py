@@ -1,8 +1,8 @@
 """The types an episode's code and the engines' agree on: what a generation returns, the
 generate and open-env callables, which episode to play (:class:`EpisodeSpec`), the env handle an
-episode drives, and the exceptions that end or replay an episode. Apart from the episode state
-machine (``rollout/episode.py``) so that the engine side (``ray/engine_group.py``) and the
-rollout side share them without importing each other."""
+episode drives, and the exceptions that end or replay an episode. Kept apart from
+``rollout/episode.py`` so the engine side (``ray/engine_group.py``) and the rollout side share
+them without importing each other."""
 from __future__ import annotations
 
 import dataclasses
@@ -45,11 +45,11 @@ class EnvFailed(RuntimeError):
 
 class EngineRestarted(RuntimeError):
     """The engine serving a request died and was restarted (``ray/engine_group.py``): the
-    episode or window that sent it is played again from its start
+    episode or window that sent it is replayed from its start
     (:func:`~ragen_mega.rollout.faults.replay_on_restart`). ``resynced``: the restarted engine
-    has the trainer's weights already. False while resyncs are deferred (a rollout beside
-    training, whose thread cannot give it the weights: ``EngineSupervisor.deferred``): it gets
-    them at the next sync, so a rollout that sync waits for ends instead of waiting for it."""
+    has the trainer's weights already; False while resyncs are deferred
+    (``EngineSupervisor.deferred``: a rollout beside training cannot give it weights). It then
+    gets them at the next sync, so a rollout that sync waits for ends instead of waiting for it."""
 
     def __init__(self, message: str, *, resynced: bool = True):
         super().__init__(message)

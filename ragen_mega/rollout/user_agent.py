@@ -1,19 +1,18 @@
 """Episodes played by an agent the user wrote (``rollout.agent: my_pkg.my_agent:run``).
 
-The agent is an async function given an :class:`AgentTask`: the base URL of its episode on the
-run's OpenAI-compatible gateway (``rollout/gateway.py``), the episode's env (local, in an env
-worker, or on an env server: the same handle the built-in episodes play), its seed, the turn
-limit and the sampling settings. It plays however it likes (its own prompts, parsing, memory,
-tools) and returns the episode's reward: one number (paid on its last turn) or one per call it
-made (each call to the gateway is one turn). Each call becomes a
-:class:`~ragen_mega.rollout.sample.Sample` with the ids the engine saw and sampled, so groups,
-the StarPO-S filter, the advantages and the trainer treat the episode as a built-in one.
+The agent is an async function given an :class:`AgentTask`: its episode's base URL on the run's
+OpenAI-compatible gateway (``rollout/gateway.py``), the episode's env (the same handle the
+built-in episodes play), its seed, the turn limit and the sampling settings. It plays however it
+likes (own prompts, parsing, memory, tools) and returns the reward: one number (paid on its last
+turn) or one per gateway call (each call is one turn). Each call becomes a
+:class:`~ragen_mega.rollout.sample.Sample` with the ids the engine saw and sampled, so the rest
+of the stack treats the episode as a built-in one.
 
-What the env saw is recorded on the way (actions, valid and effective ones, success, the end),
-so the run's ``rollout/*`` metrics mean the same for an agent's episodes. An env that raises
-drops the episode (counted), even if the agent caught the error; an agent that raises drops it
-too (its exception named in ``faults.jsonl``); an engine that died under one of its calls
-restarts and the episode is played again from its start.
+What the env saw (actions, valid and effective ones, success, the end) is recorded, so the
+``rollout/*`` metrics mean the same for an agent's episodes. An env that raises drops the
+episode (counted), even if the agent caught the error; so does an agent that raises (its
+exception named in ``faults.jsonl``); an engine that died under a call restarts and the episode
+is replayed from its start.
 """
 from __future__ import annotations
 

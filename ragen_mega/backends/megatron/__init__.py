@@ -1,1 +1,1 @@
-"""Megatron-core trainer: process groups, model build, forward/train steps, checkpoints, conversion."""
+"""Megatron-core trainer: process groups, model, forward/train steps, checkpoints, conversion."""

@@ -8,22 +8,19 @@ Layout of ``<root>``::
     step_12/            a complete checkpoint (only ever appears by one atomic rename)
       dist/             megatron dist_checkpointing, torch_dist format (global tensor keys)
       ragen_state.pt    step, optimizer step count, scheduler state, user ``extra``, signature
-                        (a LoRA model's: its rank, alpha and targets, and ``lora_base``, the
-                        base model's directory): plain values and tensors only, read with
-                        ``weights_only=True``
+                        (LoRA: rank, alpha, targets) and ``lora_base`` (LoRA: the base model's
+                        dir); plain values and tensors only, read with ``weights_only=True``
       hf/               config.json + tokenizer files of the model (so export needs no HF dir)
     .tmp-step_13/       a save in progress, or one that was killed: never looks complete
 
-A LoRA model (``lora.py``) saves its adapters (and their Adam state) only, under their HF names
-(``model.layers.3.self_attn.q_proj.lora_A.weight``); its base weights stay those of the HF
-directory it was built from.
+A LoRA model (``lora.py``) saves only its adapters and their Adam state, under their HF names
+(``model.layers.3.self_attn.q_proj.lora_A.weight``); its base weights stay the HF directory's.
 
 Why torch_dist: tensors are stored under their *global* names and shapes, so a checkpoint
-written at one TP x PP (x VPP) layout loads at any other. The optimizer state follows the model
-sharding (plain optimizer: fully reshardable). Megatron's DistributedOptimizer without
-TE/Apex can only save its ``dp_reshardable`` format: that state resumes at the same TP x PP
-(any DP). Its Adam step counter does not round-trip through ``sharded_state_dict``, so the
-number of optimizer steps is stored here and written back into the Adam state on load.
+written at one TP x PP (x VPP) layout loads at any other. The plain optimizer's state is fully
+reshardable; Megatron's DistributedOptimizer without TE/Apex saves only ``dp_reshardable``
+state, which resumes at the same TP x PP (any DP). Its Adam step counter does not round-trip
+through ``sharded_state_dict``, so the step count is stored here and written back on load.
 """
 from __future__ import annotations
 
@@ -42,13 +39,11 @@ from ragen_mega.backends.megatron.parallel import local_device
 STATE_FILE = "ragen_state.pt"
 FORMAT_VERSION = 1
 _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
-# Architecture fields of megatron's TransformerConfig that must agree between a checkpoint and
-# the model it is loaded into (a mismatch is refused with the field's name).
+# TransformerConfig fields a checkpoint and its model must agree on (a mismatch names the field)
 _SIGNATURE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                      "num_query_groups", "kv_channels", "normalization", "gated_linear_unit",
                      "add_bias_linear", "add_qkv_bias", "qk_layernorm", "layernorm_epsilon")
-# ... and those of a mixture of experts (in the signature of MoE models only, so a dense
-# model's signature holds no expert fields)
+# ... and a mixture of experts' (in MoE models' signatures only)
 _MOE_SIGNATURE_FIELDS = ("num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size",
                          "moe_router_pre_softmax", "moe_shared_expert_intermediate_size",
                          "moe_shared_expert_gate")
@@ -73,11 +68,9 @@ def _chunks(model) -> list:
 
 
 def model_signature(model) -> dict:
-    """The architecture of ``model`` (chunks) as plain values, e.g. ``{'hidden_size': 576, ...}``.
-
-    ``vocab_size`` is the model's (padded) embedding size; ``role`` separates an actor (LM head)
-    from a critic (value head). Two models load each other's checkpoints iff the signatures match.
-    """
+    """The architecture of ``model`` (chunks) as plain values, e.g. ``{'hidden_size': 576, ...}``
+    (``vocab_size``: the padded embedding's; ``role``: actor or critic). Two models load each
+    other's checkpoints iff the signatures match."""
     first = _chunks(model)[0]
     fields = _SIGNATURE_FIELDS + (_MOE_SIGNATURE_FIELDS if first.config.num_moe_experts else ())
     sig = {f: getattr(first.config, f, None) for f in fields}
@@ -87,15 +80,14 @@ def model_signature(model) -> dict:
         getattr(first, "share_embeddings_and_output_weights", False))
     sig["role"] = getattr(first, "ragen_role", None)
     settings = lora.settings_of(first)
-    if settings is not None:  # absent for full weights, as in checkpoints from before LoRA
+    if settings is not None:  # absent for full weights
         sig["lora"] = settings.signature()
     return sig
 
 
 def _model_sharded_state_dict(model) -> dict:
-    # One sub-dict per virtual-pipeline chunk: dict keys inside a chunk are local layer names
-    # (they would collide across chunks), while the ShardedTensor keys are global. A LoRA
-    # model's checkpoint holds its adapters only (their keys are global HF names).
+    # One sub-dict per virtual-pipeline chunk: keys inside a chunk are local layer names (they
+    # would collide across chunks); ShardedTensor keys are global. LoRA: adapters only.
     return {f"chunk{i}": lora.sharded_state_dict(c) if lora.settings_of(c) else
             c.sharded_state_dict() for i, c in enumerate(_chunks(model))}
 
@@ -122,14 +114,12 @@ def _set_optimizer_steps(optimizer, n: int) -> None:
 
 
 def _prime_adam_state(optimizer) -> None:
-    """Give a never-stepped optimizer zero Adam state with a step counter before saving or
-    loading it.
+    """Give a never-stepped optimizer zero Adam state and a step counter.
 
     Megatron's DistributedOptimizer (without TE/Apex) builds its sharded state dict from the
-    current state and asserts one common ``step``; a never-stepped optimizer has none. On load the
-    loaded values then overwrite these zeros, and ``_set_optimizer_steps`` the counter. On save it
-    lets a never-stepped optimizer (an actor still in the critic's warm-up) be written at all;
-    zero moments at step 0 are exactly what Adam's first step starts from."""
+    current state and asserts one common ``step``, which a never-stepped optimizer lacks. On
+    load the loaded values overwrite the zeros; on save it lets a never-stepped optimizer (an
+    actor in the critic's warm-up) be written, and zero moments at step 0 are where Adam starts."""
     for opt in _inner_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
@@ -150,8 +140,7 @@ def _rank() -> int:
 
 
 def commit_dir(tmp: Path, final: Path) -> None:
-    """Make the checkpoint visible: one rename of the finished temp dir (the one moment a save
-    becomes complete)."""
+    """Make the checkpoint visible: the one rename that makes a save complete."""
     os.rename(tmp, final)
 
 
@@ -159,15 +148,12 @@ _WRITERS: dict = {}  # this process's torch_dist writer set-up, once made
 
 
 def writers_die_with_this_process() -> None:
-    """Megatron's torch_dist save forks writer processes, which would outlive a killed trainer
-    rank: every process this one forks from now on arms ``backends/parent_death.py``.
+    """Make every process this one forks from now on arm ``backends/parent_death.py``, so
+    torch_dist's forked writers never outlive a killed trainer rank.
 
-    The forked writers report to this process, which hands their results to the save through a
-    queue. Megatron makes that queue in a spawned ``multiprocessing`` manager, for saves that
-    run in a background process; ours are synchronous (the save's caller reads the queue right
-    after filling it), so an in-process queue serves, and no manager process is started: it
-    would cost seconds of start-up per rank on the first save, and be one more process to
-    outlive its rank."""
+    Megatron passes the writers' results through a queue in a spawned ``multiprocessing``
+    manager, for background saves. Ours are synchronous, so an in-process queue serves: no
+    manager to start on the first save, nor to outlive its rank."""
     import queue
     from multiprocessing.util import register_after_fork
 
@@ -186,10 +172,9 @@ def save_checkpoint(root, step: int, model, optimizer=None, scheduler=None,
                     extra: dict | None = None, hf_dir=None) -> Path:
     """Write ``<root>/step_<step>`` atomically from every rank; return its path.
 
-    ``extra`` is a dict of plain values (RNG states, data cursor, ...: ints, floats, str,
-    None, lists, tuples, dicts, tensors) taken from rank 0; loading reads it with
-    ``torch.load(weights_only=True)``, which refuses anything else (:class:`LegacyCheckpoint`).
-    ``hf_dir``: the HF model directory whose config/tokenizer files are copied in.
+    ``extra`` (rank 0's): plain values only (ints, floats, str, None, lists, tuples, dicts,
+    tensors), as ``torch.load(weights_only=True)`` refuses anything else on load. ``hf_dir``:
+    the HF model directory whose config/tokenizer files are copied in.
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
@@ -262,15 +247,14 @@ class CorruptCheckpoint(ValueError):
 
 class LegacyCheckpoint(RuntimeError):
     """A whole checkpoint whose state file holds pickled Python objects (classes, NumPy
-    arrays), as older ragen_mega versions wrote it; ``weights_only`` loading refuses to execute
-    them. Not a corrupt checkpoint: resume stops on it instead of falling back to an older step
-    (written by the same version, most likely) and moving this one aside."""
+    arrays), which ``weights_only`` loading refuses to execute. Not corrupt: resume stops on it
+    rather than fall back to an older step (likely of the same format) and move this one aside."""
 
 
 def read_checkpoint_state(ckpt_dir) -> dict:
     """The small rank-0 state of a complete checkpoint (step, signature, scheduler, extra),
-    read with ``torch.load(weights_only=True)``: only plain values and tensors load, nothing in
-    the file is executed. One holding pickled objects raises :class:`LegacyCheckpoint`."""
+    read with ``torch.load(weights_only=True)``: nothing in the file is executed. One holding
+    pickled objects raises :class:`LegacyCheckpoint`."""
     ckpt_dir = Path(ckpt_dir)
     path = ckpt_dir / STATE_FILE
     if ckpt_dir.name.startswith(".tmp-"):
@@ -299,11 +283,9 @@ def read_checkpoint_state(ckpt_dir) -> dict:
 
 def verify_checkpoint(ckpt_dir) -> None:
     """Check, without loading a tensor, that every file of a checkpoint is there and whole:
-    the state file loads (``weights_only``), and each torch_dist shard file named by
-    ``dist/.metadata`` exists and reaches the end of the last tensor stored in it. Raises
-    :class:`CorruptCheckpoint` naming the first bad file (a disk that filled up, a copy cut
-    short, a deleted shard), and :class:`LegacyCheckpoint` for a whole state file of an older
-    version that pickled classes."""
+    the state file loads, and each shard file named by ``dist/.metadata`` exists and reaches the
+    end of its last tensor. Raises :class:`CorruptCheckpoint` naming the first bad file (a full
+    disk, a cut-short copy, a deleted shard), or :class:`LegacyCheckpoint`."""
     from torch.distributed.checkpoint import FileSystemReader
 
     ckpt_dir = Path(ckpt_dir)
@@ -351,8 +333,8 @@ def load_checkpoint(ckpt_dir, model, optimizer=None, scheduler=None) -> LoadedCh
                          "load it with optimizer=None")
 
     writers_die_with_this_process()
-    # A never-stepped optimizer's checkpoint (zero moments, and no step: Megatron drops a step of
-    # 0) is a fresh optimizer: start from one instead of loading it.
+    # A never-stepped optimizer's checkpoint (zero moments, no step: Megatron drops a step of 0)
+    # is a fresh optimizer: start from one instead of loading it.
     never_stepped = optimizer is not None and meta["optimizer_steps"] == 0
     model_sd = _model_sharded_state_dict(model)
     state = {"model": model_sd}
@@ -402,11 +384,8 @@ def find_checkpoint(path) -> Path:
 
 
 def latest_checkpoint(root) -> Path | None:
-    """The newest complete ``step_N`` under ``root``, or None.
-
-    The rename of the temp dir is the commit, so every ``step_N`` holding its state file is
-    complete; temp dirs of unfinished or killed saves (``.tmp-step_N``) are never returned.
-    """
+    """The newest complete ``step_N`` under ``root``, or None (``.tmp-step_N`` never: the
+    rename is the commit)."""
     root = Path(root)
     complete = [p for p in root.glob("step_*")
                 if p.name[5:].isdigit() and (p / STATE_FILE).exists()]

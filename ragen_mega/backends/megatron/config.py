@@ -18,11 +18,10 @@ LrDecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root"]
 
 @dataclasses.dataclass
 class LoraConfig:
-    """The ``actor.lora`` / ``critic.lora`` sections: low-rank adapters on the model's linears,
-    PEFT's settings (``backends/megatron/lora.py``). ``rank: 0`` trains every weight. With a
-    rank, only the adapters (and a critic's value head) get gradients and Adam state,
-    checkpoints hold those, and the base weights stay those of ``model.path``. ``sync`` is the
-    actor's (the critic is never synced)."""
+    """The ``actor.lora`` / ``critic.lora`` sections: PEFT-style low-rank adapters on the
+    model's linears (``backends/megatron/lora.py``). With a rank, only the adapters (and a
+    critic's value head) get gradients, Adam state and checkpoints; the base weights stay
+    ``model.path``'s."""
     rank: int = bounded(0, ge=0, note="0: no adapters, every weight trained", help=(
         "the adapters' rank (PEFT's r)"))
     alpha: float = bounded(16.0, gt=0, help=(
@@ -63,13 +62,10 @@ class LoraConfig:
 
 @dataclasses.dataclass
 class ModelTrainingConfig:
-    """Megatron settings every trained model has (the ``actor`` and ``critic`` sections share
-    them): parallel layout, optimizer, LR schedule, loss aggregation. ``validate`` raises
-    :class:`ConfigError` naming the field; the run's tree puts the section in front
-    (``actor.lr: ...``). The LR schedule's horizon, the log-prob temperature and the seed are
+    """Megatron settings the ``actor`` and ``critic`` sections share. ``validate`` raises
+    :class:`ConfigError` naming the field. The LR horizon, log-prob temperature and seed are
     not here: the run derives them (``trainer.total_steps``, for the actor less the critic's
-    ``warmup_steps`` in which it does not train; ``rollout.temperature``, ``trainer.seed``) and
-    hands them to the trainer."""
+    ``warmup_steps``; ``rollout.temperature``; ``trainer.seed``) and hands them to the trainer."""
 
     tp: int = bounded(1, ge=1, help="tensor-parallel ranks")
     pp: int = bounded(1, ge=1, help="pipeline stages")
@@ -133,8 +129,8 @@ class ModelTrainingConfig:
         "(the default) trains every weight"))
 
     def validate(self):
-        """The declared bounds and choices too (``config_tree.check_declared``): the Megatron
-        trainer validates a section it is handed directly, outside any config tree."""
+        """Checks the declared bounds and choices too: the trainer validates a section it is
+        handed directly, outside any config tree."""
         check_declared(self)
         if self.vpp is not None and self.pp == 1:
             raise ConfigError(f"vpp: must be None or >= 1 together with pp > 1, got {self.vpp!r}")
@@ -152,7 +148,7 @@ class ModelTrainingConfig:
 class ActorConfig(ModelTrainingConfig):
     """The ``actor`` section: the policy's training settings plus StarPO-S's policy loss
     (clip 0.2 / 0.28, dual-clip 3, no entropy bonus, no KL)."""
-    #: ``actor.warmup_steps`` meant the LR warm-up once; critic-only steps are critic.warmup_steps
+    #: renamed keys, old -> new; critic-only steps are ``critic.warmup_steps``
     RENAMED_KEYS = {"warmup_steps": "lr_warmup_steps"}
     clip_ratio_low: float = bounded(0.2, ge=0, lt=1, help="PPO clip below 1 (StarPO-S: 0.2)")
     clip_ratio_high: float = bounded(0.28, ge=0, help="PPO clip above 1 (StarPO-S: 0.28)")
@@ -194,14 +190,11 @@ class ActorConfig(ModelTrainingConfig):
 
 @dataclasses.dataclass
 class CriticConfig(ModelTrainingConfig):
-    """The ``critic`` section: its training settings, the clipped value loss, and ``enable``
-    (False: critic-free, e.g. GRPO).
+    """The ``critic`` section: its training settings and the clipped value loss.
 
-    ``warmup_steps`` (verl's ``trainer.critic_warmup``, as Verlog's runs use it): the first N
-    training steps update the critic only; the actor, its optimizer and LR schedule stay as they
-    are, so the policy starts moving against a critic that already tracks its returns.
-    ``highlight_first`` (Verlog's option): the value loss at each turn's first response token,
-    where the bi-level GAE reads the turn's value, counts this many times (1.0 = today's loss)."""
+    ``warmup_steps`` (verl's ``trainer.critic_warmup``, as Verlog's runs use it) leaves the
+    actor, its optimizer and LR schedule untouched, so the policy starts moving against a critic
+    that already tracks its returns. ``highlight_first`` is Verlog's option."""
     enable: bool = setting(True, help=(
         "train a critic (value model); false: critic-free, for algo.adv_estimator grpo or gigpo"))
     lr: float = bounded(1e-5, gt=0, help="the critic's Adam learning rate")

@@ -8,18 +8,15 @@ CLI::
     ragen-mega convert megatron-to-peft --megatron-dir B --out-dir C
     python -m ragen_mega.backends.megatron.convert hf-to-megatron ...
 
-Both directions launch their own worker processes (``launch.run_workers``, one per TP x PP x EP
-rank; EP, for mixtures of experts, splits the experts over that many processes)
-and go through the one HF <-> Megatron mapping (``models.mapping``) that the weight sync uses.
-The Megatron side is a weights-only ragen_mega checkpoint (``checkpoint.py``: torch_dist, so it
-loads at any TP x PP x EP; it keeps a copy of config.json and the tokenizer). ``--tp/--pp/--ep``
-of the export only choose how many processes share the work. The HF output is written to a temp dir and
-renamed into place: safetensors in the dtype of the source config (vocab padding removed),
-config.json, tokenizer files — loadable by ``transformers.AutoModelForCausalLM.from_pretrained``.
+Both directions run one worker process per TP x PP x EP rank (``launch.run_workers``) and go
+through the HF <-> Megatron mapping the weight sync uses (``models.mapping``). The Megatron side
+is a weights-only checkpoint (``checkpoint.py``: torch_dist, loadable at any TP x PP x EP, with
+a copy of config.json and the tokenizer), so the export's ``--tp/--pp/--ep`` only choose how
+many processes share the work. The HF output (safetensors in the source config's dtype, vocab
+padding removed; config.json; tokenizer files) is written to a temp dir and renamed into place.
 
-A LoRA checkpoint (``actor.lora``: adapters only) goes to HF merged into its base model (the
-one the run trained from, or ``--hf-dir``), or, with ``megatron-to-peft``, as a PEFT adapter
-directory, read in this process without Megatron.
+A LoRA checkpoint (adapters only) goes to HF merged into its base model (the run's, or
+``--hf-dir``), or, with ``megatron-to-peft``, to a PEFT adapter directory, without Megatron.
 """
 from __future__ import annotations
 
@@ -172,8 +169,7 @@ def _export_worker(rank, world_size, ckpt_dir, src_hf, tmp_out, role, lora_setti
 
 
 def _lora_settings(state: dict):
-    """A LoRA checkpoint's ``LoraSettings`` (from its signature; dropout plays no part in an
-    export), or None for full weights."""
+    """A LoRA checkpoint's ``LoraSettings`` (dropout 0: unused in an export), or None."""
     from ragen_mega.backends.megatron.lora import LoraSettings
 
     sig = state["signature"].get("lora")
@@ -184,8 +180,7 @@ def _lora_settings(state: dict):
 
 
 def _lora_base(ckpt_dir: Path, state: dict, hf_dir) -> Path:
-    """The base model a LoRA checkpoint's adapters go onto: ``hf_dir``, else the directory the
-    run trained from; it must hold the weights."""
+    """The base model (with weights) of a LoRA checkpoint: ``hf_dir``, else the run's."""
     base = Path(hf_dir).resolve() if hf_dir else Path(state.get("lora_base", ""))
     if not hf_dir and not state.get("lora_base"):
         raise ValueError(f"{ckpt_dir} holds LoRA adapters only and does not say its base "
@@ -217,9 +212,8 @@ def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
                    ep: int = 1) -> Path:
     """Write a Megatron checkpoint (a ``step_N`` dir, or the newest under a root) as an HF dir.
 
-    ``hf_dir`` supplies config.json and the tokenizer; default: the copy inside the checkpoint.
-    A LoRA checkpoint is merged into its base (``hf_dir``, else the directory the run trained
-    from): the output is the full model with ``W_base + s * B A``.
+    ``hf_dir`` supplies config.json and the tokenizer (default: the checkpoint's copy). A LoRA
+    checkpoint is merged into its base (:func:`_lora_base`): ``W_base + s * B A``.
     """
     ckpt_dir = ckpt.find_checkpoint(Path(megatron_dir).resolve())
     if hf_dir:  # the user's config is checked before the checkpoint is opened
@@ -248,8 +242,8 @@ def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
 
 
 def read_adapters(ckpt_dir: Path) -> dict[str, torch.Tensor]:
-    """A LoRA checkpoint's adapters, whole, read in this process (no model, no process group:
-    torch_dist stores each under its HF name and whole shape)."""
+    """A LoRA checkpoint's adapters, whole, read without model or process group (torch_dist
+    stores each under its HF name and whole shape)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint import load as dcp_load
 
@@ -263,9 +257,8 @@ def read_adapters(ckpt_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def megatron_to_peft(megatron_dir, out_dir) -> Path:
-    """Write a LoRA checkpoint's adapters as a PEFT adapter directory (``adapter_config.json``
-    + ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads onto the
-    base model."""
+    """Write a LoRA checkpoint's adapters as a PEFT adapter directory
+    (:func:`lora_export.write_peft_adapter`)."""
     from ragen_mega.backends.megatron.lora_export import write_peft_adapter
 
     ckpt_dir = ckpt.find_checkpoint(Path(megatron_dir).resolve())

@@ -1,51 +1,30 @@
-"""Run real megatron-core 0.16.1 on a machine without CUDA.
+"""Run real megatron-core 0.16.1 on a machine without CUDA (gloo).
 
-``apply_cpu_patches()`` applies patches 1-5 and 7-10 once (and nothing when CUDA is available);
+``apply_cpu_patches()`` applies patches 1-5 and 7-10 once (nothing when CUDA is available);
 patch 6 is the context manager ``cuda_tensor_type_names()``, entered only around Megatron's
-optimizer construction and step. ``quiet_cpu_warnings()`` silences megatron's "no TE/Apex"
-import chatter on CPU.
-
-Megatron calls CUDA in about forty places. Ten small patches make model building, the
-pipeline schedules, Megatron DDP, the optimizers, dist checkpointing and MoE layers work on CPU
-with gloo:
+optimizer construction and step. ``quiet_cpu_warnings()`` silences the "no TE/Apex" chatter.
 
 1. ``torch.cuda.current_device`` -> the CPU device (used as ``device=`` for new tensors);
 2. ``torch.cuda.synchronize`` -> no-op;
-3. the model-parallel "CUDA" RNG tracker runs on the CPU generator (``torch.cuda.get/set_rng_state``,
-   ``torch.cuda.manual_seed`` and ``tensor_parallel.random._get/_set_cuda_rng_state``).
-   ``torch.cuda.manual_seed`` maps to ``torch.default_generator.manual_seed``, NOT to
-   ``torch.manual_seed``: the latter calls ``torch.cuda.manual_seed_all`` and would recurse;
-4. ``pipeline_parallel.schedules`` and ``transformer.utils`` build ``device="cuda"`` tensors:
-   those modules get a ``torch`` proxy whose tensor factories map cuda -> cpu;
-5. the same proxy for the optimizer / DDP modules (``optimizer.optimizer``, ``optimizer.clip_grads``,
-   ``optimizer.grad_scaler``, ``optimizer.distrib_optimizer``,
-   ``distributed.param_and_grad_buffer``, ``megatron.core.utils``);
-6. ``Tensor.type()`` reports ``torch.cuda.*Tensor`` names — Megatron's optimizer and grad
-   clipping assert on those names; only inside ``cuda_tensor_type_names()``;
-7. ``Tensor.cuda`` -> returns the tensor itself (tied embeddings under PP, checkpoint paths);
-8. mixtures of experts: the alltoall token dispatcher copies its split sizes to the host on a
-   side CUDA stream (a class-level ``torch.cuda.Stream()`` made in ``__init__``, then
-   ``torch.cuda.current_stream``/``stream``/``record_event``): the dispatcher module's
-   ``torch`` gets the proxy of 4-5 with a ``cuda`` of stand-in streams whose waits do nothing
-   (on the CPU every copy is done when it returns). Replacing ``torch.cuda.Stream`` itself would
-   break transformers' import. And the router's fp32 GEMM calls ``te_general_gemm``, which
-   ``moe_utils`` leaves undefined without TransformerEngine: it is set to None, the plain
-   ``torch.mm`` path the code has for that case.
-9. expert parallelism: the same dispatcher hands ``all_to_all_single`` its split sizes as the
-   host numpy arrays that ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)`` makes of
-   CUDA tensors; it converts nothing that is already on the CPU, and gloo's ``all_to_all``
-   refuses split sizes given as tensors. The dispatcher's ``maybe_move_tensor_to_cpu`` does
-   the same conversion for CPU tensors.
-10. experts under TP (sequence parallelism): the alltoall dispatcher all-gathers each TP
-   rank's routed tokens, and reduce-scatters their gradients, in UNEVEN pieces
-   (``tensor_parallel.mappings._gather_along_first_dim`` / ``_reduce_scatter_along_first_dim``
-   with split sizes, i.e. ``all_gather`` / ``reduce_scatter`` of tensor lists). NCCL takes
-   uneven lists, gloo refuses them ("invalid tensor size"); on gloo the pieces are padded to
-   the largest, exchanged evenly, and cut back. Equal splits take Megatron's own path.
+3. the model-parallel "CUDA" RNG tracker runs on the CPU generator. ``torch.cuda.manual_seed``
+   maps to ``torch.default_generator.manual_seed``, NOT ``torch.manual_seed``, which calls
+   ``torch.cuda.manual_seed_all`` and would recurse;
+4. modules that build ``device="cuda"`` tensors get a ``torch`` proxy whose tensor factories
+   map cuda -> cpu (:data:`_PROXIED_MODULES`);
+5. the same proxy for the optimizer / DDP modules;
+6. ``Tensor.type()`` reports ``torch.cuda.*Tensor`` names, which Megatron's optimizer and grad
+   clipping assert on;
+7. ``Tensor.cuda`` returns the tensor itself (tied embeddings under PP, checkpoint paths);
+8. MoE: the token dispatcher's ``torch`` is the proxy with a ``cuda`` of stand-in streams whose
+   waits do nothing (replacing ``torch.cuda.Stream`` itself breaks transformers' import), and
+   ``moe_utils.te_general_gemm`` is None without TE (its plain ``torch.mm`` path);
+9. expert parallelism: the dispatcher's split sizes become numpy arrays on the CPU too, as
+   gloo's ``all_to_all`` refuses split sizes given as tensors;
+10. experts under TP: gloo refuses the dispatcher's UNEVEN all-gather / reduce-scatter, so on
+   gloo the pieces are padded to the largest, exchanged evenly, and cut back.
 
-Nothing here changes numerics: every patched call either picks a device or handles RNG state.
-docs/cpu_stack.md maps each patch to the Megatron call sites it covers and lists what to
-re-check when megatron-core moves.
+No patch changes numerics: each picks a device or handles RNG state. docs/cpu_stack.md maps
+each patch to the Megatron call sites it covers and what to re-check when megatron-core moves.
 """
 from __future__ import annotations
 
@@ -187,8 +166,8 @@ def _cpu_set_cuda_rng_state(new_state, device=-1, graph_safe=False):
     torch.set_rng_state(new_state)
 
 
-#: Warnings megatron-core prints in every CPU process about GPU-only packages and settings the
-#: CPU path does not use; silenced so that warnings that matter stay visible.
+#: megatron-core's warnings about GPU-only packages and settings, silenced on the CPU so that
+#: warnings that matter stay visible
 _CPU_NOISE = ("Transformer Engine and Apex are not installed", "Apex is not installed",
               "full scope is deprecated", "When using async grad allreduce it is recommended")
 
@@ -254,12 +233,9 @@ _CUDA_TYPE_NAMES = {
 
 @contextlib.contextmanager
 def cuda_tensor_type_names():
-    """Patch 6: while active, ``t.type()`` (no argument) returns the CUDA type name.
-
-    Megatron's optimizer wrappers and grad clipping sort parameters by ``param.type()`` and
-    assert that it is one of the ``torch.cuda.*Tensor`` names. Outside this context (and on
-    GPU machines) ``Tensor.type`` is untouched.
-    """
+    """Patch 6: while active, ``t.type()`` (no argument) returns the CUDA type name, which
+    Megatron's optimizer wrappers and grad clipping sort parameters by and assert on. Outside
+    it, and on GPU machines, ``Tensor.type`` is untouched."""
     if torch.cuda.is_available():
         yield
         return

@@ -1,10 +1,7 @@
-"""Export a rank's Megatron model chunks (``model.build_model``) as full HF-named tensors.
-
-What the weight sync sends to the inference engines and what ``convert.py`` writes as an HF
-checkpoint: ``(hf_name, full tensor)`` pairs in the HF checkpoint's names and shapes, through
-the one HF <-> Megatron mapping (``models/mapping.py``), whatever the TP x PP x EP layout that
-holds the shards. A LoRA model exports its merged weights (``lora.merged_weights``), never its
-adapters.
+"""Export a rank's Megatron model chunks as ``(hf_name, full tensor)`` pairs in the HF
+checkpoint's names and shapes, whatever the TP x PP x EP layout (``models/mapping.py``): what the
+weight sync sends the engines and what ``convert.py`` writes. A LoRA model exports its merged
+weights (``lora.merged_weights``), never its adapters.
 
 :func:`export_hf_state` gives every rank every tensor (collectives over TP, EP and PP);
 :class:`DirectExport` gives them to one rank only, each shard sent straight there, and knows
@@ -30,19 +27,16 @@ def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = 
                     prefetch_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model, one parameter at a time.
 
-    ``dst=None``: ON EVERY RANK. For each parameter the owning pipeline stage all-gathers its TP
-    shards and converts them to HF tensors (an expert's: its expert-parallel rank, which then
-    broadcasts them over the expert-parallel group), which are then broadcast over the pipeline
-    group.
-    ``dst=<global rank>`` (weight sync: only the sending rank needs the tensors): the ranks that
-    hold what ``dst`` lacks send their shards straight to ``dst`` (point to point, into place,
-    see ``DirectExport``); ``dst`` yields the tensors, the other ranks yield nothing. An
-    all-gather moves every shard to every TP rank (and gloo's is ~5x slower than send/recv of
-    the same bytes on loopback).
+    ``dst=None``: ON EVERY RANK. The owning stage all-gathers a parameter's TP shards and
+    converts them (an expert's owner then broadcasts over the expert-parallel group), then the
+    result is broadcast over the pipeline group.
+    ``dst=<global rank>`` (weight sync): only ``dst`` yields tensors, the ranks holding what it
+    lacks send their shards straight to it (:class:`DirectExport`) instead of an all-gather to
+    every TP rank (benchmarks/README.md, "Weight sync").
 
-    These are collectives: every rank must consume the iterator to the end, in step. Order:
-    embedding, layers, head. Replicated parameters may be yielded as views of the live
-    parameters: use them before the next optimizer step.
+    Collectives: every rank must consume the iterator to the end, in step. Order: embedding,
+    layers, head. Replicated parameters may be views of the live parameters: use them before
+    the next optimizer step.
     """
     if dst is not None:
         yield from DirectExport(chunks, dst, spec, prefetch_bytes)
@@ -88,9 +82,8 @@ def _broadcast_hf(hf_tensors: dict | None, name: str, spec: ModelSpec, role: str
 
 
 def _owned_params(chunks) -> dict[str, torch.Tensor]:
-    """Global Megatron name -> this rank's (detached) parameter, over all its chunks. A LoRA
-    model's adapted weights are merged (``lora.merged_weights``: base + s * B A, copies that
-    live as long as the export) and its adapters are not parameters of the HF model."""
+    """Global Megatron name -> this rank's (detached) parameter, over all its chunks. LoRA:
+    adapted weights merged (copies that live as long as the export), adapters left out."""
     out = {}
     for model in map(unwrap, chunks):
         merged = lora.merged_weights(model)
@@ -105,23 +98,21 @@ def _owned_params(chunks) -> dict[str, torch.Tensor]:
 class DirectExport:
     """``export_hf_state(dst=...)``: every shard travels once, straight to ``dst``.
 
-    Constructing it is the handshake, a collective over all ranks (one small ``gather_object``):
-    ``dst`` learns who holds what it lacks: the dense weights from its model-parallel group
-    (each rank's (pp, tp) rank and, from TP rank 0 of each stage, its shard shapes and dtypes),
-    an MoE model's experts from its expert-tensor-model-pipeline group (each (pp, ep, tp)
-    rank's shards of its own experts). Ranks in neither group yield nothing. On ``dst``,
-    :attr:`layout` then lists ``(hf_name, shape, dtype)`` of
-    everything the iteration will yield, in order, before any shard has moved: a consumer can
-    announce a bucket before its tensors exist (the weight sender streams them as they land).
+    Constructing it is the handshake, one small ``gather_object`` over all ranks: ``dst`` learns
+    who holds what it lacks: dense weights from its model-parallel group (each rank's (pp, tp)
+    and, from TP rank 0 of each stage, shard shapes and dtypes), an MoE model's experts from its
+    expert-tensor-model-pipeline group (each (pp, ep, tp) rank's own experts). Ranks in neither
+    group yield nothing. :attr:`layout` (on ``dst``) lists ``(hf_name, shape, dtype)`` of all it
+    will yield, in order, before any shard moves, so the weight sender can announce a bucket
+    before its tensors exist.
 
-    Iterating it (every rank, in step) moves the shards: in the export order, each TP rank of the
-    owning stage sends its shard cut into ``Rule.shard_pieces``, and ``dst`` receives each
-    piece straight into its view (``Rule.tp_pieces``) of a preallocated full tensor: row
-    splits need no merge copy; column splits (row-parallel weights) land in a staging buffer and
-    are copied into place. A replicated parameter travels only when ``dst`` is in another stage
-    (from that stage's TP rank 0). Receives are posted up to ``prefetch_bytes`` ahead of what
-    has been yielded, so while the consumer sends one bucket on, the next one's shards are
-    already arriving; senders keep as many bytes in flight.
+    Iterating it (every rank, in step) moves the shards in export order: each TP rank of the
+    owning stage sends its shard cut into ``Rule.shard_pieces``; ``dst`` receives each piece
+    into its view (``Rule.tp_pieces``) of a preallocated full tensor (column splits of
+    row-parallel weights go through a staging buffer). A replicated parameter travels only when
+    ``dst`` is in another stage (from its TP rank 0). Receives are posted up to
+    ``prefetch_bytes`` ahead of what has been yielded, so the next bucket's shards arrive while
+    the consumer sends one on; senders keep as many bytes in flight.
     """
 
     def __init__(self, chunks, dst: int, spec: ModelSpec | None = None,

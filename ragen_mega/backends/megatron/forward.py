@@ -2,28 +2,23 @@
 
 Log-probs are aligned with the next token: for right-padded ``input_ids`` [B, S],
 ``logprobs[b, t] = log p(input_ids[b, t+1] | tokens <= t)``, shape [B, S-1], 0 past each row's
-length, returned on every rank (the last pipeline stage broadcasts them). Values are [B, S]:
-the critic's value after reading token t. One forward-step function serves inference and
-training (Megatron's schedule contract; below).
+length, on every rank (the last pipeline stage broadcasts them). Values are [B, S]: the
+critic's value after reading token t.
 
 Vocab-parallel: the LM head's logits stay split over TP ranks (``parallel_output=True``); the
-softmax normaliser, the target logit and the entropy term take one all-reduce over the TP group
-of [b, s] tensors (after a MAX all-reduce for stability), never a full-vocab gather, and the
-same function is differentiable for training (:class:`_VocabParallelLogprobs`: one full-vocab
-tensor besides the logits in training, none in inference). Padded vocab columns (ids >=
-vocab_size) are excluded from the softmax, so log-probs equal transformers' even when TP forces
-padding.
+softmax normaliser, target logit and entropy take one all-reduce of [b, s] tensors (after a MAX
+all-reduce for stability), never a full-vocab gather (:class:`_VocabParallelLogprobs`). Padded
+vocab columns (ids >= vocab_size) are left out of the softmax, so log-probs equal transformers'
+even when TP forces padding.
 
-Training with a loss (for the trainer): each micro-batch is a dict with at least ``input_ids``
-[b, s] (right padded, trimmed) and ``attention_mask``; any other [b, ...] tensors you put in it
-(advantages, old log-probs, loss masks, ... sliced per micro-batch by ``split_microbatches``)
-reach ``loss_fn(outputs, batch)`` unchanged, where ``outputs`` is
-``{"logprobs": [b, s-1], "entropy": [b, s-1] | None}`` for an actor or ``{"values": [b, s]}``
-for a critic, still attached to the graph. ``loss_fn`` returns what Megatron's schedule accepts:
-``(loss, metrics_dict)`` (the schedule then divides loss by num_microbatches IN PLACE) or
-``(loss, num_tokens, metrics_dict)`` (divided by num_tokens unless
-``config.calculate_per_token_loss``). Call ``run_schedule(..., forward_only=False)``;
-it returns the metrics dicts of the last stage.
+Training: each micro-batch is a dict with at least ``input_ids`` [b, s] (right padded, trimmed)
+and ``attention_mask``; any other [b, ...] tensors in it (sliced by ``split_microbatches``)
+reach ``loss_fn(outputs, batch)`` unchanged, where ``outputs`` is ``{"logprobs": [b, s-1],
+"entropy": [b, s-1] | None}`` (actor) or ``{"values": [b, s]}`` (critic), still attached to the
+graph. ``loss_fn`` returns what Megatron's schedule accepts: ``(loss, metrics_dict)`` (the
+schedule divides loss by num_microbatches IN PLACE) or ``(loss, num_tokens, metrics_dict)``
+(divided by num_tokens unless ``config.calculate_per_token_loss``). ``run_schedule(...,
+forward_only=False)`` returns the last stage's metrics dicts.
 """
 from __future__ import annotations
 
@@ -37,11 +32,10 @@ from ragen_mega.backends.megatron.routing import set_engine_routing
 from ragen_mega.backends.megatron.parallel import local_device
 
 
-#: values (tokens x vocab) of one block of the log-prob work, whose fp32 temporaries exist a
-#: block at a time: on the CPU 16 MiB, under glibc's largest mmap threshold (32 MiB), so each
-#: block reuses the last one's memory instead of faulting in fresh pages (2^24 values: 2.4x
-#: slower inference, benchmarks/bench_logprobs.py); on a GPU the caching allocator reuses any
-#: size, and larger blocks launch fewer kernels
+#: values (tokens x vocab) of one block of the log-prob work's fp32 temporaries: on the CPU
+#: 16 MiB, under glibc's largest mmap threshold (32 MiB), so each block reuses the last one's
+#: memory instead of faulting in fresh pages (benchmarks/README.md, bench_logprobs.py); on a GPU
+#: the caching allocator reuses any size, and larger blocks launch fewer kernels
 BLOCK_VALUES = {"cpu": 1 << 22, "cuda": 1 << 26}
 
 
@@ -51,12 +45,10 @@ def vocab_parallel_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor,
                                     block_rows: int | None = None):
     """Log-prob of ``targets`` and entropy of softmax(logits / T) from this rank's vocab slice.
 
-    ``logits`` [..., V_local] (any float dtype; the math is fp32) hold global vocab ids
-    [rank * V_local, (rank + 1) * V_local); ``targets`` [...] global ids. Returns fp32 tensors of
-    ``targets``' shape (entropy or None), differentiable with respect to ``logits``, which are
-    never modified. ``block_rows``: rows (tokens) per block of the full-vocab work (default: about
-    ``BLOCK_VALUES`` of the device's type a block); :class:`_VocabParallelLogprobs` says what
-    memory the function needs.
+    ``logits`` [..., V_local] (any float dtype, never modified; the math is fp32) hold global
+    vocab ids [rank * V_local, (rank + 1) * V_local); ``targets`` [...] global ids. Returns fp32
+    tensors of ``targets``' shape (entropy or None), differentiable in ``logits``.
+    ``block_rows``: tokens per block (default: the device type's :data:`BLOCK_VALUES` a block).
     """
     from megatron.core import parallel_state as mpu
 
@@ -81,21 +73,18 @@ def _row_blocks(rows: int, block: int):
 class _VocabParallelLogprobs(torch.autograd.Function):
     """Log-probs and entropy of a vocab-parallel softmax, with a hand-written backward.
 
-    Full-vocab tensors (tokens x vocab) are the largest of a step (9.3 GiB in fp32 for 16k
-    tokens of Qwen's 151 936-row vocabulary), so this allocates at most one besides the logits:
-    ``e = exp(d)``, ``d = u - m`` (``u`` the logits over T in fp32, ``m`` the global max), kept
-    for the backward, which computes the gradient into it. Everything else works on blocks of
-    rows (``block`` tokens): ``u`` and ``d`` exist a block at a time, so bf16 logits are never
-    copied whole to fp32 and inference (nothing kept) needs no full-vocab tensor at all. Per
-    token, with ``Z = sum_v e_v``: ``log p(target) = d_target - log Z`` and the entropy
-    ``H = log Z - sum_v e_v d_v / Z`` (the shifted sum, whose terms have one sign; unshifted,
-    ``sum_v e_v u_v`` cancels against ``m`` and loses 1e-2 on a real model's logits). The
-    backward is the analytic gradient: for ``p = e / Z`` and the target's one-hot ``y``,
-    ``d logp / du = y - p`` and ``d H / du = -p (u - m - log Z + H)``; it reuses ``e``, as
-    Megatron's vocab-parallel cross entropy reuses its softmax, so the graph cannot be run
-    backward twice. Each value needs one all-reduce over the TP group of a [..] tensor (after
-    the max's); the backward needs none: every TP rank holds the same log-probs, entropy and
-    upstream gradients."""
+    Full-vocab tensors (tokens x vocab) are a step's largest (fp32 sizes: benchmarks/README.md,
+    bench_logprobs.py), so this allocates at most one besides the logits: ``e = exp(d)``,
+    ``d = u - m`` (``u`` the logits over T in fp32, ``m`` the global max), kept for the
+    backward, which computes the gradient into it. All else works on blocks of ``block``
+    tokens, so bf16 logits are never copied whole to fp32 and inference (nothing kept) needs no
+    full-vocab tensor. Per token, with ``Z = sum_v e_v``: ``log p(target) = d_target - log Z``
+    and ``H = log Z - sum_v e_v d_v / Z`` (the shifted sum, whose terms have one sign;
+    unshifted, ``sum_v e_v u_v`` cancels against ``m`` and loses precision). The backward is
+    analytic: for ``p = e / Z`` and the target's one-hot ``y``, ``d logp / du = y - p`` and
+    ``d H / du = -p (u - m - log Z + H)``; it reuses ``e``, as Megatron's vocab-parallel cross
+    entropy reuses its softmax, so the graph cannot be run backward twice. The backward needs
+    no all-reduce: every TP rank holds the same log-probs, entropy and upstream gradients."""
 
     @staticmethod
     def forward(ctx, logits, targets, vocab_size, temperature, compute_entropy, group, block,
@@ -194,9 +183,8 @@ def _lengths(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> to
 def token_budget_groups(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
     """Row indices of micro-batches that each hold at most ``max_tokens`` padded tokens.
 
-    Rows sorted longest first fill a micro-batch while (rows x its longest row) stays within the
-    budget, so rows of similar length share one and short rows stop being padded to the longest
-    of the batch; a row longer than the budget gets a micro-batch of its own.
+    Rows sorted longest first fill a micro-batch while (rows x its longest row) fits, so rows
+    of similar length share one; a row longer than the budget gets a micro-batch of its own.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
@@ -213,12 +201,9 @@ def token_budget_groups(lengths: torch.Tensor, max_tokens: int) -> list[torch.Te
 def split_microbatches(input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                        micro_batch_size: int | None = None, *, max_tokens: int | None = None,
                        **extra) -> list[dict]:
-    """Micro-batch dicts; each trimmed to its longest row (right padding keeps rows causal).
-
-    Consecutive rows, ``micro_batch_size`` at a time, or with ``max_tokens`` the
-    :func:`token_budget_groups` of the rows (then ``micro_batch_size`` is unused). ``extra``
-    [B, ...] tensors are sliced along the batch dim (and trimmed to the micro-batch's length
-    along dim 1 when their dim 1 equals S or S-1).
+    """Micro-batch dicts, each trimmed to its longest row (right padding keeps rows causal):
+    ``micro_batch_size`` consecutive rows, or with ``max_tokens`` :func:`token_budget_groups`.
+    ``extra`` [B, ...] tensors are sliced by rows (and trimmed along dim 1 when it is S or S-1).
     """
     lengths = _lengths(input_ids, attention_mask)
     batch, seq = input_ids.shape
@@ -269,12 +254,10 @@ def make_forward_step(*, temperature: float = 1.0, compute_entropy: bool = True,
                       loss_fn: Callable | None = None, routing_replay: bool = False):
     """Megatron forward-step function: ``(data_iterator, model) -> (output, loss_func)``.
 
-    Every stage draws the next micro-batch (so all stages stay in step); the first stage embeds
-    ``input_ids``, the last turns the output into log-probs/entropy or values and hands them to
-    ``loss_fn(outputs, batch)``; without ``loss_fn`` the loss is 0 and the detached outputs are
-    what the schedule collects. A mixture of experts' micro-batch may carry the engine's
-    ``routed_experts`` [b, s, layers, top-k]: the routers count where they differ and, with
-    ``routing_replay``, route through them (``routing.py``).
+    Every stage draws the next micro-batch (so all stay in step); the last turns the output into
+    log-probs/entropy or values for ``loss_fn(outputs, batch)``; without ``loss_fn`` the loss is
+    0 and the schedule collects the detached outputs. An MoE micro-batch may carry the engine's
+    ``routed_experts`` [b, s, layers, top-k] (``routing.py``; replayed with ``routing_replay``).
     """
     def forward_step(data_iterator, model):
         device = local_device()
@@ -376,8 +359,8 @@ def forward_logprobs(chunks, input_ids: torch.Tensor, attention_mask: torch.Tens
                      *, temperature: float = 1.0, compute_entropy: bool = True,
                      micro_batch_size: int | None = None,
                      routed_experts: torch.Tensor | None = None, routing_replay: bool = False):
-    """Per-token log-probs of the given next tokens (+ entropy), see the module docstring.
-    ``routed_experts``: the engine's experts of every token (see :func:`make_forward_step`)."""
+    """Per-token log-probs of the next tokens (+ entropy), see the module docstring;
+    ``routed_experts``: see :func:`make_forward_step`."""
     _check_role(chunks, "actor", "forward_logprobs")
     extra = {} if routed_experts is None else {"routed_experts": routed_experts}
     microbatches = split_microbatches(input_ids, attention_mask, micro_batch_size, **extra)

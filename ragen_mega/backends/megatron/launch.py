@@ -1,13 +1,12 @@
 """Run a function on N local processes with Megatron's process groups set up (tests and tools).
 
-Each worker process (spawn context, so it starts clean: no inherited process groups or CUDA
-state) joins a ``file://`` rendezvous in a fresh temporary directory, calls ``init_parallel``
-with the given layout, runs ``fn(rank, world_size, *args)`` and writes the (picklable) result to
-a file; results travel through files rather than a queue because a queue's shared-memory tensors
-die with the worker that made them. A worker exception is raised in the parent as ``WorkerError``
-carrying the rank and the worker's traceback; a worker that hangs past ``timeout`` seconds or
-dies without a result stops the whole launch with a clear error. All workers are killed by PID
-before returning or raising. ``fn`` must be importable by name (a module-level function).
+Each worker (spawned, so no inherited process groups or CUDA state) joins a ``file://``
+rendezvous in a fresh temp directory, calls ``init_parallel`` with the layout, runs
+``fn(rank, world_size, *args)`` and writes the picklable result to a file (a queue's
+shared-memory tensors die with the worker that made them). A worker exception is raised in the
+parent as ``WorkerError`` with the rank and traceback; a worker that hangs past ``timeout``
+seconds or dies without a result stops the launch. All workers are killed by PID before
+returning or raising. ``fn`` must be a module-level function.
 """
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ def run_workers(fn, world_size: int, *args, tp: int = 1, pp: int = 1, vpp: int |
     ctx = mp.get_context("spawn")
     layout = dict(tp=tp, pp=pp, vpp=vpp, ep=ep, seed=seed)
     with tempfile.TemporaryDirectory(prefix="ragen_mega_launch_") as tmp:
-        # Not daemonic: torch_dist checkpoint saving starts helper processes, which Python
-        # forbids inside a daemon. The finally-block below kills every worker by PID instead.
+        # Not daemonic: torch_dist saving starts helper processes, which a daemon may not.
         procs = [ctx.Process(target=_worker,
                              args=(r, world_size, tmp, fn, args, layout, threads_per_worker))
                  for r in range(world_size)]

@@ -1,63 +1,50 @@
 """LoRA adapters on megatron-core's tensor-parallel linears: only the adapters train.
 
 ``apply_lora(chunks, settings, seed)`` hangs a :class:`LoraLinear` (``.lora``) on each targeted
-linear of a model chunk whose base weights are already loaded, registers a forward hook that
-adds ``s * B(A(dropout(x)))`` to the linear's output (``s = alpha / rank``, PEFT's scaling), and
-freezes every other parameter: Megatron's DDP then keeps gradient buffers, and Adam state, for
-the adapters alone.
+linear of a chunk whose base weights are loaded, with a forward hook that adds
+``s * B(A(dropout(x)))`` to the output (``s = alpha / rank``, PEFT's scaling), and freezes every
+other parameter, so DDP keeps gradient buffers and Adam state for the adapters alone.
 
-Targets are HF module names (``q_proj`` ... ``down_proj``, PEFT's), one adapter pair (A, B) per
-HF module as PEFT makes them, although Megatron fuses q/k/v into ``linear_qkv`` and gate/up into
-``linear_fc1``. Which output rows (or input columns) of a fused shard belong to which HF module
-is read off the one HF <-> Megatron mapping: the mapping is fed each HF module's row indices
-(``Rule.hf_to_shard``) and returns the shard's rows in Megatron order, so the adapters follow
-the grouped-KV qkv layout and the ``[gate_r; up_r]`` halves without a second description of
-them.
+Targets are PEFT's HF module names (``q_proj`` ... ``down_proj``), one pair (A, B) per HF module,
+although Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``. Which rows (or
+columns) of a fused shard belong to which HF module is read off the HF <-> Megatron mapping: fed
+each module's row indices (``Rule.hf_to_shard``), it returns the shard's rows in Megatron order,
+so the adapters follow the grouped-KV qkv layout and the ``[gate_r; up_r]`` halves.
 
-TP splits (each rank holds what its base shard needs, Megatron's own pattern for a low-rank
-pair):
-- column-parallel (qkv, fc1): A [r, in] whole on every rank, B by output rows as the base
-  weight. ``h = A x`` is replicated; its gradient is a sum over the ranks' output slices, so
-  ``h`` passes ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce backward)
-  and A's gradient is whole and equal on every rank.
-- row-parallel (o_proj, fc2): A by input columns as the base weight, B [out, r] whole. The
-  partial ``A_r x_r`` are summed over the ranks (``reduce_from_tensor_model_parallel_region``)
-  before B, which is r values a token instead of the output's hidden.
-- under sequence parallelism (a mixture of experts at TP > 1) each rank holds its slice of
-  the tokens outside the linears: a column-parallel ``h = A x`` is gathered over the tokens
-  (``gather_from_sequence_parallel_region``) as the linear gathers x, a row-parallel partial
-  ``A_r x_r`` reduce-scattered to the tokens as the output is. Each rank then sees only its
-  tokens' part of the whole matrix's gradient (A of a column-, B of a row-parallel linear),
-  so that matrix is read through ``copy_to_tensor_model_parallel_region``: its gradient is
-  summed over the ranks.
-- an expert's linears leave their communication to the token dispatcher (every TP rank of an
-  expert gets all its tokens, and the partial outputs of fc2 are summed after): ``A x`` and
-  ``B A_r x_r`` need no collective, and the whole matrix's gradient, a part per rank, is
-  summed the same way.
+TP splits (each rank holds what its base shard needs, Megatron's pattern for a low-rank pair):
+- column-parallel (qkv, fc1): A [r, in] whole on every rank, B by output rows as the base.
+  ``h = A x`` passes ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce
+  backward), so A's gradient, a sum over the ranks' output slices, is whole on every rank.
+- row-parallel (o_proj, fc2): A by input columns as the base, B [out, r] whole. The partial
+  ``A_r x_r`` are all-reduced before B: r values a token rather than the output's hidden.
+- sequence parallelism (MoE at TP > 1): each rank holds its slice of the tokens outside the
+  linears, so a column-parallel ``h = A x`` is gathered over the tokens as the linear gathers
+  x, a row-parallel ``A_r x_r`` reduce-scattered as the output is. Each rank then sees its
+  tokens' part of the whole matrix's gradient (column-parallel A, row-parallel B), so that
+  matrix is read through ``copy_to_tensor_model_parallel_region`` to sum it over the ranks.
+- an expert's linears leave communication to the token dispatcher (every TP rank of an expert
+  gets all its tokens; fc2's partial outputs are summed after): no collective in the delta,
+  and the whole matrix's gradient is summed the same way.
 The sharded matrices carry megatron-core's TP attributes, so the gradient norm counts every
-rank's slice and a replica's once. Pipeline stages hold the adapters of their own layers; data
-parallelism and the distributed optimizer see ordinary trainable parameters.
+rank's slice and a replica once. Pipeline stages hold their own layers' adapters; DP and the
+distributed optimizer see ordinary trainable parameters.
 
 Mixtures of experts: each expert's ``linear_fc1`` / ``linear_fc2`` takes the adapters of HF's
 per-expert ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (the keys PEFT reads onto
-transformers' fused experts, and the names SGLang's loader takes per expert); the shared
-expert's linears are a dense MLP's. An expert-parallel rank holds the adapters of its own
-experts, marked as expert parameters (``allreduce = False``, megatron-core's mark on the experts'
-weights) so that DDP and the distributed optimizer reduce their gradients over the
-expert-data-parallel ranks only; checkpoints and gathers take them from their owner.
+transformers' fused experts, and SGLang's per-expert names); the shared expert's are a dense
+MLP's. An expert-parallel rank holds its own experts' adapters, marked ``allreduce = False``
+(megatron-core's expert mark) so DDP and the distributed optimizer reduce their gradients over
+the expert-data-parallel ranks only; checkpoints and gathers take them from their owner.
 
-Initialisation is PEFT's (A uniform in +-1/sqrt(in), B zero), drawn whole per HF module from a
-generator seeded by the run's seed and the module's name, then sliced: every TP x PP layout
-starts from the same adapters.
+Initialisation is PEFT's (A uniform in +-1/sqrt(in), B zero), drawn whole per HF module seeded
+by the run's seed and the module's name, then sliced: every layout starts from the same adapters.
 
-The merged weight ``W = W_base + s * B A`` (:func:`merged_weights`) is what an export or a full
-weight sync sends: computed afresh from the frozen base each time, in fp32, so nothing drifts.
-Checkpoints hold the adapters only (:func:`sharded_state_dict`), under their HF names with
-whole shapes, so they reshard across TP x PP like the base checkpoints do. The adapters taken
-out whole (gathered, as PEFT files, as the adapter-only weight sync) are ``lora_export.py``'s.
+The merged weight ``W = W_base + s * B A`` (:func:`merged_weights`), what an export or full
+weight sync sends, is computed afresh from the frozen base in fp32, so nothing drifts.
+Checkpoints hold the adapters only (:func:`sharded_state_dict`) under their HF names and whole
+shapes, so they reshard across TP x PP. ``lora_export.py`` takes the adapters out whole.
 
-Not supported: TransformerEngine's layer spec (its linears take the norm's input: LoRA builds
-the local spec).
+Not supported: TransformerEngine's layer spec (its linears take the norm's input).
 """
 from __future__ import annotations
 
@@ -118,15 +105,15 @@ def _init_a(name: str, rank: int, fan_in: int, seed: int) -> torch.Tensor:
 class LoraLinear(nn.Module):
     """The adapters of one Megatron linear (global name ``weight_name``), this TP rank's part.
 
-    ``A[p]`` / ``B[p]`` per targeted HF module ``p`` (its short name: ``q_proj``); ``hf_names[p]``
-    its full HF module name; ``rows[p]`` (column-parallel) the slice of its HF output rows this
-    rank holds, ``cols`` (row-parallel) the slice of HF input columns; ``order`` maps the
-    shard's output rows (Megatron order) to the concatenated per-module outputs, untargeted
-    rows (and the LM head's vocabulary padding) to a trailing zero.
+    ``A[p]`` / ``B[p]`` per targeted HF module ``p`` (short name: ``q_proj``); ``hf_names[p]``
+    its full HF name; ``rows[p]`` (column-parallel) this rank's slice of its HF output rows,
+    ``cols`` (row-parallel) of HF input columns; ``order`` maps the shard's output rows
+    (Megatron order) to the concatenated per-module outputs, untargeted rows (and vocabulary
+    padding) to a trailing zero.
 
-    The LM head's B is whole on every rank ([vocab, r]: its TP shards would be uneven where the
-    vocabulary is padded): each rank reads its rows through ``copy_to_tensor_model_parallel_
-    region``, so B's gradient is summed over the ranks and equal on all of them."""
+    The LM head's B [vocab, r] is whole on every rank (its TP shards would be uneven where the
+    vocabulary is padded); each rank reads its rows through
+    ``copy_to_tensor_model_parallel_region``, so B's gradient is summed over the ranks."""
 
     def __init__(self, weight_name: str, spec: ModelSpec, settings: LoraSettings,
                  tp_rank: int, tp: int, seed: int, dtype: torch.dtype, device,
@@ -216,11 +203,9 @@ class LoraLinear(nn.Module):
         return torch.cat(parts, dim=-1).index_select(-1, self.order) * self.settings.scaling
 
     def _shared(self, param: torch.Tensor) -> torch.Tensor:
-        """A matrix whole on every rank (column-parallel A, row-parallel B) read through
+        """A matrix whole on every rank (column-parallel A, row-parallel B), read through
         ``copy_to_tensor_model_parallel_region`` where each rank's backward gives only part of
-        its gradient: its own tokens (sequence parallelism), its own output rows or partial
-        sum (an expert, whose linear leaves its communication to the token dispatcher). The
-        parts are summed over the ranks, so the gradient is whole and equal on all of them."""
+        its gradient (sequence parallelism, experts: module docstring), so the parts are summed."""
         if self.comm not in ("sequence", "expert"):
             return param
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -345,9 +330,8 @@ def adapter_tensors(model: nn.Module):
 
 
 def sharded_state_dict(model: nn.Module) -> dict:
-    """What a LoRA checkpoint holds of a bare chunk instead of the whole model (the base stays
-    the HF directory's): its adapters as megatron ``ShardedTensor``s under their HF keys, and
-    any other trained parameter (a critic's value head) as the model's own state dict has it."""
+    """A LoRA checkpoint's part of a bare chunk: its adapters as ``ShardedTensor``s under their
+    HF keys, and any other trained parameter (a critic's value head) as the model's own."""
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
@@ -390,10 +374,9 @@ def _slice(tensor: torch.Tensor, axis: int | None, tp_rank: int, tp: int) -> tor
 
 
 def load_adapters(chunks, tensors) -> None:
-    """Set the adapters of ``chunks`` from whole tensors under :func:`adapter_tensors`' keys
-    (a PEFT adapter's, its ``base_model.model.`` prefix dropped): each rank takes its slice.
-    Every adapter must be there with its shape; extra keys (another stage's layers) are
-    ignored."""
+    """Set the adapters of ``chunks`` from whole tensors under :func:`adapter_tensors`' keys:
+    each rank takes its slice. Every adapter must be there with its shape; extra keys (another
+    stage's layers) are ignored."""
     from megatron.core import parallel_state as mpu
 
     from ragen_mega.backends.megatron.chunk import unwrap

@@ -1,12 +1,10 @@
 """LoRA adapters out of the sharded model, whole: gathered, as PEFT files, as the weight sync.
 
 The adapters (``lora.py``) live sliced over TP and spread over PP and EP ranks; everything
-outside the trainer wants them whole under PEFT's names. :func:`gather_adapters` assembles them
-on every rank. :func:`write_peft_adapter` writes them as PEFT's adapter directory (what
-``peft.PeftModel.from_pretrained`` and SGLang's ``--enable-lora`` load: ``convert
-megatron-to-peft`` and ``lora.sync: native`` write it), :func:`read_peft_adapter` reads one.
-:class:`AdapterExport` is the adapter-only weight sync's export, in the protocol of
-``export.DirectExport``. Putting whole tensors back into the slices is ``lora.load_adapters``.
+outside the trainer wants them whole under PEFT's names. :func:`write_peft_adapter` writes the
+adapter directory that ``peft.PeftModel.from_pretrained`` and SGLang's ``--enable-lora`` load
+(``convert megatron-to-peft``, ``lora.sync: native``). The way back into the slices is
+``lora.load_adapters``.
 """
 from __future__ import annotations
 
@@ -93,12 +91,11 @@ def read_peft_adapter(adapter_dir) -> tuple[dict[str, torch.Tensor], LoraSetting
 
 
 class AdapterExport:
-    """The adapter-only weight sync's export (``MegatronTrainer.weight_export`` with LoRA):
-    what ``DirectExport`` is for full weights, in the same protocol. Constructing it is the
-    collective (:func:`gather_adapters` over TP and PP: every rank takes part); iterating it
-    yields, on ``dst`` only, the scaling (``lora_merge.SCALING_NAME``, one fp32 value) and then
-    every adapter under PEFT's keys, each module's A then B, so the engine's plugin
-    (``backends/sglang/lora_merge.py``) merges them into ``W_base + s * B A``. ``layout``
+    """The adapter-only weight sync's export, in ``export.DirectExport``'s protocol.
+    Constructing it is the collective (:func:`gather_adapters`: every rank takes part);
+    iterating it yields, on ``dst`` only, the scaling (``lora_merge.SCALING_NAME``, one fp32
+    value), then every adapter under PEFT's keys, each module's A then B, for the engine's
+    plugin (``backends/sglang/lora_merge.py``) to merge into ``W_base + s * B A``. ``layout``
     (on ``dst``): the names, shapes and dtypes it will yield, for the streamed send."""
 
     def __init__(self, chunks, dst: int):

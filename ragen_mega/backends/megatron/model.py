@@ -1,22 +1,21 @@
 """Build Megatron GPT model chunks for this rank and load HF weights into them.
 
-Call after ``parallel.init_parallel``. A rank holds one chunk per virtual pipeline stage; each
-is a megatron ``GPTModel`` (in ``Float16Module`` for bf16/fp16) that carries its spec, role,
-virtual stage and global layer range (``.ragen_spec``, ``.ragen_role``, ``.ragen_vp_stage``,
-``.ragen_layers``), so loading and export (``export.py``) need nothing else.
+Call after ``parallel.init_parallel``. A rank holds one chunk per virtual pipeline stage: a
+megatron ``GPTModel`` (in ``Float16Module`` for bf16/fp16) that carries its spec, role, virtual
+stage and global layer range (``.ragen_spec``, ``.ragen_role``, ``.ragen_vp_stage``,
+``.ragen_layers``), so loading and export need nothing else.
 
-Critic: the same GPTModel backbone with ``output_layer`` replaced by ``ValueHead`` (a plain
-replicated ``Linear(hidden, 1)`` without bias, HF name ``score.weight``); GPTModel's post-process
-calls ``output_layer(hidden, weight=..., runtime_gather_output=...)`` and returns its output as
-[b, s, 1], so the schedule and forward code are shared with the actor.
+Critic: the same backbone with ``output_layer`` replaced by ``ValueHead`` (a replicated
+``Linear(hidden, 1)`` without bias, HF name ``score.weight``); GPTModel's post-process calls
+``output_layer(hidden, weight=..., runtime_gather_output=...)`` and returns [b, s, 1], so the
+schedule and forward code are the actor's.
 
 Loading is strict: the checkpoint's names and shapes are checked against the config first
-(``mapping.check_checkpoint``: a wrong field is named), and every parameter of every chunk must
-be written exactly once with its exact shape. Tensors are read lazily, one at a time, and only
-those this rank's chunks need (a PP stage never reads another stage's layers); a TP rank reads
-the full HF tensor and keeps its slice, so peak extra memory is one full tensor.
-A critic built from an actor checkpoint ignores ``lm_head.weight`` and keeps a zero value head
-when ``score.weight`` is absent.
+(``mapping.check_checkpoint`` names a wrong field), and every parameter of every chunk must be
+written exactly once with its exact shape. Tensors are read lazily, only those this rank's
+chunks need; a TP rank reads the full HF tensor and keeps its slice, so peak extra memory is one
+full tensor. A critic built from an actor checkpoint ignores ``lm_head.weight`` and keeps a zero
+value head when ``score.weight`` is absent.
 """
 from __future__ import annotations
 
@@ -111,11 +110,10 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
 
 
 def _experts_apart(model: nn.Module) -> None:
-    """Mark the experts' weights as Megatron does at expert parallel size > 1 only
-    (``allreduce=False``): their gradients are then reduced over the expert-data-parallel
-    group and Adam keeps them in a second optimizer. At EP 1 that group is the data-parallel
-    group (the same reduction), and every EP has the same two optimizers, so a checkpoint's
-    optimizer state loads at any EP (one optimizer at EP 1 and two at EP 2 do not)."""
+    """Mark the experts' weights ``allreduce=False`` at every EP (Megatron does only at EP > 1):
+    their gradients are reduced over the expert-data-parallel group (at EP 1 the data-parallel
+    group) and Adam keeps them in a second optimizer. Every EP then has the same two
+    optimizers, so a checkpoint's optimizer state loads at any EP."""
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
             param.allreduce = False

@@ -1,11 +1,10 @@
 """Process groups for the Megatron trainer: torch.distributed + megatron parallel_state + RNG.
 
-Layout: Megatron's default order ``tp-cp-ep-dp-pp`` — TP ranks are adjacent (rank // 1), PP is the
-outermost dimension. DP = world_size / (tp * pp). Expert parallelism (EP) is carved out of DP:
-the ``ep`` ranks of one expert-parallel group hold different experts and the same dense
-weights, so an MoE model's experts are replicated over DP / EP ranks only. ``backend=None`` picks nccl with CUDA, gloo
-otherwise; on CPU the patches of ``cpu_compat`` are applied here, before any Megatron object
-exists, so every caller of ``init_parallel`` gets a working CPU Megatron.
+Layout: Megatron's default order ``tp-cp-ep-dp-pp``: TP ranks are adjacent, PP outermost.
+DP = world_size / (tp * pp). Expert parallelism (EP) is carved out of DP: the ``ep`` ranks of
+one group hold different experts and the same dense weights, so experts are replicated over
+DP / EP ranks only. ``backend=None`` picks nccl with CUDA, gloo otherwise; on CPU the
+``cpu_compat`` patches are applied here, before any Megatron object exists.
 """
 from __future__ import annotations
 
@@ -41,11 +40,10 @@ def init_parallel(rank: int, world_size: int, init_method: str, tp: int = 1, pp:
                   store: dist.Store | None = None) -> ParallelInfo:
     """Join the process group and build Megatron's TP/PP/DP/EP groups and model-parallel RNG.
 
-    ``init_method`` is a torch.distributed URL (``file:///tmp/x`` avoids the port reuse races of
-    back-to-back ``tcp://`` launches); it is ignored when the process group already exists, and
-    existing Megatron groups are replaced, so one launch can visit several TP x PP layouts.
-    ``store`` (a :func:`tcp_store`) takes the place of ``init_method``.
-    ``vpp`` is the number of virtual pipeline chunks per rank (interleaved schedule) or None.
+    ``init_method``: a torch.distributed URL (``file:///tmp/x`` avoids the port reuse races of
+    back-to-back ``tcp://`` launches), or ``store`` (a :func:`tcp_store`); ignored when the
+    process group exists. Existing Megatron groups are replaced, so one launch can visit several
+    TP x PP layouts. ``vpp``: virtual pipeline chunks per rank (interleaved schedule) or None.
     """
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"init_parallel: tp, pp and ep must be >= 1, got tp={tp}, pp={pp}, "
@@ -100,9 +98,8 @@ def parallel_info() -> ParallelInfo:
 
 
 def local_device() -> torch.device:
-    """This rank's device: the CUDA device ``init_parallel`` set, or the CPU (CPU Megatron).
-    Where the tensors a collective sends must live (NCCL takes CUDA tensors only) and where
-    batches and buffers for the model go; one definition for the backend's modules."""
+    """This rank's device: the CUDA device ``init_parallel`` set, or the CPU. Collective
+    tensors (NCCL takes CUDA tensors only), batches and model buffers go there."""
     return (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
             else torch.device("cpu"))
 
@@ -118,10 +115,9 @@ def destroy_parallel() -> None:
 
 def tcp_store(host: str, port: int, world_size: int, *, master: bool,
               timeout_minutes: int = 30) -> dist.TCPStore:
-    """The process group's rendezvous store. The master (rank 0) is opened with ``port=0``: the
-    OS picks a free port while binding it, and the others are told ``store.port``. A port probed
-    first and bound later can be taken in between by any process on the node (an outgoing
-    connection's ephemeral port, say), and the rank then fails with EADDRINUSE."""
+    """The process group's rendezvous store. Open the master (rank 0) with ``port=0`` and tell
+    the others ``store.port``: the OS picks a free port while binding it, where a port probed
+    first and bound later can be taken in between (EADDRINUSE)."""
     return dist.TCPStore(host, port, world_size, is_master=master, wait_for_workers=False,
                          timeout=datetime.timedelta(minutes=timeout_minutes))
 

@@ -1,22 +1,19 @@
 """Routing replay for mixtures of experts: the trainer's forward through the experts the engine
 chose (slime's ``--use-rollout-routing-replay``, "R3").
 
-A rollout engine and the trainer route a token to its top-k experts from router logits that
-differ in the last bits (other kernels, other batch shapes, bf16 on one side): a near tie flips,
-the token goes through other experts, and the trainer's log-prob of a sampled token is not the
-one the engine sampled it with. Replay removes that mismatch: the engine returns each token's
-experts (SGLang's ``return_routed_experts``), the batch carries them as ``routed_experts``
-[B, S, layers, top-k] (column t: token t's experts, -1 where the engine has none: padding, and
-the last token, which it never read), and the trainer's router keeps its own scores but takes
-the engine's experts (their probabilities are the scores at those experts, so the router is
-still trained).
+Engine and trainer route from router logits that differ in the last bits (other kernels,
+batch shapes, bf16 on one side): a near tie flips, the token goes through other experts, and the
+trainer's log-prob of a sampled token is not the engine's. Replay removes that: the engine
+returns each token's experts (SGLang's ``return_routed_experts``), the batch carries them as
+``routed_experts`` [B, S, layers, top-k] (column t: token t's experts; -1 where the engine has
+none: padding, and the last token), and the trainer's router keeps its own scores but takes the
+engine's experts (their probabilities are the scores there, so the router still trains).
 
 Every MoE layer's router gets an :class:`EngineRouting` (megatron-core's routers call
-``router_replay.get_replay_topk`` when one is set; ours is per model and never registers in
-megatron's class-level ``RouterReplay`` list). Given the engine's experts for the micro-batch,
-it always counts the (token, layer) pairs whose own top-k differs from the engine's: the
-train/rollout routing mismatch, logged whether or not replay is on. Tokens without engine
-routing keep their own experts.
+``router_replay.get_replay_topk`` when one is set; ours is per model, never in megatron's
+class-level ``RouterReplay`` list). It always counts the (token, layer) pairs whose own top-k
+differs from the engine's, the routing mismatch, replay or not. Tokens without engine routing
+keep their own experts.
 """
 from __future__ import annotations
 
@@ -57,8 +54,7 @@ class EngineRouting:
 
 
 def install(chunk) -> None:
-    """Give every MoE layer of a model chunk its :class:`EngineRouting` (``build_model`` does
-    this for MoE models; without engine routing set, routing is the router's own)."""
+    """Give every MoE layer of a model chunk its :class:`EngineRouting` (``build_model`` does)."""
     for layer in unwrap(chunk).decoder.layers:
         layer.mlp.router.router_replay = EngineRouting()
 

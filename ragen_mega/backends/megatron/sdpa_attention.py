@@ -1,21 +1,18 @@
-"""Core attention for Megatron's local layer spec through ``torch.nn.functional.scaled_dot_product_attention``.
+"""Core attention of Megatron's local layer spec as one ``F.scaled_dot_product_attention`` call.
 
-Without TransformerEngine, Megatron's local spec uses ``DotProductAttention``: it materialises the
-[b, heads, s, s] scores, masks and soft-maxes them in separate kernels and repeats the K/V heads
-of grouped-query attention. On a GPU that costs speed and memory (a quarter of the trainer's
-throughput, benchmarks/README.md). ``SDPAttention`` computes the same
-causal softmax(q k^T / sqrt(d)) v with one SDPA call, which runs flash / memory-efficient kernels
-on CUDA (and torch's fused CPU kernel on a CPU) and handles GQA without copying K/V
-(``enable_gqa``).
+Without TransformerEngine, Megatron's local spec uses ``DotProductAttention``, which
+materialises the [b, heads, s, s] scores, masks and soft-maxes them in separate kernels and
+repeats GQA's K/V heads: on a GPU that costs speed and memory (benchmarks/README.md).
+``SDPAttention`` computes the same causal softmax(q k^T / sqrt(d)) v in one SDPA call (flash /
+memory-efficient kernels on CUDA, torch's fused kernel on a CPU; GQA without copying K/V).
 
-It is a drop-in ``core_attention`` (``transformer_config.layer_spec(...,
-local_attention="sdpa")``): same constructor and forward contract as ``DotProductAttention``
-(query [sq, b, heads, d], key/value [sk, b, groups, d] -> context [sq, b, heads * d], this TP
-rank's heads), so TP splits it exactly as the original. Right padding needs no mask: with causal
-attention a real token never sees the padding after it, and the trainer zeroes everything
-computed at padded positions. What the trainer never uses is refused at build time or on the
-first call rather than computed differently: an explicit attention mask, attention bias, packed
-sequences, sliding windows, softmax variants, attention dropout.
+It is a drop-in ``core_attention`` (``layer_spec(..., local_attention="sdpa")``) with
+``DotProductAttention``'s constructor and forward contract (query [sq, b, heads, d], key/value
+[sk, b, groups, d] -> context [sq, b, heads * d], this TP rank's heads), so TP splits it as the
+original. Right padding needs no mask: under causal attention a real token never sees the
+padding after it, and the trainer zeroes what is computed at padded positions. What the
+trainer never uses is refused, not computed differently: an explicit attention mask, attention
+bias, packed sequences, sliding windows, softmax variants, attention dropout.
 """
 from __future__ import annotations
 

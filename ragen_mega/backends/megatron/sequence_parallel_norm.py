@@ -1,13 +1,12 @@
 """The RMSNorm of Megatron's local layer spec, for sequence parallelism.
 
 Without TransformerEngine or Apex, megatron-core's local spec builds torch's ``RMSNorm``
-(``WrappedTorchNorm``), which refuses ``sequence_parallel``: under it each TP rank normalises
-only its slice of the sequence, so a norm weight's gradient is a partial sum that must be summed
-over the TP ranks, and megatron-core's gradient finalisation does that only for parameters
-marked ``sequence_parallel``. This is the same torch ``RMSNorm``, marked. The trainer runs
-sequence parallelism for a mixture of experts under TP (megatron-core trains experts under TP
-only with it); the q/k norms get it too (their inputs hold other heads on each TP rank, which
-megatron-core sums by name anyway).
+(``WrappedTorchNorm``), which refuses ``sequence_parallel``: each TP rank then normalises its
+slice of the sequence, so a norm weight's gradient must be summed over the TP ranks, which
+megatron-core does only for parameters marked ``sequence_parallel``. This is torch's
+``RMSNorm``, marked. It serves a mixture of experts under TP (megatron-core trains experts under
+TP only with sequence parallelism); the q/k norms get it too (megatron-core sums them by name
+anyway).
 """
 from __future__ import annotations
 

@@ -1,41 +1,33 @@
 """One rank of the Megatron actor or critic: StarPO policy step, critic step, log-probs, values.
 
 Every rank of the TP x PP x DP world calls the same methods in step (``init_parallel`` first).
-The trainer takes its settings (any object with the parallel layout, optimizer, LR schedule,
-micro-batching and loss-aggregation fields it reads, and a ``validate()``: the app passes its
-``actor`` or ``critic`` config section; the backend imports nothing of the app), the objective
-it minimises, plus what the run derives: the LR schedule's horizon, the sampling temperature
-its log-probs are taken at, and the seed.
+The trainer takes its settings (any object with the fields it reads and a ``validate()``: the
+app's ``actor`` or ``critic`` section; the backend imports nothing of the app), the objective
+it minimises (``algo/objectives.py``, called per micro-batch), and what the run derives: the LR
+horizon, the sampling temperature its log-probs are taken at, and the seed.
 
 Batches are plain dicts of [B, S] tensors for THIS data-parallel rank (``dp_shard`` cuts them;
-``train`` alone takes the global batch, cuts its mini-batches and shards them itself):
-``input_ids`` (prompt + response, right padded), ``loss_mask`` (1 on model-written tokens),
-optional ``attention_mask`` (right padding; lets micro-batches be trimmed), and per-token values
-ALIGNED WITH ``input_ids``: column t belongs to token t (it is computed from tokens < t), column
-0 is unused — ``old_logprobs``, ``advantages``, ``ref_logprobs`` (actor), ``returns``,
-``old_values`` (critic). That is the layout of a rollout record (one entry per token), and
-``compute_logprobs`` / ``compute_values`` return the same layout.
+``train`` alone takes the global batch and shards it itself): ``input_ids`` (prompt +
+response, right padded), ``loss_mask`` (1 on model-written tokens), optional ``attention_mask``
+(right padding; lets micro-batches be trimmed), and per-token values ALIGNED WITH
+``input_ids``: column t belongs to token t (computed from tokens < t), column 0 unused:
+``old_logprobs``, ``advantages``, ``ref_logprobs`` (actor), ``returns``, ``old_values``
+(critic). That is a rollout record's layout, and ``compute_logprobs`` / ``compute_values``
+return it too.
 
 Loss normalisation (``algo.losses`` module doc): the global normaliser (loss tokens, or loss
 sequences for the seq-mean modes) is summed over this rank's micro-batches and all-reduced over
 DP; each micro-batch loss is its share of the global mean times M * D, because Megatron's
 schedule divides by the M micro-batches and DDP averages over the D replicas. The gradient is
-then exactly that of the full global batch, whatever the micro-batching and DP split. With PPO
-mini-batches the same holds per mini-batch: each update's loss is the mean over its own global
-mini-batch.
+then that of the whole global (mini-)batch, whatever the micro-batching and DP split.
 
 A training step advances the LR schedule and ``steps`` once, however many updates it makes (as
 verl's LR schedule counts training steps), so checkpoints stay named by the run's step.
 
 An update whose loss or gradients hold a NaN or inf on any rank is skipped on every rank (one
-all-reduced flag, so the ranks never disagree about their weights): no optimizer step, so the
-weights and the Adam state stay exactly as they were; the metrics count it
-(``updates_skipped``, ``updates_skipped_in_row``) and the loop ends a run that skips too many
-in a row.
-
-The loss itself is the objective the trainer is given (``algo/objectives.py``: StarPO's policy
-objective for the actor, the clipped value objective for the critic); the trainer computes the
-model outputs it needs and the global normaliser, and calls it per micro-batch.
+all-reduced flag, so the ranks never disagree about their weights): weights and Adam state stay
+as they were, the metrics count it (``updates_skipped``, ``updates_skipped_in_row``), and the
+loop ends a run that skips too many in a row.
 """
 from __future__ import annotations
 
@@ -79,10 +71,9 @@ def dp_shard(batch: dict) -> dict:
 
 
 def pad_rows(batch: dict, multiple: int) -> dict:
-    """``batch`` with copies of its first row appended, their ``loss_mask`` zero, up to a
-    multiple of ``multiple`` rows (the data-parallel ranks). Per-turn rows (a multi-turn run
-    that does not pack its episodes) vary in number from step to step; a row without loss
-    tokens adds nothing to any loss mode or its normaliser, only compute."""
+    """``batch`` padded to a multiple of ``multiple`` rows (the DP ranks) with copies of its
+    first row whose ``loss_mask`` is zero: they add nothing to any loss or normaliser. Per-turn
+    rows (unpacked episodes) vary in number from step to step."""
     rows = batch["input_ids"].shape[0]
     extra = -rows % multiple
     if not extra:
@@ -94,12 +85,9 @@ def pad_rows(batch: dict, multiple: int) -> dict:
 
 
 def ppo_minibatches(batch: dict, episodes: int | None) -> list[dict]:
-    """A global batch cut into PPO mini-batches of ``episodes`` whole episodes each.
-
-    RAGEN (verl) counts ``ppo_mini_batch_size`` in trajectories, so every turn sample of an
-    episode lands in the same mini-batch; episodes are taken in order of first appearance, rows
-    keep their batch order. ``None``: the whole batch is one mini-batch.
-    """
+    """A global batch cut into PPO mini-batches of ``episodes`` whole episodes each (RAGEN /
+    verl count ``ppo_mini_batch_size`` in trajectories), in order of first appearance, rows in
+    batch order. ``None``: the whole batch is one mini-batch."""
     if episodes is None:
         return [batch]
     if "episode_id" not in batch:
@@ -191,10 +179,9 @@ class MegatronTrainer:
 
     # ------------------------------------------------------------------ construction
     def _load(self, role: str, lora: LoraSettings | None = None, seed: int = 0) -> list:
-        """The role's model chunks with the start weights: the HF directory's, or an actor's
-        ``load`` checkpoint's (torch_dist, saved at any layout; the KL reference starts from
-        them too); and ``lora``'s adapters (seeded by ``seed``) on the local layer spec:
-        TransformerEngine's fuses the norm into the linears whose input the adapters read."""
+        """The role's model chunks with the start weights (the HF directory's, or an actor's
+        ``load`` checkpoint's, which the KL reference starts from too) and ``lora``'s adapters,
+        on the local layer spec: TransformerEngine's fuses the norm into the adapted linears."""
         chunks = build_model(self.hf_dir, role=role, dtype=self.dtype,
                              use_te=False if lora else None,
                              local_attention=self.config.local_attention,
@@ -209,9 +196,8 @@ class MegatronTrainer:
         return chunks
 
     def _moe_settings(self) -> dict:
-        """A mixture of experts' configured TransformerConfig settings: megatron-core's
-        load-balancing loss (``moe_aux_loss_coeff``, ``moe_load_balancing``) and grouped-GEMM
-        experts (``moe_grouped_gemm``); nothing for a dense model."""
+        """An MoE model's configured TransformerConfig settings (load-balancing loss,
+        grouped-GEMM experts); nothing for a dense model."""
         c = self.config
         if not model_spec(self.hf_dir).is_moe:
             return {}
@@ -260,8 +246,8 @@ class MegatronTrainer:
         return self._logprobs(self.model, batch)
 
     def compute_ref_logprobs(self, batch: dict) -> torch.Tensor:
-        """The reference policy's log-probs: the start weights, kept as a second model; with
-        LoRA the model's own frozen base, its adapters switched off (no second copy)."""
+        """The reference policy's log-probs: the start weights, kept as a second model, or with
+        LoRA the frozen base (adapters off)."""
         if self.lora is not None and self.objective.needs_reference:
             with adapters_off(self.model):
                 return self._logprobs(self.model, batch)
@@ -314,21 +300,10 @@ class MegatronTrainer:
     def train(self, batch: dict) -> dict:
         """One training step on the GLOBAL batch (the same dict on every rank): ``ppo_epochs``
         passes over its PPO mini-batches (:func:`ppo_minibatches`), one optimizer update each on
-        this DP rank's rows. ``old_logprobs`` / ``old_values`` stay the rollout policy's for every
-        update, so from the second update on the PPO clip acts. Metrics: the mean over the
-        updates, plus ``ppo_updates``; the defaults (whole batch, one epoch) make exactly one
-        update. The same metrics on every rank.
-
-        The actor's (StarPO: PPO clipped surrogate with asymmetric and dual clip, minus the
-        entropy bonus, plus the KL to the reference when ``kl_coef`` > 0), under verl's names
-        where verl has the quantity: loss, pg_loss, entropy (token-mean), kl_loss, pg_clipfrac
-        (either ratio clip active), pg_clipfrac_ratio_high / _ratio_low (each side alone),
-        pg_clipfrac_lower (the dual clip active: verl's name), ppo_kl (k1 KL old -> new),
-        ratio_mean (the mean importance ratio), tis_weight / tis_clipfrac (``tis_cap`` set: mean
-        truncated IS weight, share of tokens at the cap). The critic's (the clipped value loss):
-        vf_loss, vf_clipfrac, vpred_mean, returns_mean, vf_explained_var. Both:
-        grad_norm, lr, update_successful, ppo_updates, updates_skipped, updates_skipped_in_row,
-        padding_frac (``algo/objectives.py`` has the losses)."""
+        this DP rank's rows. ``old_logprobs`` / ``old_values`` stay the rollout policy's, so the
+        PPO clip acts from the second update on. Metrics, the same on every rank, are the mean
+        over the updates, under verl's names where verl has the quantity (docs/metrics.md,
+        ``actor/`` and ``critic/``)."""
         c = self.config
         from megatron.core import parallel_state as mpu
 
@@ -352,8 +327,8 @@ class MegatronTrainer:
         return metrics
 
     def _all_finite(self, results: list) -> bool:
-        """Whether the loss statistics and every gradient are finite on EVERY rank of this
-        trainer (a MAX all-reduce of one flag over the whole world: TP, PP and DP)."""
+        """Whether the loss statistics and every gradient are finite on EVERY rank (a MAX
+        all-reduce of one flag over TP, PP and DP)."""
         bad = torch.zeros((), device=local_device())
         for r in results:  # last pipeline stage only
             bad = torch.maximum(bad, (~torch.isfinite(r["stats"])).any().float())
@@ -400,9 +375,8 @@ class MegatronTrainer:
         return float(num_microbatches * mpu.get_data_parallel_world_size())
 
     def _update(self, batch: dict) -> dict:
-        """One optimizer update on this DP rank's rows (one mini-batch) of the objective this
-        trainer was given: its batch keys checked, the global normaliser taken, each
-        micro-batch's loss scaled to its share of the global mean (module doc)."""
+        """One optimizer update on this DP rank's rows of one mini-batch, each micro-batch's
+        loss scaled to its share of the global mean (module doc)."""
         objective = self.objective
         if objective.needs_reference and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.compute_ref_logprobs(batch)}
@@ -457,10 +431,9 @@ class MegatronTrainer:
         return export_hf_state(self.model)
 
     def weight_export(self, dst: int, prefetch_bytes: int) -> DirectExport | AdapterExport:
-        """The weight-sync export: only global rank ``dst`` receives the HF tensors (collective:
-        every rank iterates it to the end; see :class:`DirectExport`). With LoRA and
-        ``lora.sync: adapters`` the adapters alone (:class:`AdapterExport`); with ``merged``
-        the merged weights whole."""
+        """The weight-sync export to global rank ``dst`` (collective: every rank iterates it to
+        the end). With ``lora.sync: adapters`` the adapters alone (:class:`AdapterExport`), else
+        the (merged) weights whole (:class:`DirectExport`)."""
         if self.lora is not None and self.config.lora.sync == "adapters":
             return AdapterExport(self.model, dst=dst)
         return DirectExport(self.model, dst=dst, prefetch_bytes=prefetch_bytes)

@@ -17,11 +17,9 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
                     ep: int = 1, dtype: torch.dtype = torch.float32, **overrides):
     """The ``TransformerConfig`` that computes what transformers computes for ``spec``.
 
-    Fusions are off and ``use_cpu_initialization`` on when there is no GPU (docs/cpu_stack.md);
-    a mixture of experts under TP runs with sequence parallelism (``forward.py`` pads each
-    micro-batch's length to a multiple of TP for it);
-    ``moe_token_dispatcher_type="alltoall"`` + ``variable_seq_lengths`` let the pipeline schedule
-    take micro-batches of different lengths. ``overrides`` go straight to TransformerConfig.
+    Fusions are off, and ``use_cpu_initialization`` is on without a GPU (docs/cpu_stack.md);
+    ``moe_token_dispatcher_type="alltoall"`` + ``variable_seq_lengths`` let the pipeline
+    schedule take micro-batches of different lengths. ``overrides`` go to TransformerConfig.
     """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
@@ -39,7 +37,7 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
         # megatron-core trains an MoE layer under TP only with sequence parallelism (each TP
-        # rank routes its own slice of the sequence); dense models keep it off
+        # rank routes its slice of the sequence; forward.py pads lengths to a multiple of TP)
         sequence_parallel=spec.is_moe and tp > 1,
         params_dtype=dtype, pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
@@ -51,10 +49,10 @@ def megatron_config(spec: ModelSpec, *, tp: int = 1, pp: int = 1, vpp: int | Non
     if spec.is_moe:
         kwargs.update(moe_config(spec))
     if vpp:
-        # Interleaved 1F1B with Megatron's default batched p2p trades activations and gradients
-        # with the same peer in one batch when pp=2 (next stage == previous stage): they arrive
-        # swapped (measured on gloo: wrong gradients, or a shape error for ragged micro-batches).
-        # Megatron-LM's own setting for interleaving, overlapped unbatched p2p, is exact.
+        # Interleaved 1F1B with batched p2p at pp=2 (next stage == previous stage) trades
+        # activations and gradients with one peer in one batch, and they arrive swapped (on
+        # gloo: wrong gradients, or a shape error for ragged micro-batches). Megatron-LM's
+        # setting for interleaving, overlapped unbatched p2p, is exact.
         kwargs.update(overlap_p2p_comm=True, batch_p2p_comm=False)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
@@ -66,13 +64,11 @@ def moe_config(spec: ModelSpec) -> dict:
     Routing as transformers: a softmax over all experts' router logits, the top k kept. With
     ``norm_topk_prob`` the k probabilities are renormalised to sum to 1, which is Megatron's
     softmax *after* the top-k (``moe_router_pre_softmax=False``); without it they stay
-    fractions of the full softmax (``pre_softmax=True``). On the tiny random models of
-    tests/test_moe.py the wrong one moves log-probs by 5e-3 to 1.3e-2, the right one matches
-    transformers to 1e-5. The router runs in fp32. ``SequentialMLP`` experts (one linear per
-    expert) unless overridden with ``moe_grouped_gemm=True`` (TransformerEngine's
-    ``TEGroupedMLP``, see :func:`layer_spec`), and the alltoall dispatcher that every layout
-    already uses. No load-balancing loss unless overridden: the router is trained by the policy
-    loss alone (``ModelTrainingConfig.moe_aux_loss_coeff``)."""
+    fractions of the full softmax (``pre_softmax=True``); tests/test_moe.py checks the
+    log-probs against transformers. The router runs in fp32. ``SequentialMLP`` experts unless
+    overridden with ``moe_grouped_gemm=True`` (:func:`layer_spec`). No load-balancing loss
+    unless overridden (``ModelTrainingConfig.moe_aux_loss_coeff``): the policy loss alone
+    trains the router."""
     shared = spec.shared_expert_ffn_hidden_size
     return dict(num_moe_experts=spec.num_experts, moe_router_topk=spec.moe_top_k,
                 moe_ffn_hidden_size=spec.moe_ffn_hidden_size, moe_grouped_gemm=False,
@@ -100,17 +96,15 @@ def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: 
                sequence_parallel: bool = False, grouped_gemm: bool = False):
     """TransformerEngine layer spec on GPU with TE installed; Megatron's local spec otherwise.
 
-    ``grouped_gemm`` (a mixture of experts'; the TransformerConfig's ``moe_grouped_gemm``): each
-    layer's local experts run as one grouped GEMM, TransformerEngine's ``TEGroupedMLP``. It needs
-    the TE spec: Megatron's only grouped-GEMM experts without TE are the deprecated
-    ``GroupedMLP``, which needs the ``grouped_gemm`` CUDA package, trains in bf16 only and keeps
-    all experts in one transposed tensor the mapping does not speak.
+    ``grouped_gemm`` (``moe_grouped_gemm``): each layer's local experts run as one grouped GEMM,
+    TransformerEngine's ``TEGroupedMLP``. It needs the TE spec: Megatron's only grouped-GEMM
+    experts without TE, the deprecated ``GroupedMLP``, need the ``grouped_gemm`` CUDA package,
+    train in bf16 only and keep all experts in one transposed tensor the mapping does not speak.
 
-    ``local_attention`` picks the local spec's core attention: ``"sdpa"`` (one fused
-    ``scaled_dot_product_attention`` call: flash kernels on a GPU) or ``"unfused"`` (Megatron's
-    ``DotProductAttention``, materialised scores; kept as the reference and for comparison).
-    ``sequence_parallel``: the local spec's norms are ``SequenceParallelRMSNorm`` (torch's
-    refuses it; the block's final norm must be too: :func:`block_spec`).
+    ``local_attention`` picks the local spec's core attention: ``"sdpa"``
+    (``sdpa_attention.SDPAttention``) or ``"unfused"`` (Megatron's ``DotProductAttention``,
+    kept as the reference). ``sequence_parallel``: the local spec's norms are
+    ``SequenceParallelRMSNorm`` (torch's refuses it; the final norm too: :func:`block_spec`).
     """
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec)
@@ -146,9 +140,9 @@ def layer_spec(spec: ModelSpec, *, use_te: bool | None = None, local_attention: 
 
 
 def block_spec(layers, num_layers: int, sequence_parallel: bool):
-    """The transformer block of ``num_layers`` layers of spec ``layers``: what GPTModel makes of
-    a layer spec, except that with ``sequence_parallel`` (the local spec's, without
-    TransformerEngine) its final norm is ``SequenceParallelRMSNorm`` too."""
+    """The transformer block of ``num_layers`` layers of spec ``layers``, as GPTModel makes it,
+    except that with ``sequence_parallel`` (local spec) its final norm is
+    ``SequenceParallelRMSNorm`` too."""
     if not sequence_parallel:
         return layers
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules

@@ -1,26 +1,22 @@
 """HTTP client for one SGLang server: token-in/token-out generation and the weight-update API.
 
-Token-in, token-out: prompts go in as ``input_ids`` and completions come back as
-``output_ids`` with ``meta_info.output_token_logprobs`` — text is never re-tokenized, so the
-trainer trains on exactly the tokens the engine sampled.
+Prompts go in as ``input_ids`` and completions come back as ``output_ids`` with
+``meta_info.output_token_logprobs``: text is never re-tokenized, so the trainer trains on exactly
+the tokens the engine sampled. :class:`AsyncEngineClient` is the aiohttp implementation;
+:class:`EngineClient` runs it on a private event-loop thread, for plain code and several threads
+at once (e.g. a weight sender that keeps an HTTP call open while it broadcasts).
 
-``AsyncEngineClient`` is the aiohttp implementation; ``EngineClient`` is a thin synchronous
-wrapper that runs it on a private event-loop thread, so plain code (and several threads at once,
-e.g. a weight sender that must keep an HTTP call open while it broadcasts) can use it.
-
-Errors are :class:`EngineError` and always name the engine URL and the endpoint. Only calls that
-are safe to repeat are retried (generation, health, info, flush): a weight-update call that
-timed out may still be running on the server, and repeating it would desynchronise the broadcast.
+Errors are :class:`EngineError` naming the engine URL and the endpoint. Only repeatable calls are
+retried (generation, health, info, flush): a weight-update call that timed out may still run on
+the server, and repeating it would desynchronise the broadcast.
 
 Endpoints (SGLang 0.5.23, sglang/srt/entrypoints/http_server.py): /generate, /health_generate,
 /model_info, /server_info, /flush_cache, /begin_weight_update, /end_weight_update,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed,
-/update_weights_from_tensor, /update_weight_version,
-/pause_generation, /continue_generation, /release_memory_occupation, /resume_memory_occupation,
-/load_lora_adapter, /unload_lora_adapter.
-Every weight update must happen inside a ``begin_weight_update``/``end_weight_update`` session
-(``weight_sender.py`` opens one per engine around a whole update); SGLang refuses updates
-outside one.
+/update_weights_from_tensor, /update_weight_version, /pause_generation, /continue_generation,
+/release_memory_occupation, /resume_memory_occupation, /load_lora_adapter, /unload_lora_adapter.
+SGLang refuses a weight update outside a ``begin_weight_update``/``end_weight_update`` session
+(``weight_sender.py`` opens one per engine around a whole update).
 """
 from __future__ import annotations
 
@@ -41,9 +37,9 @@ import numpy as np
 from ragen_mega.http_token import bearer_headers
 
 
-# an idle connection is closed by the client after this, well before the server's own
-# (SGLANG_TIMEOUT_KEEP_ALIVE, which ``server.build_env`` sets longer): no request is ever sent
-# on a connection the server has just closed
+# idle connections close on the client's side first (``server.build_env`` sets the server's
+# SGLANG_TIMEOUT_KEEP_ALIVE longer), so no request goes out on a connection the server just
+# closed: a weight-update call is never retried, and that race would fail it
 CLIENT_KEEP_ALIVE_S = 15
 
 
@@ -53,7 +49,7 @@ class EngineError(RuntimeError):
 
 class EngineKeyRefused(EngineError):
     """The engine answered 401/403: the request carried no key, or not the engine's. A live
-    engine that refuses is no dead one: restarting it would hide the wrong key, not fix it."""
+    engine that refuses is not dead: restarting it would hide the wrong key, not fix it."""
 
 
 class ContextLengthExceeded(EngineError):
@@ -450,12 +446,9 @@ def _blocking(method):
 
 
 class EngineClient:
-    """Synchronous wrapper of :class:`AsyncEngineClient` (same methods, same arguments).
-
-    It runs the async client on its own event-loop thread, so it works from plain code and from
-    several threads at once; :meth:`submit` starts a call of :attr:`aio` and returns a
-    ``concurrent.futures.Future`` for overlapping work (e.g. a broadcast).
-    """
+    """Synchronous :class:`AsyncEngineClient` (same methods, same arguments) on its own
+    event-loop thread; :meth:`submit` starts a call of :attr:`aio` and returns a
+    ``concurrent.futures.Future`` for overlapping work (e.g. a broadcast)."""
 
     def __init__(self, url: str, *, timeout: float = 300.0, retries: int = 2,
                  backoff: float = 0.5, connect_timeout: float = 10.0,

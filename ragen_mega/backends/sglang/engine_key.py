@@ -1,14 +1,12 @@
 """An SGLang server plugin: the run's engine key, kept off the command line and out of the log.
 
-An engine listens on its node's address, and a research cluster is shared: without a key
-anyone who reaches the node could generate on the run's engines or push weights into them
-through the weight-update endpoints. SGLang's ``--api-key`` makes every endpoint but
-``/health*`` answer 401 without ``Authorization: Bearer KEY``. Given on the command line the
-key would be readable by every user of the node (``/proc/PID/cmdline``), and SGLang logs its
-whole ``server_args`` at start-up, so the launcher hands the key over in the server's
-environment (:data:`KEY_ENV`, readable by its owner only) and this plugin, which SGLang runs in
-each server process before it parses its arguments, adds ``--api-key`` to that process's
-arguments and blanks the key in every log record the process writes.
+An engine listens on its node's address on a shared cluster: without a key anyone who reaches
+the node could generate on it or push weights into it. SGLang's ``--api-key`` makes every
+endpoint but ``/health*`` answer 401 without ``Authorization: Bearer KEY``. On the command line
+the key would be readable by every user of the node (``/proc/PID/cmdline``), and SGLang logs its
+whole ``server_args``, so the launcher passes the key in the server's environment
+(:data:`KEY_ENV`, readable by its owner only). This plugin, run in each server process before it
+parses its arguments, adds ``--api-key`` to them and blanks the key in every log record.
 """
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """An SGLang server plugin for CPU servers: expert parallelism in the pure-torch MoE path.
 
 With ``--ep-size`` > 1 each SGLang rank holds a block of the experts, and the router's top-k
-ids reach the MoE kernel as local expert indices, with -1 for experts that live on another rank
-(their contributions come from that rank: the layer sums the ranks' partial outputs
-afterwards). GPU kernels skip the -1 entries; SGLang 0.5.23's CPU path,
-``fused_moe_native.moe_forward_native``, scatters them as indices and fails ("index -1 is out
-of bounds"), and mapping them to a local expert would double-count a token that also chose
-it. The plugin computes a batch that names other ranks' experts itself: each local expert's
-tokens through its gated SiLU MLP, weighted and summed per token, other ranks' entries left
-out. Everything else (no expert elsewhere, or another activation) is the original function.
+ids reach the MoE kernel as local indices, -1 for another rank's expert (that rank adds its part
+when the layer sums the ranks' outputs). GPU kernels skip the -1 entries; SGLang 0.5.23's CPU
+path, ``fused_moe_native.moe_forward_native``, uses them as indices ("index -1 is out of
+bounds"), and mapping them to a local expert would count a token twice if it also chose that
+one. The plugin computes such a batch itself: each local expert's tokens through its gated SiLU
+MLP (without biases; any other raises ``NotImplementedError``), weighted and summed per token,
+other ranks' entries left out. A batch with no expert elsewhere goes to the original function.
 """
 from __future__ import annotations
 

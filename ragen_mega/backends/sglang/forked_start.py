@@ -2,16 +2,14 @@
 from the server's main process instead of spawned.
 
 Why: SGLang's launcher sets the ``spawn`` start method (``entrypoints/engine.py``,
-``_set_envs_and_config``) because a CUDA context cannot cross a fork. A spawned child starts a
-fresh interpreter and imports sglang, torch and transformers again, side by side with the main
-process's own imports. Forking saves about a third of a CPU server's start-up, paid by every
-run, every engine restarted after a fault, and every test that starts one (benchmarks/README.md,
-"CPU engine start-up"). A forked child
-inherits the imported modules, and the plugins already applied (``load_plugins`` is guarded by
-a flag the child inherits too).
+``_set_envs_and_config``) because a CUDA context cannot cross a fork, so each child imports
+sglang, torch and transformers again beside the main process. A forked child inherits the
+imported modules and the plugins already applied (``load_plugins`` is guarded by a flag it
+inherits too), which saves a third of a CPU server's start-up (benchmarks/README.md, "CPU engine
+start-up").
 
-Why a fork is safe here: a CPU server has no CUDA; the main process has computed nothing with
-torch when it forks (so no OpenMP thread pool is inherited half-alive), and none of our plugins
+Why a fork is safe here: a CPU server has no CUDA, the main process has computed nothing with
+torch when it forks (no OpenMP thread pool is inherited half-alive), and none of our plugins
 starts a thread. GPU servers never load this plugin (``server.build_env`` adds it on CPU only).
 """
 from __future__ import annotations
@@ -22,9 +20,8 @@ import multiprocessing
 def forked_start_plugin() -> None:
     """SGLang general plugin: the launcher's start-method setting ends with ``fork``.
 
-    Plugins load in the launcher's main process before ``_set_envs_and_config`` runs
-    (``sglang/launch_server.py``), so setting the method here would be overwritten; wrapping it
-    makes ``fork`` the last word, before the first child starts."""
+    Plugins load before ``_set_envs_and_config`` runs (``sglang/launch_server.py``), which would
+    overwrite a method set here; wrapping it makes ``fork`` the last word."""
     from sglang.srt.entrypoints import engine
 
     spawning = engine._set_envs_and_config

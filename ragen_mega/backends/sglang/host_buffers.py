@@ -1,16 +1,15 @@
 """An SGLang server plugin for CPU servers: host buffers without page-locking.
 
-SGLang allocates some host-side buffers through ``ALLOC_MEMORY_FUNCS[device]``
+SGLang allocates some host buffers through ``ALLOC_MEMORY_FUNCS[device]``
 (``mem_cache/pool_host/common.py``), whose default registers the memory with CUDA
-(``cudaHostRegister``) so that device copies into it can be asynchronous. A CPU server has no
-CUDA, so the first such buffer fails the start-up: the one that ``--enable-return-routed-experts``
-makes for the experts each token was routed to (``state_capturer/base.py``, ``BaseHostCache``),
-which routing replay needs. SGLang's LoRA serving (``--enable-lora``) stages its adapter
-weights and per-batch indices in page-locked tensors too (``pin_memory=True``,
-``Tensor.pin_memory()``), which torch refuses without an accelerator. On the CPU every buffer
-is host memory already: the plugin gives the ``cpu`` device a plain ``torch.empty``, makes
-``Tensor.pin_memory`` return the tensor itself and drops ``pin_memory=True`` from torch's
-tensor factories.
+(``cudaHostRegister``) for asynchronous device copies; on a CPU server that fails the start-up.
+One is the buffer ``--enable-return-routed-experts`` makes for routing replay
+(``state_capturer/base.py``, ``BaseHostCache``). SGLang's LoRA serving (``--enable-lora``) also
+stages adapter weights and per-batch indices in page-locked tensors (``pin_memory=True``,
+``Tensor.pin_memory()``), which torch refuses without an accelerator. On the CPU all of it is
+host memory already: the plugin gives the ``cpu`` device a plain ``torch.empty``, makes
+``Tensor.pin_memory`` return the tensor itself and drops ``pin_memory=True`` from torch's tensor
+factories.
 """
 from __future__ import annotations
 

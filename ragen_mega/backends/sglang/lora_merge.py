@@ -1,33 +1,31 @@
 """An SGLang server plugin: LoRA adapters in, exact merged weights served (``actor.lora``).
 
-A LoRA run's weight sync sends only the adapters (``lora_export.AdapterExport``: a few MB where the
-model is GB). The engine keeps serving plain merged weights, so generation runs at full speed
-with no LoRA kernel (SGLang's LoRA backends are Triton/CUDA, or per-request adapter slots that
-every rollout request would have to name): this plugin, enabled for a server by
-:data:`TARGETS_ENV` (the adapted HF module names, comma separated), merges on the engine's side.
+A LoRA run's weight sync sends only the adapters (``lora_export.AdapterExport``: MBs, not the
+model's GBs), while the engine serves plain merged weights at full speed with no LoRA kernel
+(SGLang's LoRA backends are Triton/CUDA, or per-request adapter slots that every rollout request
+would have to name). This plugin, enabled by :data:`TARGETS_ENV` (the adapted HF module names,
+comma separated), merges on the engine's side:
 
-* After the initial load (and a reload from disk) it keeps a host copy of every model parameter
-  an adapted module loads into (``model.layers.3.self_attn.q_proj`` goes into SGLang's fused
-  ``qkv_proj.weight``, an expert's ``gate_proj`` into its layer's ``experts.w13_weight``), as
-  the parameter holds it: this rank's shard under tensor parallelism, its own experts under
-  expert parallelism. The copy is taken before SGLang's post-load processing, in the layout its
-  weight loaders write, which is what a weight update writes too.
-* Every later ``load_weights`` (a sync through either transport) reads the run's scaling
-  (:data:`SCALING_NAME`, a one-value tensor sent first) and the adapters under PEFT's keys
-  (``model.layers.3.self_attn.q_proj.lora_A.weight``, ``...lora_B.weight``); once a module's A
-  and B are both in, ``s * B A`` is computed in fp32 on the whole matrix and handed to the
-  model's own weight loader, which shards it into an fp32 scratch of the parameter, swapped in
-  for that one load; at the first sync the scratch is filled with NaN, so the rows the loader
-  wrote show which are the module's shard (``q`` of a fused ``qkv``, the rows this rank
-  holds), and they are remembered. Those rows become ``W_base + s B A`` from the kept base,
-  cast once to the parameter's dtype: every sync starts from the base, so nothing accumulates
-  or drifts, and each entry is the trainer's own merge (``lora.LoraLinear.merged``). Other
-  names pass through unchanged (a full sync still works). This needs a model whose
-  ``load_weights`` loads each weight as it draws it from the iterator, as SGLang's Qwen2,
-  Qwen3, Llama and Qwen2/Qwen3-MoE do.
+* After the initial load (or a reload from disk) it keeps a host copy of every parameter an
+  adapted module loads into (``model.layers.3.self_attn.q_proj`` goes into SGLang's fused
+  ``qkv_proj.weight``, an expert's ``gate_proj`` into its layer's ``experts.w13_weight``) as this
+  rank holds it (its TP shard, its EP experts), taken before SGLang's post-load processing: the
+  layout its weight loaders, and so a weight update, write.
+* Every later ``load_weights`` (a sync by either transport) reads the scaling
+  (:data:`SCALING_NAME`, sent first) and the adapters under PEFT's keys
+  (``model.layers.3.self_attn.q_proj.lora_A.weight``, ``...lora_B.weight``). Once a module's A
+  and B are in, ``s * B A`` is computed in fp32 on the whole matrix and handed to the model's own
+  weight loader, which shards it into an fp32 scratch swapped in for the parameter during that
+  load. At the first sync the scratch is NaN-filled, so the rows the loader wrote show the
+  module's shard (``q`` of a fused ``qkv``, this rank's rows); they are remembered. Those rows
+  become ``W_base + s B A``, cast once to the parameter's dtype: every sync starts from the kept
+  base, so nothing accumulates or drifts, and each entry is the trainer's own merge
+  (``lora.LoraLinear.merged``). Other names pass through (a full sync still works). The model's
+  ``load_weights`` must load each weight as it draws it, as SGLang's Qwen2, Qwen3, Llama and
+  Qwen2/Qwen3-MoE do.
 
-A restarted engine loads the base from disk, keeps it again, and takes the current adapters
-from the resync that follows, as every restarted engine takes the current weights.
+A restarted engine keeps the base it loads from disk and gets the current adapters from the
+resync that follows.
 """
 from __future__ import annotations
 
@@ -185,10 +183,10 @@ class AdapterMerger:
     @staticmethod
     def _written_block(scratch: torch.Tensor, module: str, name: str) -> slice | None:
         """The rows of a NaN-filled scratch the loader wrote, as one block. SGLang's loaders
-        write a module's shard as whole rows of its parameter seen as (rows, last dim): a
-        fused linear's part, an expert's block, the LM head's rows and padding. The same
-        load writes the same rows every sync, so this runs at the first only (a NaN fill and
-        a mask over every entry would make every sync several times slower)."""
+        write a module's shard as whole rows of its parameter seen as (rows, last dim): a fused
+        linear's part, an expert's block, the LM head's rows and padding. The same load writes
+        the same rows every sync, so this runs at the first only (a NaN fill and a mask over
+        every entry would make every sync several times slower)."""
         rows = (~scratch[:, 0].isnan()).nonzero()
         if not len(rows):
             return None

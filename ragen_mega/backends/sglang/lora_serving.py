@@ -1,26 +1,21 @@
 """SGLang's own LoRA serving for a LoRA run's engines (``actor.lora.sync: native``).
 
-The default (``sync: adapters``, ``lora_merge.py``) merges the adapters into the weights on the
-engine's side, so generation runs on plain weights. Here the engines serve the base model and
-the adapters by name, the way SGLang serves LoRA (``--enable-lora``; S-LoRA-style kernels on a
-GPU, the ``torch_native`` backend on a CPU):
+The default (``sync: adapters``, ``lora_merge.py``) merges the adapters into the engine's
+weights. Here the engines serve the base model and the adapters by name, as SGLang serves LoRA
+(``--enable-lora``; S-LoRA-style kernels on a GPU, the ``torch_native`` backend on a CPU):
 
-* each sync writes the step's adapters as a PEFT directory under the run directory and has
-  every engine load it as ``ragen_mega_v{version}`` (``/load_lora_adapter``, which reads the
-  directory: the directory must be where the engines can read it, as checkpoints are on a
-  cluster's shared file system; SGLang's tensor endpoint, which unpickles what it is sent, is
-  not used);
-* generation requests name the newest version (``EngineGroup.adapter``), so a request already
-  in flight finishes on the adapter it started with, and the swap is the moment the name
-  changes;
-* each engine keeps the newest two versions (a rollout overlapped with the sync may still play
-  the older one) and unloads the one before (SGLang answers once the requests that use it have
-  finished).
+* each sync writes the step's adapters as a PEFT directory under the run directory, and every
+  engine loads it as ``ragen_mega_v{version}`` (``/load_lora_adapter`` reads the directory, so
+  the engines must be able to read it, as checkpoints on a cluster's shared file system; SGLang's
+  tensor endpoint, which unpickles what it is sent, is not used);
+* generation requests name the newest version (``EngineGroup.adapter``): a request in flight
+  finishes on the adapter it started with, and the swap is the moment the name changes;
+* each engine keeps the newest two versions (an overlapped rollout may still play the older one)
+  and unloads the one before (SGLang answers once the requests using it have finished).
 
-Against the merge: no host copy of the base weights and no pause for a weight update, and a
-sync moves a few MB; generation pays the adapters' extra matmuls in every request. The merge
-stays the default: this serving has run on CPU engines only (SGLang's ``torch_native``
-kernels), and neither has been timed against the other on a GPU.
+Against the merge: no host copy of the base weights, no pause for a weight update, and a sync
+moves a few MB; generation pays the adapters' extra matmuls in every request. The merge stays the
+default: this path has run on CPU engines only, and the two have not been compared on a GPU.
 """
 from __future__ import annotations
 

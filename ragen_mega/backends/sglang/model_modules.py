@@ -1,12 +1,12 @@
 """Which of SGLang's model modules a server needs: those that define the checkpoint's
 architectures.
 
-At start-up SGLang's model registry imports every module of ``sglang.srt.models`` (about 260)
-to learn which class serves which architecture: about 2 CPU-seconds of every engine start,
-for one class used. SGLang skips the modules named in ``SGLANG_DISABLED_MODEL_ARCHS``, so the
-launcher names all the others there (:func:`unneeded_model_modules`). The modules are found by
-reading their source for ``class <Architecture>(``, without importing SGLang; when no module
-defines one of the architectures (a name SGLang maps elsewhere), nothing is skipped.
+At start-up SGLang's model registry imports all ~260 modules of ``sglang.srt.models`` to find
+the one class it serves (CPU time: benchmarks/README.md, "CPU engine start-up"). It skips the
+modules named in ``SGLANG_DISABLED_MODEL_ARCHS``, so the launcher names all the others there
+(:func:`unneeded_model_modules`). Modules are found by searching their source for
+``class <Architecture>(``, without importing SGLang; when no module defines an architecture (a
+name SGLang maps elsewhere), nothing is skipped.
 """
 from __future__ import annotations
 

@@ -44,14 +44,12 @@ def engine_payload(bucket: list[tuple[str, torch.Tensor]], *, flattened: bool = 
 def pickle_for_receiver(payload) -> bytes:
     """``payload``'s bytes for ONE receiving process (an engine's TP rank).
 
-    Tensors are shared, not copied into the bytes: CUDA tensors by IPC handle, CPU tensors by a
-    shared-memory file. On CPU that needs the ``file_system`` sharing strategy (the default
-    ``file_descriptor`` strategy passes fds that the server cannot receive over HTTP, and the
-    server process dies). There each pickling takes one reference on the file and each
-    unpickling in another process gives one back, so the same bytes read by several processes
-    give back more than they took: the file is unlinked under the later readers (three engines:
-    ``unable to open shared memory object ... No such file or directory``). Hence one pickle per
-    receiver.
+    Tensors are shared, not copied: CUDA tensors by IPC handle, CPU tensors by a shared-memory
+    file. On CPU that needs the ``file_system`` sharing strategy (``file_descriptor`` passes fds
+    the server cannot receive over HTTP, and the server dies). Each pickling takes one reference
+    on the file and each unpickling gives one back, so bytes read by several processes unlink the
+    file under the later readers (``unable to open shared memory object ... No such file or
+    directory``): hence one pickle per receiver.
     """
     # `import torch` has already registered torch's tensor reductions with ForkingPickler.
     from multiprocessing.reduction import ForkingPickler

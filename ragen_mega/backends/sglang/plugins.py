@@ -1,12 +1,11 @@
 """Make our SGLang plugins visible to the server processes we launch, and to no other process.
 
-SGLang discovers general plugins through the entry-point group ``sglang.srt.plugins`` and runs
-each one in every server process before it serves (``sglang.srt.plugins.load_plugins``). Rather
-than registering them in ragen_mega's own package metadata (which would hook every SGLang
-process on the machine, including a user's), :func:`plugin_pythonpath` writes a throw-away
-``.dist-info`` that declares just the requested ones; the launcher puts it on the server's
-``PYTHONPATH``. ``SGLANG_PLUGINS``, when a user sets it, is a whitelist of entry-point names;
-:func:`allow_plugins` adds ours to it.
+SGLang runs each general plugin of the entry-point group ``sglang.srt.plugins`` in every server
+process before it serves (``sglang.srt.plugins.load_plugins``). In ragen_mega's own package
+metadata they would hook every SGLang process on the machine, a user's too, so
+:func:`plugin_pythonpath` writes a throw-away ``.dist-info`` declaring just the requested ones,
+which the launcher puts on the server's ``PYTHONPATH``. A user's ``SGLANG_PLUGINS`` is a
+whitelist of entry-point names; :func:`allow_plugins` adds ours to it.
 """
 from __future__ import annotations
 

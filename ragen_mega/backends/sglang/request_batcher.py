@@ -1,24 +1,21 @@
 """One batched ``/generate`` for the requests that one pass of the event loop makes.
 
-Every episode is its own coroutine (``rollout/episode.py``): a turn of a step's 128 episodes is
-128 requests, each its own HTTP call, parsed by SGLang's HTTP server and handed to the scheduler
-one by one. On a small model that per-request machinery costs nearly as much as the model (a
-turn of 128 FrozenLake prompts, 6 new tokens each, on 2 cores: 0.29 s as 128 requests, 0.21 s as
-one batch; benchmarks/README.md). RAGEN's own rollout is batched by turn: every live episode's
-prompt goes to the engine at once.
+Every episode is its own coroutine (``rollout/episode.py``), so a turn of 128 episodes is 128
+HTTP requests, each parsed by SGLang's HTTP server and handed to the scheduler one by one; on a
+small model that costs nearly as much as the model (benchmarks/README.md,
+``rollout.batch_requests``). RAGEN's own rollout is batched by turn: every live episode's prompt
+goes to the engine at once.
 
-:class:`RequestBatcher` keeps the episodes' code as it is: a request waits until the running
-pass of the event loop ends (``loop.call_soon``), by which time every episode that a batch's
-answers woke has asked again, and the waiting requests to one engine and adapter go as one
-batched request, each with its own sampling parameters (its own ``sampling_seed``, so what it
-samples is unchanged: seeded sampling is a function of the request's seed and logits). The
-price: an episode's turn waits for the slowest response of its batch (lock-step by turn, as in
-RAGEN), where alone it would go on at once. So it is ``rollout.batch_requests``, on for small
-models on CPU, off where long, uneven responses make the wait cost more than the requests.
+:class:`RequestBatcher` leaves the episodes' code as it is: a request waits until the running
+pass of the event loop ends (``loop.call_soon``), by when every episode woken by a batch's
+answers has asked again; the waiting requests to one engine and adapter go as one batch, each
+with its own sampling parameters (and ``sampling_seed``, so what it samples is unchanged). The
+price: an episode's turn waits for its batch's slowest response (lock-step by turn, as in RAGEN).
+Hence ``rollout.batch_requests``: on for small models on CPU, off where long, uneven responses
+make the wait cost more than the requests.
 
-A batch that the engine refuses as too long for its context is sent again one request at a
-time, so only the too-long prompt fails; any other error fails every request of the batch, as it
-would have failed each of them alone.
+A batch refused as too long for the engine's context is sent again one request at a time, so
+only the too-long prompt fails; any other error fails every request of the batch.
 """
 from __future__ import annotations
 

@@ -1,17 +1,14 @@
 """Seeded sampling for SGLang servers: a request that carries ``sampling_params["sampling_seed"]``
 is sampled as a pure function of its logits, its seed and the token position (SGLang's Gumbel-max
-``multinomial_with_seed``), so it replays exactly whatever else is in the batch. That makes a
-step's rollout a function of the step and the weights, which exact resume relies on.
+``multinomial_with_seed``), so it replays exactly whatever else is in the batch. Exact resume
+relies on it: a step's rollout is a function of the step and the weights.
 
-SGLang honours ``sampling_seed`` only under
-``--enable-deterministic-inference``, which is what a GPU server gets. On CPU that flag cannot
-start (0.5.23: ``--attention-backend torch_native`` is refused by
-``arg_groups/overrides.py:_deterministic_attention_backend``, and
+SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``, which GPU
+servers get. On CPU that flag cannot start (0.5.23: ``--attention-backend torch_native`` is
+refused by ``arg_groups/overrides.py:_deterministic_attention_backend``, and
 ``ModelRunner.maybe_enable_batch_invariant_mode`` raises "No supported accelerator" in
 ``get_dispatch_device_backend``), and the seeded sampler's hash is a ``sgl_kernel`` CPU op that
-PyPI does not ship. So a CPU server instead loads :func:`seeded_sampling_plugin` through SGLang's
-own plugin mechanism (``plugins.py``): it gives each batch the per-request seed tensor (a fresh random seed for requests without one,
-so they stay random) and a pure-torch MurmurHash3 in place of the missing op.
+PyPI does not ship. So CPU servers load :func:`seeded_sampling_plugin` (``plugins.py``) instead.
 """
 from __future__ import annotations
 
@@ -53,14 +50,14 @@ def murmur_hash32_torch(seed, positions, col_indices):
 
 
 def seeded_sampling_plugin() -> None:
-    """SGLang general plugin (runs in each server process before it serves): sample every
-    request with SGLang's seeded Gumbel-max path, using the request's ``sampling_seed``.
+    """SGLang general plugin: sample every request with SGLang's seeded Gumbel-max path, using its
+    ``sampling_seed``, and :func:`murmur_hash32_torch` in place of the missing CPU op.
 
     Without ``--enable-deterministic-inference`` SGLang builds no seed tensor
-    (``SamplingBatchInfo.from_schedule_batch``) and ignores ``sampling_seed``; this adds the
-    tensor to every batch (all rows: ``merge_batch`` concatenates it only when both sides have
-    one). Rows without a seed get a fresh random one, so unseeded requests stay random.
-    Gumbel-max over ``log p`` is an exact sample of ``p``, so the distribution is unchanged.
+    (``SamplingBatchInfo.from_schedule_batch``); this adds one to every batch (all rows:
+    ``merge_batch`` concatenates it only when both sides have one). Rows without a seed get a
+    fresh random one, so unseeded requests stay random; Gumbel-max over ``log p`` is an exact
+    sample of ``p``, so the distribution is unchanged.
     """
     import random
 

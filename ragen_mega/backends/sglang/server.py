@@ -1,35 +1,24 @@
 """Launch a real SGLang server (``python -m sglang.launch_server``) as a child process.
 
-One process group per server (``start_new_session=True``): SGLang forks a scheduler and a
-detokenizer, and killing only the launcher would leave them holding memory and ports, so
-:meth:`EngineServer.shutdown` kills the whole group. The server's stdout/stderr go to a log
-file, with a line naming the server's pid (a restarted engine appends a new one); when start-up
-fails or times out, the error carries the log's tail, because that is where SGLang says why.
+Each server has its own session (``start_new_session=True``), so :meth:`EngineServer.shutdown`
+kills the whole group: SGLang's scheduler and detokenizer would otherwise keep memory and ports.
+Output goes to a log file, after a line naming the server's pid (a restarted engine appends);
+a failed or timed-out start-up raises with the log's tail, where SGLang says why. A server dies
+with the process that started it, however that ends (SIGKILL, Ray's memory monitor, Ray ending a
+dead driver's actors): the launcher arms ``PR_SET_PDEATHSIG`` (``backends/parent_death.py``: so
+start servers from a long-lived thread), and SGLang's children do the same towards it; its own
+session keeps it out of the starter's process-group signals.
 
-A server dies with the process that started it, however that process ends (SIGKILL, Ray's
-memory monitor, Ray ending a dead driver's actors): the launcher arms ``PR_SET_PDEATHSIG``
-(``backends/parent_death.py``; so start servers from a long-lived thread), and SGLang's own
-children do the same towards it. Its own session keeps it out of the starter's process-group
-signals, so without this a killed starter would leave an orphan server holding its memory.
+GPU servers get SGLang's defaults on the GPUs they are given (``gpu_ids``). A machine without
+CUDA gets the CPU way (docs/cpu_stack.md, "SGLang on CPU"): ``SGLANG_USE_CPU_ENGINE=1``,
+:data:`CPU_ARGS`, import-only stand-ins for ``sgl_kernel``/``torchvision`` (``cpu_standins``), a
+bounded KV cache (on CPU SGLang sizes it from *host* RAM: ~15 GB for a tiny model) and the
+:data:`CPU_PLUGINS` (each plugin's module says what it does; docs/cpu_stack.md, "Plugins").
 
-On GPU clusters the server gets SGLang's defaults, on the GPUs it is given (``gpu_ids``). On a
-machine without CUDA it gets the CPU way (docs/cpu_stack.md): ``SGLANG_USE_CPU_ENGINE=1``,
-``--device cpu --attention-backend torch_native --sampling-backend pytorch
---disable-cuda-graph``, import-only stand-ins for ``sgl_kernel``/``torchvision`` (see
-``cpu_standins``), a bounded KV cache (SGLang sizes it from *host* RAM on CPU: ~15 GB for a tiny
-model by default) and ``--sleep-on-idle``.
-
-Seeded sampling (``seeded_sampling=True``: requests carrying ``sampling_seed`` replay exactly,
-whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU and a plugin on
-CPU, where that flag cannot start: see ``seeded_sampling.py``. CPU servers also get the
-``warm_receive.py`` plugin (weight-sync receives into reused memory, loaded as they land),
-``host_buffers.py`` (host buffers that need no CUDA, which ``--enable-return-routed-experts``
-and ``--enable-lora`` allocate), ``ep_native_moe.py`` (``--ep-size`` in the pure-torch MoE path)
-and ``forked_start.py`` (the server's subprocesses forked, not spawned: a third of the start-up
-saved).
-
-Every server's model registry imports only the SGLang model modules that define the checkpoint's
-architectures (``model_modules.py``), not all of them: about 2 CPU-seconds off each start.
+Seeded sampling (``seeded_sampling=True``: a request with ``sampling_seed`` replays exactly,
+whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU and the
+``seeded_sampling.py`` plugin on CPU, where that flag cannot start. Every server's model registry
+imports only the modules that define the checkpoint's architectures (``model_modules.py``).
 """
 from __future__ import annotations
 
@@ -185,11 +174,10 @@ class EngineServer:
     def shutdown(self) -> None:
         """Stop the whole process group with SIGKILL and reap the launcher.
 
-        A server holds nothing a run needs once it is stopped (its weights come from the trainer,
-        its KV cache is scratch), and SGLang's own ways out are slow: SIGTERM to the launcher
-        drains for ~5 s even when idle, SIGTERM to the group makes the launcher take its
-        scheduler's exit for a crash and wait 5 s for crash diagnostics. SGLang's own
-        ``Engine.shutdown`` SIGKILLs its children (``kill_process_tree``) the same way."""
+        A stopped server holds nothing a run needs (its weights come from the trainer, its KV
+        cache is scratch), and SGLang's SIGTERM paths are slow: the launcher drains even when
+        idle, and a SIGTERM to the group makes it wait for crash diagnostics. SGLang's own
+        ``Engine.shutdown`` SIGKILLs its children (``kill_process_tree``) too."""
         if self._closed:
             return
         self._closed = True
@@ -277,9 +265,7 @@ def build_env(base: Mapping[str, str], *, device: str, tp: int = 1,
     child_env = dict(base)
     child_env.pop(KEY_ENV, None)  # a key is this server's own, never inherited
     child_env.pop(LORA_TARGETS_ENV, None)
-    # idle connections outlive the client's own keep-alive: the client always closes first, so
-    # a reused connection is never one the server closed meanwhile (a weight-update call is
-    # never retried, so such a race would fail it)
+    # longer than the client's keep-alive (client.CLIENT_KEEP_ALIVE_S), which says why
     child_env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEP_ALIVE_S))
     plugins: tuple[str, ...] = ()
     paths = []
@@ -327,33 +313,30 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
     """Start an SGLang server for the HF checkpoint at ``model_path``; return its handle.
 
     ``port=None`` picks a free port; ``device="auto"`` is ``cuda`` when CUDA is available, else
-    ``cpu`` (with the CPU arguments and stand-ins, see the module docstring). ``dtype``,
-    ``mem_fraction`` (``--mem-fraction-static``) and ``max_total_tokens`` are passed through when
-    given (on CPU the token budget defaults to 32768). ``extra_args`` are appended verbatim;
-    ``env`` replaces the inherited environment; ``log_file`` defaults to
-    ``$TMPDIR/ragen_mega_sglang/server-<host>-<port>-<pid>.log``. ``cpu_threads`` (CPU only)
-    sets the server's ``OMP_NUM_THREADS``: on a machine shared with other busy processes, torch's
-    default (one thread per core) collapses under oversubscription, by an order of magnitude in
-    tokens a second (benchmarks/README.md).
-    ``seeded_sampling=True`` makes the server honour ``sampling_params["sampling_seed"]`` (see the
-    module docstring): ``--enable-deterministic-inference`` on GPU, the plugin on CPU.
-    ``memory_saver=True`` (colocated engines) makes ``release_memory_occupation`` really free the
-    GPU memory for the trainer (``--enable-memory-saver``, SGLang's ``torch_memory_saver``); on
-    CPU it adds nothing: SGLang runs the release/resume protocol without it, and the CPU install
-    leaves ``torch_memory_saver`` out. ``gpu_ids`` (exactly ``tp`` of them) become the server's
-    ``CUDA_VISIBLE_DEVICES``: the devices Ray reserved for this engine (``ray/devices.py``).
-    ``api_key``: every request but ``/health*`` must carry it (``Authorization: Bearer``; the
-    :class:`~ragen_mega.backends.sglang.client.AsyncEngineClient` of the same key does); it
-    reaches the server through its environment, never its command line or log
+    ``cpu`` (module docstring). ``dtype``, ``mem_fraction`` (``--mem-fraction-static``) and
+    ``max_total_tokens`` pass through when given (on CPU the token budget defaults to
+    :data:`CPU_DEFAULT_MAX_TOTAL_TOKENS`). ``extra_args`` are appended verbatim; ``env`` replaces
+    the inherited environment; ``log_file`` defaults to
+    ``$TMPDIR/ragen_mega_sglang/server-<host>-<port>-<pid>.log``. ``cpu_threads`` (CPU only) sets
+    the server's ``OMP_NUM_THREADS``: torch's default (one thread per core) collapses under
+    oversubscription on a machine shared with busy processes (benchmarks/README.md, SGLang).
+    ``seeded_sampling=True``: the server honours ``sampling_params["sampling_seed"]``.
+    ``memory_saver=True`` (colocated engines): ``release_memory_occupation`` really frees the GPU
+    memory for the trainer (``--enable-memory-saver``); on CPU it adds nothing (SGLang runs the
+    release/resume protocol without it, and the CPU install leaves ``torch_memory_saver`` out).
+    ``gpu_ids`` (exactly ``tp``): the server's ``CUDA_VISIBLE_DEVICES``, the devices Ray reserved
+    for this engine (``ray/devices.py``). ``api_key``: every request but ``/health*`` must carry
+    it (as an :class:`~ragen_mega.backends.sglang.client.AsyncEngineClient` of the same key
+    does); it reaches the server through its environment, never its command line or log
     (``engine_key.py``). ``lora_targets`` (a LoRA run's adapted HF modules): the server keeps
     their base weights and merges the adapters each sync sends (``lora_merge.py``).
-    ``lora_serving`` (rank, target modules): the server serves LoRA adapters by name, loaded
-    with ``load_lora_adapter`` (``lora_serving.py``; on CPU SGLang's ``torch_native`` kernels).
-    With ``wait=True`` (default) this returns once the server is healthy, or raises
-    :class:`EngineStartupError` (after stopping the process group) with the log tail. A port
-    that :func:`free_port` picked can be taken by another process before the server binds it
-    (the server only listens after loading the model): then the launch is tried again on a new
-    port, :data:`LAUNCH_ATTEMPTS` times in all; a ``port`` given by the caller is not replaced.
+    ``lora_serving`` (rank, target modules): the server serves LoRA adapters by name
+    (``lora_serving.py``).
+    With ``wait=True`` (default) this returns once the server is healthy, or stops the process
+    group and raises :class:`EngineStartupError` with the log tail. A port that :func:`free_port`
+    picked can be taken before the server binds it (it listens only after loading the model):
+    then the launch is retried on a new port, :data:`LAUNCH_ATTEMPTS` times in all; a ``port``
+    given by the caller is not replaced.
     """
     model_path = Path(model_path)
     if not (model_path / "config.json").is_file():
@@ -367,7 +350,7 @@ def launch_server(model_path: str | Path, *, port: int | None = None, host: str 
                           cpu_threads=cpu_threads, seeded_sampling=seeded_sampling,
                           gpu_ids=gpu_ids, api_key=api_key, lora_targets=lora_targets)
     if DISABLED_MODELS_ENV not in child_env and (skip := unneeded_model_modules(model_path)):
-        child_env[DISABLED_MODELS_ENV] = skip   # model_modules.py: ~2 CPU-s off every start
+        child_env[DISABLED_MODELS_ENV] = skip   # model_modules.py
     attempts_left = LAUNCH_ATTEMPTS if port is None and wait else 1
     while True:
         chosen = port or free_port(host)
@@ -408,9 +391,8 @@ def _spawn(cmd: list[str], host: str, port: int, child_env: dict[str, str],
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env,
                                    stdin=subprocess.DEVNULL, start_new_session=True,
                                    preexec_fn=functools.partial(die_with_parent, os.getpid()))
-        # O_APPEND: this line and the server's output never overwrite each other. It starts
-        # with a newline: a previous server's last output may end mid-line (nanobind's leak
-        # report at exit has no newline), and the pid line must begin a line of its own
+        # O_APPEND: this line and the server's output never overwrite each other. The leading
+        # newline: a previous server's output may end mid-line (nanobind's leak report)
         log.write(f"\n[ragen-mega] SGLang server pid {process.pid}: {' '.join(cmd)}\n".encode())
     server = EngineServer(process=process, url=f"http://{host}:{port}", log_file=log_file,
                           command=cmd, log_offset=offset)

@@ -25,12 +25,9 @@ def update_group_store(master_addr: str, master_port: int, world_size: int, *, r
 
 def join_update_group(store: dist.TCPStore, rank: int, world_size: int, group_name: str,
                       backend: str, timeout: float = 600.0):
-    """Join the process group that SGLang engines create in ``init_weights_update_group``.
-
-    The sender is rank 0 (it hosts ``store``, see :func:`update_group_store`). The group is
-    separate from the default one, so the trainer keeps its own ``torch.distributed`` world; it
-    is built the way SGLang builds its side (same store prefix).
-    """
+    """Join the process group SGLang engines create in ``init_weights_update_group``, built the
+    same way (same store prefix). The sender is rank 0 and hosts ``store``
+    (:func:`update_group_store`)."""
     from torch.distributed.distributed_c10d import (Backend, PrefixStore,
                                                     _new_process_group_helper, _world)
 

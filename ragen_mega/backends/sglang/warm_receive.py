@@ -1,25 +1,24 @@
 """Weight-sync receives on CPU SGLang servers: into memory that is reused, loaded as they land.
 
-Per ``/update_weights_from_distributed`` (per-tensor format) SGLang 0.5.23 allocates every
+For ``/update_weights_from_distributed`` (per-tensor format) SGLang 0.5.23 allocates every
 tensor with ``torch.empty``, broadcasts into all of them, waits for all, and only then calls the
-model's ``load_weights``. On a CPU server the fresh memory is what costs: large blocks are mapped
-fresh by the allocator each time, and their first-touch page faults made receiving 240 MiB cost
-about twice the bare transfer (``benchmarks/README.md``); the load then runs after the last byte.
-On a GPU the caching allocator hands back warm memory, so the plugin is for CPU servers only
-(``server.build_env`` adds it there; it also steps aside for any non-CPU runner).
+model's ``load_weights``. On CPU the allocator maps large blocks fresh each time, and their
+first-touch page faults dominate the receive (benchmarks/README.md, "Weight sync from a TP=2
+Megatron trainer"); the load waits for the last byte. A GPU's caching allocator hands back warm
+memory, so the plugin is for CPU servers only (``server.build_env`` adds it there; it steps aside
+for any non-CPU runner).
 
-:func:`warm_receive_plugin` (loaded through ``plugins.py``) replaces that receive:
+:func:`warm_receive_plugin` replaces that receive:
 
-* tensors are carved, 64-byte aligned, from one arena that lives from update to update and grows
-  to the largest bucket, so from the second sync on the receive writes warm pages. Cost: one
-  bucket of host memory (at most the sender's ``bucket_bytes``) kept by each engine rank.
-* it returns them as a sequence whose iterator waits for each tensor's broadcast just before
-  handing it out, so ``load_weights`` copies tensor i into the model while tensor i+1 is still
-  arriving (gloo runs the receives on its own threads).
+* tensors are carved, 64-byte aligned, from one arena that lives across updates and grows to the
+  largest bucket, so from the second sync on the receive writes warm pages. Cost: one bucket of
+  host memory (at most the sender's ``bucket_bytes``) per engine rank.
+* the returned sequence's iterator waits for each tensor's broadcast just before handing it out,
+  so ``load_weights`` copies tensor i while tensor i+1 arrives (gloo receives on its own threads).
 * after the load it waits for receives still pending (a load that failed half way) and checks
-  that no model parameter or buffer aliases the arena (a loader that kept a received tensor
-  instead of copying it); if one does, the arena is left to the model and the next update gets a
-  new one, so reuse can never overwrite live weights.
+  that no parameter or buffer aliases the arena (a loader that kept a received tensor); if one
+  does, the arena is left to the model and the next update allocates a new one, so reuse never
+  overwrites live weights.
 """
 from __future__ import annotations
 

@@ -1,30 +1,21 @@
 """Ship a model's weights, as ``(hf_name, tensor)`` pairs, into running SGLang engines.
 
-The trainer side of weight sync, independent of how the tensors were produced (Megatron export,
-a plain ``state_dict``): tensors are packed into buckets of about ``bucket_bytes`` (a tensor
-larger than a bucket goes alone) so only one bucket is in flight at a time, then each bucket is
+The trainer side of weight sync, whatever produced the tensors (Megatron export, a plain
+``state_dict``). Tensors are packed into buckets of about ``bucket_bytes`` (a larger tensor goes
+alone), one bucket in flight at a time, each sent by one of two transports:
 
 * ``mode="distributed"`` (trainer and engines on different devices/nodes): broadcast from rank 0
   of a process group that the sender and every engine TP rank joined (engine ``i`` takes ranks
-  ``1 + sum(tp of engines before i)`` onwards). SGLang's ``/update_weights_from_distributed``
-  answers only after the broadcast has arrived, so the HTTP calls run on the clients' threads
-  while this thread broadcasts; if an engine refuses the update, the broadcast is abandoned with
-  an error instead of waiting forever.
-* ``mode="tensor"`` (colocated: sender and engine on the same host/GPU): serialized with torch's
-  multiprocessing pickler, so only handles (CUDA IPC, or a shared-memory file on CPU) travel
-  over HTTP (:mod:`~ragen_mega.backends.sglang.payloads`).
+  ``1 + sum(tp of engines before i)`` onwards; :mod:`~ragen_mega.backends.sglang.update_group`).
+  SGLang's ``/update_weights_from_distributed`` answers only after the broadcast has arrived, so
+  the HTTP calls run on the clients' threads while this thread broadcasts; if an engine refuses
+  the update, the broadcast is abandoned with an error instead of waiting forever.
+* ``mode="tensor"`` (colocated: same host/GPU): pickled with torch's multiprocessing pickler, so
+  only handles (CUDA IPC, or a shared-memory file on CPU) travel over HTTP
+  (:mod:`~ragen_mega.backends.sglang.payloads`).
 
-Both transports take one path (:meth:`BucketedWeightSender.send`): one
-``begin_weight_update``/``end_weight_update`` session per engine around the whole update (closed
-after a failure too, as far as the engines still answer); each bucket is started on its
-transport while the next is drawn from the (lazy) input, e.g. a Megatron export gathering the
-next shards, and finished before the next starts; the last bucket flushes the prefix cache, and
-only a complete update labels the engines with the new weight version. Given the input's
-``layout`` (names, shapes and dtypes known before the tensors, as ``DirectExport.layout``), a
-distributed per-tensor sync goes further and streams: each bucket is announced to the engines
-first, and each tensor goes on the wire the moment it is drawn. The process group's torch
-internals live in :mod:`~ragen_mega.backends.sglang.update_group`. Pausing generation around a
-sync is the caller's choice (``EngineClient.pause_generation`` / ``continue_generation``).
+:meth:`BucketedWeightSender.send` describes the path both take. Pausing generation around a sync
+is the caller's choice (``EngineClient.pause_generation`` / ``continue_generation``).
 
 The design follows slime's ``UpdateWeightFromDistributed`` (buckets, a custom group with the
 trainer at rank 0, HTTP calls overlapped with the broadcast); the code is our own.
@@ -231,12 +222,12 @@ class BucketedWeightSender:
             raise EngineError("destroy_weights_update_group failed: " + "; ".join(errors))
 
     def replace_engines(self, engines: dict[int, EngineClient]) -> None:
-        """Send to ``engines`` (index -> client of a restarted server, same TP size) instead of
-        the engines of those indices, whose servers are gone. Distributed mode: the engines
-        kept leave the broadcast group (the gone ones cannot; their ranks only vanish) and
-        everyone joins a new one. After a broadcast that an engine's death broke, every engine
-        is replaced: the others wait in its receive, which never completes, and would not
-        answer a request to leave; then only this process leaves the old group."""
+        """Send to ``engines`` (index -> client of a restarted server, same TP size) in place of
+        the gone servers of those indices. Distributed mode: the kept engines leave the broadcast
+        group (the gone ones cannot; their ranks just vanish) and all join a new one. After a
+        broadcast broken by an engine's death every engine is replaced (the others wait in a
+        receive that never completes and would not answer a request to leave), and only this
+        process leaves the old group."""
         if not engines:
             return
         kept = [e for i, e in enumerate(self.engines) if i not in engines]
@@ -259,20 +250,22 @@ class BucketedWeightSender:
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: str | int, *,
              layout: Sequence[tuple[str, Sequence[int], torch.dtype]] | None = None
              ) -> SyncStats:
-        """Load all ``named_tensors`` into every engine, then set their weight version.
+        """Load all ``named_tensors`` into every engine, then label them with ``version``.
 
-        One path for both transports: the engines' update sessions are opened, the tensors go
-        bucket by bucket (:meth:`_drawn`, or :meth:`_planned` from a layout), each bucket
-        started while the next is drawn and finished before the next is started, the sessions
-        are closed, and only a complete update labels the engines with ``version``.
+        One path for both transports: one ``begin_weight_update``/``end_weight_update`` session
+        per engine around the whole update (:meth:`_sessions`); the tensors go bucket by bucket
+        (:meth:`_drawn`, or :meth:`_planned` from a layout), each started while the next is drawn
+        from the lazy input (e.g. a Megatron export gathering the next shards) and finished
+        before the next starts; the last bucket flushes the prefix cache; only a complete update
+        sets ``version``.
 
-        ``layout`` (distributed mode with per-tensor loading): the ``(name, shape, dtype)`` of
-        every tensor ``named_tensors`` will yield, in order, known before they exist (e.g.
-        ``DirectExport.layout``). Then each bucket is announced to the engines before its
-        tensors are drawn, and every tensor goes on the wire as soon as it is drawn, so a
-        bucket's export overlaps its own broadcast. A stream that departs from its layout
-        raises ``ValueError`` at once; the engines are then stuck in the announced receive, and
-        the group is unusable (as after a refused update).
+        ``layout`` (distributed mode, per-tensor loading): the ``(name, shape, dtype)`` of every
+        tensor ``named_tensors`` will yield, in order, known before they exist (e.g.
+        ``DirectExport.layout``). Each bucket is then announced to the engines before its
+        tensors are drawn, and each tensor goes on the wire as soon as it is drawn, so a
+        bucket's export overlaps its own broadcast. A stream that departs from its layout raises
+        ``ValueError`` at once; the engines are then stuck in the announced receive and the
+        group is unusable (as after a refused update).
         """
         if self.mode == "distributed" and self.group is None:
             raise RuntimeError("BucketedWeightSender.send: call connect() first "
@@ -418,17 +411,17 @@ class BucketedWeightSender:
 def send_export(export, sender: BucketedWeightSender | None, version: str | int, *,
                 streamed: bool = True, before: Callable[[], None] | None = None
                 ) -> SyncStats | None:
-    """One rank's part in a weight sync whose tensors come from a collective export, which every
+    """One rank's part in a weight sync whose tensors come from a collective export that every
     rank iterates to its end (``DirectExport``: the other ranks send their shards to the sending
-    one). ``sender``: the sending rank's, None on the others (they only send their shards on).
-    ``streamed``: the sender follows the export's ``layout``. ``before``: what the sending rank
-    does first (take restarted engines into its channel), failing as the send would.
+    one). ``sender``: the sending rank's; None on the others. ``streamed``: the sender follows
+    the export's ``layout``. ``before``: what the sending rank does first (take restarted
+    engines into its channel), failing as the send would.
 
-    A send that fails (an engine died mid-sync, refused the update, or did not join the group)
-    still draws the rest of the export, dropping it, before the error is raised: the other ranks
-    are sending their shards to this one and would otherwise wait in the export forever. So
-    every rank returns, the error reaches the caller from the sending rank, and the run can
-    restart the engines and sync again."""
+    A failed send (an engine died mid-sync, refused the update, or did not join the group) still
+    draws and drops the rest of the export before raising: the other ranks are sending their
+    shards to this one and would otherwise wait forever. So every rank returns, the error
+    reaches the caller from the sending rank, and the run can restart the engines and sync
+    again."""
     tensors = iter(export)
     if sender is None:
         for _ in tensors:
@@ -445,9 +438,8 @@ def send_export(export, sender: BucketedWeightSender | None, version: str | int,
 
 
 def _answered(futures) -> None:
-    """Wait for every engine's answer to an update, raising the first failure as soon as it
-    comes: an engine that died must not leave this waiting on the others' answers, which wait
-    for a broadcast its death keeps from completing."""
+    """Wait for every engine's answer to an update, raising the first failure at once: after an
+    engine's death the others' answers wait for a broadcast that never completes."""
     wait(futures, return_when=FIRST_EXCEPTION)
     for f in futures:
         if f.done() and f.exception() is not None:

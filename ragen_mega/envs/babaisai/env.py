@@ -1,20 +1,18 @@
 """BabaIsAI (BALROG's and Verlog's Baba Is You puzzles) as a :class:`TextEnv`.
 
 ``make("babaisai", task="two_room-goto_win")``; ``task`` is any of the 40 ids of BALROG's list
-(:data:`ragen_mega.envs.babaisai.levels.TASKS`, without BALROG's ``env/`` prefix, which is also
-accepted). Actions: ``idle``, ``up``, ``right``, ``down``, ``left``.
+(:data:`ragen_mega.envs.babaisai.levels.TASKS`; BALROG's ``env/`` prefix is accepted). Actions:
+``idle``, ``up``, ``right``, ``down``, ``left``.
 
-Rewards are the original engine's: ``1 - 0.9 * steps / max_steps`` on the winning step (steps
-counted with the winning one), ``-1`` on stepping onto a LOSE object, else 0; ``binary_reward``
-turns a win into 1.0 (Verlog's training setting). The episode ends on a win, a loss, after
-``max_steps`` valid actions (100, as in BALROG), or -- our choice -- as soon as no object is YOU
-and no transform rule can still act: from then on nothing can ever move again, so the episode is
-lost. The original engine idles on until the step limit (up to 100 wasted turns), and BALROG's
-wrapper starts a new level inside the same episode, which would break "one seed, one episode".
+Rewards are the original engine's: ``1 - 0.9 * steps / max_steps`` on the winning step (counting
+it), ``-1`` on stepping onto a LOSE object, else 0; ``binary_reward`` makes a win pay 1.0
+(Verlog's training setting). The episode ends on a win, a loss, after ``max_steps`` valid actions
+(100, as in BALROG), or -- our choice -- once no object is YOU and no transform rule can act, as
+nothing can move again. The original engine idles on until the step limit, and BALROG's wrapper
+starts a new level inside the same episode, which would break "one seed, one episode".
 
-Text that is not an action word is an invalid-action step: nothing changes and no step is
-counted. ``idle`` is a valid step that changes nothing (``action_is_effective`` False), as is a
-move into a wall.
+``idle`` and a move into a wall are valid steps that change nothing (``action_is_effective``
+False).
 """
 from __future__ import annotations
 
@@ -58,8 +56,8 @@ class BabaIsAIEnv(TextEnv):
 
     def __init__(self, task: str = "two_room-goto_win", max_steps: int = 100,
                  add_ruleset: bool = True, binary_reward: bool = False):
-        """``add_ruleset``: show the "Active rules" section (the agent then needs not read
-        them off the blocks); ``binary_reward``: a win pays 1.0 whatever its step."""
+        """``add_ruleset``: show the "Active rules" section; ``binary_reward``: a win pays 1.0
+        whatever its step."""
         self.task = _check_task(task)
         if not is_int(max_steps) or max_steps < 1:
             raise ValueError(f"babaisai: max_steps must be an int >= 1, got {max_steps!r}")

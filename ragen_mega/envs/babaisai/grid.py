@@ -1,30 +1,29 @@
 """The Baba Is You engine behind BabaIsAI: cell stacks, rules read from word blocks, moves.
 
-The game's rules are word blocks lying on the grid. Three in a row, left to right or top to
-bottom, make a sentence: ``BABA IS YOU`` (every baba moves with the player's action),
-``KEY IS WIN`` (stepping onto a key wins), ``WALL IS STOP`` (walls cannot be entered),
-``BALL IS KEY`` (every ball turns into a key). A colour in front of the noun
-(``RED BALL IS WIN``) restricts the rule to objects of that colour. There is no AND, NOT or HAS.
+Rules are word blocks on the grid. Three in a row, left to right or top to bottom, make a
+sentence: ``BABA IS YOU`` (every baba moves with the action), ``KEY IS WIN`` (stepping onto a key
+wins), ``WALL IS STOP`` (walls cannot be entered), ``BALL IS KEY`` (every ball turns into a key).
+A colour before the noun (``RED BALL IS WIN``) restricts the rule to that colour. There is no
+AND, NOT or HAS.
 
-Semantics (those of the engine BALROG and Verlog evaluate on; ``x`` grows to the right, ``y``
+Semantics (those of the engine BALROG and Verlog evaluate on; ``x`` grows rightwards, ``y``
 downwards):
 
 - Each cell is a stack; only its top thing takes part in rules, moves, win tests and the text.
   Border walls are outside the rules: they always block and are never pushed.
-- Word blocks are always pushable and can never be walked over. An object can be walked over
-  unless it is STOP; the mover is stacked on top and hides what was there.
-- A non-idle action moves every YOU object (row-major order, each once, only while it is still
-  the top of its cell). A move into a pushable thing first pushes it the same way, recursively
-  (Sokoban chains); then the mover enters unless the top thing there is STOP or a word block
-  (a border, a blocked push). Note that a PUSH object that could not be pushed and is not STOP
-  is walked over, as in the original engine.
+- Word blocks are always pushable and never walked over. An object can be walked over unless it
+  is STOP; the mover is stacked on top and hides what was there.
+- A non-idle action moves every YOU object (row-major, each once, only while it is still the top
+  of its cell). A move into a pushable thing first pushes it the same way, recursively (Sokoban
+  chains); then the mover enters unless the top thing there is STOP or a word block (a border, a
+  blocked push). A PUSH object that could not be pushed and is not STOP is walked over, as in
+  the original engine.
 - WIN and LOSE are tested on the top thing of the destination *before* the mover lands there,
   with the rules of the start of the step (a blocked mover's destination is its own cell).
 - After the moves the rules are read again from scratch, then ``A IS B`` turns every top A into
   a new B (the A stays underneath). ``idle`` changes nothing, not even the rules.
-- Properties the engine reads: YOU, WIN, STOP, PUSH, LOSE act as above; PULL, MOVE, OPEN and
-  SHUT are read and listed (the word exists in the engine) but have no effect here: no level uses
-  them, and the original engine leaves them unused in every level too.
+- YOU, WIN, STOP, PUSH, LOSE act as above; PULL, MOVE, OPEN and SHUT are read and listed but have
+  no effect: no level uses them, here or in the original engine.
 """
 from __future__ import annotations
 
@@ -41,12 +40,9 @@ DIRECTIONS = {"up": (0, -1), "right": (1, 0), "down": (0, 1), "left": (-1, 0)}
 
 
 class Thing:
-    """One thing on the grid. Immutable, compared by identity (two red balls are two things),
-    so a grid copy can share them.
-
-    ``kind``: "border" (the outer wall), "object" (``name`` one of NOUNS), or a word block:
-    "noun", "is", "property", "color" (``name`` is the word).
-    """
+    """One thing on the grid. Immutable and compared by identity (two red balls are two
+    things), so grid copies share them. ``kind``: "border" (the outer wall), "object" (``name``
+    one of NOUNS), or a word block: "noun", "is", "property", "color" (``name`` is the word)."""
 
     __slots__ = ("kind", "name", "color", "key")
 
@@ -133,10 +129,7 @@ class MoveResult:
 
 class Grid:
     """A level in play: ``width x height`` cell stacks (index ``y * width + x``) and its rules.
-
-    Build one with :meth:`empty` (border included) and :meth:`put`; copy it with :meth:`copy`
-    (things are immutable, so only the stacks are copied).
-    """
+    Build one with :meth:`empty` (border included) and :meth:`put`."""
 
     def __init__(self, width: int, height: int, cells: list[list[Thing]]):
         self.width, self.height, self.cells = width, height, cells
@@ -237,7 +230,7 @@ class Grid:
 
     def _move(self, x: int, y: int, dx: int, dy: int, result: MoveResult | None) -> bool:
         """Move the top thing of (x, y) one cell, pushing first; True if it moved. ``result``
-        (for YOU movers only) collects the WIN/LOSE test at the destination."""
+        (YOU movers only) collects the WIN/LOSE test at the destination."""
         nx, ny = x + dx, y + dy
         if not self.inside(nx, ny):
             return False
@@ -272,8 +265,8 @@ class Grid:
         return None
 
     def can_change_without_you(self) -> bool:
-        """Whether a step could still change anything with no YOU object: only a transform
-        acting on a top object can (it may even create a YOU later)."""
+        """Whether a step can still change anything with no YOU object: only a transform acting
+        on a top object can (it may create a YOU)."""
         transforms = self.rules.transforms()
         return any(t.kind == "object" and t.name == r.noun and r.target != t.name
                    and r.color in ("", t.color)

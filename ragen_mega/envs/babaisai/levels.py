@@ -15,16 +15,14 @@ WIN object), ``make_win`` (its noun was pushed out of ``<obj> IS WIN``: put it b
 ``distr_win_rule``         second object, its noun, and an active ``<third> IS WIN``
 =========================  ==========================================================
 
-Layouts, regions and the order things are placed in follow the original generators (rooms of
-8x8 and 13x9 cells with the border; the win object ``obj1``, the distractor ``obj2`` and the
-third name ``obj3`` drawn without replacement from ball/key/door, colours with replacement from
+Layouts, regions and placement order follow the original generators (rooms of 8x8 and 13x9
+cells with the border; the win object ``obj1``, the distractor ``obj2`` and the third name
+``obj3`` drawn without replacement from ball/key/door, colours with replacement from
 red/blue/green). Randomness comes only from ``numpy.random.default_rng(seed)``, so a seed gives
-the same level in every process (the original reads numpy's global generator and ignores the
-seed: its levels are not reproduced bit for bit, their distribution is). A random position is
-uniform over the empty cells of its region, which is what the original's rejection sampling
-draws. Where the original leaves a placement open, the choice made here is documented in the
-function (``make_you``: baba in the left pushable area; ``make_wall_win``: baba on the left,
-both objects in the right room).
+the same level in every process. The original reads numpy's global generator and ignores the
+seed, so its levels are reproduced in distribution, not bit for bit. A random position is uniform
+over the empty cells of its region, as the original's rejection sampling draws it. Where the
+original leaves a placement open, the function says "our choice".
 """
 from __future__ import annotations
 
@@ -117,9 +115,9 @@ ONE_ROOM_DISTRACTOR_CELLS = sorted(set(box(4, 6, 6, 6) + box(4, 6, 1, 1) + box(6
 
 
 def one_room(rng: np.random.Generator, make_win: bool, distr: Distractors) -> Grid:
-    """``BABA IS YOU`` at (1..3, 6) and ``<obj1> IS WIN`` at (1..3, 1), both against the border
-    so they cannot be broken. ``make_win`` moves the noun to x, y in 2..5. A distractor noun goes
-    on a border cell (where it can never start a rule); objects at x 1..6, y 2..6."""
+    """``BABA IS YOU`` and ``<obj1> IS WIN`` lie against the border, so they cannot be broken;
+    ``make_win`` moves the win noun inside. A distractor noun lies on a border cell, where it can
+    never start a rule."""
     b = Builder(rng, 8, 8)
     b.rule(1, 6, ("baba", "is", "you"))
     b.rule(1, 1, (b.obj1, "is", "win"))
@@ -149,9 +147,9 @@ def _inner_wall(b: Builder) -> None:
 
 def two_room(rng: np.random.Generator, break_stop: bool, make_win: bool, objects: Cells,
              distr: Distractors) -> Grid:
-    """Left room with ``BABA IS YOU`` (1..3, 7) and ``WALL IS STOP`` (1..3, 2), a wall column
-    at x = 6, ``<obj1> IS WIN`` at (9..11, 1). ``break_stop`` moves IS or STOP (50/50) into the
-    left pushable area; ``make_win`` moves the win noun into the right pushable area."""
+    """``BABA IS YOU`` and ``WALL IS STOP`` in the left room, ``<obj1> IS WIN`` in the right.
+    ``break_stop`` moves IS or STOP (50/50) into the left pushable area; ``make_win`` moves the
+    win noun into the right pushable area."""
     b = Builder(rng, 13, 9)
     _inner_wall(b)
     b.rule(1, 7, ("baba", "is", "you"))
@@ -170,10 +168,10 @@ def two_room(rng: np.random.Generator, break_stop: bool, make_win: bool, objects
 
 
 def two_room_make_you(rng: np.random.Generator, make_win: bool) -> Grid:
-    """``BABA IS YOU`` at (1..3, 6), breakable; ``WALL IS STOP`` at (1..3, 1) against the border,
-    unbreakable; ``<obj1> IS WIN`` at (9..11, 1). obj2's noun lies in the left 3x3 pushable area
-    (x 2..4, y 3..5), baba too (our choice); both objects in the right room. The way out is to
-    make obj2 YOU. ``make_win`` also moves the win noun into the right 3x3 area (x 8..10)."""
+    """``BABA IS YOU`` is breakable, ``WALL IS STOP`` lies against the border (unbreakable).
+    obj2's noun lies in the left 3x3 pushable area, baba too (our choice); both objects in the
+    right room, so the way out is to make obj2 YOU. ``make_win`` also moves the win noun into the
+    right 3x3 area."""
     b = Builder(rng, 13, 9)
     _inner_wall(b)
     b.rule(1, 6, ("baba", "is", "you"))
@@ -190,10 +188,10 @@ def two_room_make_you(rng: np.random.Generator, make_win: bool) -> Grid:
 
 
 def two_room_make_wall_win(rng: np.random.Generator) -> Grid:
-    """``WALL IS STOP`` at (2..4, 2); the win noun is moved onto a right cell where it can never
-    rejoin its rule; an obj3 noun lies in the right pushable area. Baba starts in the left
-    pushable area and both objects in the right room (our choice), so the way to win is to
-    break ``WALL IS STOP``, make ``WALL IS WIN`` and walk onto a wall."""
+    """The win noun lies on a right cell where it can never rejoin its rule; an obj3 noun lies in
+    the right pushable area. Baba starts in the left pushable area, both objects in the right
+    room (our choice), so the way to win is to break ``WALL IS STOP``, make ``WALL IS WIN`` and
+    walk onto a wall."""
     b = Builder(rng, 13, 9)
     _inner_wall(b)
     b.rule(1, 7, ("baba", "is", "you"))

@@ -9,13 +9,11 @@
     ball 4 steps to the left and 2 steps up
     key 3 steps to the left
 
-Rules are listed in reading order (transform rules ``A is B`` are left out, as in BALROG); then
-every top-of-cell object and word block, row by row, with its offset from you. Colours are not
-printed, babas and the border are never listed. "You" is the first object (row-major) of the
-noun of the last ``... is you`` rule (BALROG's choice; when that noun has no object on the map,
-the rule before it); the cell you stand on is not listed. Unlike BALROG, plural
-"steps" is used for every count above one (BALROG's test looked at the signed offset, so left
-and up always read "step").
+Rules are listed in reading order (transform rules ``A is B`` left out, as in BALROG); then
+every top-of-cell object and word block, row-major, with its offset from you (BALROG's choice of
+"you": :func:`you_position`). Colours are not printed; babas, the border and your own cell are
+never listed. Unlike BALROG, every count above one reads "steps" (BALROG tested the signed
+offset, so left and up always read "step").
 """
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ def _count(n: int, direction: str) -> str:
 
 
 def offset_phrase(dx: int, dy: int) -> str:
-    """``(-5, -4)`` -> "5 steps to the left and 4 steps up"; a pure vertical offset has no
-    horizontal part ("2 steps down")."""
+    """``(-5, -4)`` -> "5 steps to the left and 4 steps up"; ``(0, 2)`` -> "2 steps down"."""
     vertical = _count(abs(dy), "down" if dy > 0 else "up") if dy else ""
     if not dx:
         return vertical
@@ -39,8 +36,8 @@ def offset_phrase(dx: int, dy: int) -> str:
 
 
 def you_position(grid: Grid) -> tuple[int, int] | None:
-    """The reference point of the offsets: the first object (row-major) of the last YOU rule's
-    noun; if that noun has no object on the map, the previous YOU rule's, and so on."""
+    """The reference point of the offsets (BALROG's choice): the first object (row-major) of the
+    last YOU rule's noun; if that noun has no object on the map, the previous YOU rule's, etc."""
     you_rules = [rule for rule in grid.rules.rules if rule.target == "you"]
     for rule in reversed(you_rules):
         for x, y, thing in grid.tops():

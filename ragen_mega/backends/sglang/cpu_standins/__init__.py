@@ -1,31 +1,25 @@
 """Import-only stand-ins for ``sgl_kernel`` and ``torchvision``, so SGLang's server runs on CPU.
 
-Why they exist: SGLang 0.5.23 imports both packages at module level on its CPU path, but neither
-can be installed on a CPU machine: PyPI's ``sgl-kernel`` wheels are CUDA builds, and PyPI's
-``torchvision`` for torch 2.13 is a CUDA build that fails to load. On the CPU path
-(``SGLANG_USE_CPU_ENGINE=1 --device cpu --attention-backend torch_native --sampling-backend
-pytorch``) SGLang only *imports* names from them; it never calls one.
+Why: SGLang 0.5.23 imports both packages at module level on its CPU path, but neither installs
+on a CPU machine: PyPI's ``sgl-kernel`` wheels are CUDA builds, and PyPI's ``torchvision`` for
+torch 2.13 is a CUDA build that fails to load. On the CPU path (``SGLANG_USE_CPU_ENGINE=1
+--device cpu --attention-backend torch_native --sampling-backend pytorch``) SGLang only
+*imports* names from them; it never calls one.
 
 What they hold: exactly the names the server touches while it starts, loads a Llama/Qwen2
 checkpoint, generates and updates weights on CPU (found by starting the real server with a
-tracing import hook). Functions raise :class:`CpuStandinError` if anything ever calls them; enums
-(``InterpolationMode``, ``ImageReadMode``) are real enums because SGLang and transformers read
-their members at import time. Any *other* name raises ``AttributeError``, so SGLang's own
-``try: from sgl_kernel import X / except ImportError`` fallbacks still take effect.
-
-  sgl_kernel:  assign_draft_cache_locs_contiguous_cpu, assign_extend_cache_locs_cpu,
-               assign_req_to_token_pool_cpu, build_tree_kernel_efficient_cpu,
-               copy_all_layer_kv_cache_cpu, fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu,
-               verify_tree_greedy_cpu
-  torchvision: __version__ (transformers parses it), io.{ImageReadMode, decode_image},
-               transforms.InterpolationMode, transforms.functional.{InterpolationMode,
-               pil_to_tensor}, transforms.v2.functional (the module only)
+tracing import hook): the ``*_cpu`` functions in ``sgl_kernel/__init__.py``; torchvision's
+``__version__`` (transformers parses it), ``io.{ImageReadMode, decode_image}``,
+``transforms.InterpolationMode``, ``transforms.functional.{InterpolationMode, pil_to_tensor}``
+and ``transforms.v2.functional`` (the module only). Functions raise :class:`CpuStandinError` if
+called; enums are real enums because SGLang and transformers read their members at import time.
+Any *other* name raises ``AttributeError``, so SGLang's own ``try: from sgl_kernel import X /
+except ImportError`` fallbacks still take effect.
 
 When they are used: only by :func:`ragen_mega.backends.sglang.server.launch_server`, only for
 the *server* process (via its ``PYTHONPATH``), and only for a package that is really absent
-(:func:`server_pythonpath`). They never shadow an installed package, and no other process of
-ragen_mega (trainer, driver, tests) ever sees them. On a GPU cluster both real packages are
-installed and the stand-ins are not used at all.
+(:func:`server_pythonpath`), so they never shadow an installed package, and no other process
+(trainer, driver, tests) sees them. On a GPU cluster neither is used.
 """
 from __future__ import annotations
 
