@@ -157,7 +157,7 @@ def train_step(cfg: RunConfig, run: Run, step: int, played: PlayedStep) -> dict[
     what plays on the old weights before the sync, and learns of the new ones at the end."""
     t0 = time.perf_counter()
     metrics = dict(played.metrics)
-    if cfg.trainer.colocate:  # the engines give the shared devices to the trainer phase
+    if run.engines is not None:  # colocated ones give the shared devices to the trainer phase
         run.engines.release_memory()
     t1 = time.perf_counter()
     every = cfg.trainer.collapse_every

@@ -21,9 +21,9 @@ import itertools
 import secrets
 import threading
 import warnings
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -31,6 +31,9 @@ from ragen_mega import progress
 from ragen_mega.ray.actor_group import ActorGroup, gather
 from ragen_mega.ray.engine_supervisor import EngineSupervisor
 from ragen_mega.rollout.types import EngineRestarted, Generation, PromptTooLong
+
+if TYPE_CHECKING:
+    from ragen_mega.ray.weight_channel import TrainerWeights
 
 T = TypeVar("T")
 
@@ -78,8 +81,9 @@ class EngineGroup:
     """``num_engines`` SGLang servers, engine ``e`` on the GPUs of ``bundles[e]`` (when the
     bundles hold GPUs); :meth:`generate` spreads requests over them.
 
-    ``seeded_sampling``: the servers honour ``sampling_seed``. ``memory_saver`` (colocated):
-    :meth:`release_memory` frees their GPU memory. ``mem_fraction``: SGLang's
+    ``seeded_sampling``: the servers honour ``sampling_seed``. ``memory_saver`` (colocated: the
+    engines share the trainer's devices): :meth:`release_memory` and :meth:`resume_memory` hand
+    the memory over and back (no-ops otherwise). ``mem_fraction``: SGLang's
     ``--mem-fraction-static``. ``max_restarts_per_step``: restarts of dead engines allowed
     between two ``supervisor.take_fault_counts()``. ``ep``: SGLang's ``--ep-size`` (the experts
     split over the engine's TP ranks). ``routed_experts`` (a mixture of experts' ``(layers,
@@ -89,8 +93,9 @@ class EngineGroup:
     ``backends/sglang/lora_serving.py``): each request names :attr:`adapter`, the version the
     last sync loaded, and its tokens carry that version. ``batch_requests``: the requests of one
     event-loop pass go to each engine as one batch (``backends/sglang/request_batcher.py``).
-    ``resync({engine: url})``: loads the current weights into restarted engines (None: the
-    engines serve ``model_path`` as it is, so a new server already has them). :attr:`supervisor`
+    ``weights`` (:class:`~ragen_mega.ray.weight_channel.TrainerWeights`): brings restarted
+    engines to the served weights (None: the engines serve ``model_path`` as it is, so a new
+    server already has them). :attr:`supervisor`
     finds, restarts and resyncs dead engines, and describes each restart in ``fault_log``."""
 
     def __init__(self, model_path: str, pg, bundles: list[list[int]], *, tp: int,
@@ -99,7 +104,7 @@ class EngineGroup:
                  memory_saver: bool = False, mem_fraction: float | None = None,
                  max_restarts_per_step: int = 0, ep: int = 1,
                  routed_experts: tuple[int, int, int] | None = None,
-                 resync: Callable[[dict[int, str]], Any] | None = None,
+                 weights: TrainerWeights | None = None,
                  fault_log: str | Path | None = None, lora_targets: tuple[str, ...] = (),
                  lora_serving: tuple[int, tuple[str, ...]] | None = None,
                  batch_requests: bool = False):
@@ -122,6 +127,7 @@ class EngineGroup:
                                                 extra_args=_server_args(ep, routed_experts))))
         #: (name, version) of the adapter requests use (None: the base weights)
         self.adapter: tuple[str, int] | None = None
+        self.memory_saver = memory_saver
         refs = self.group.call_async("url")
         progress.count_ready(refs, "engines", timeout_s=startup_timeout)
         self.urls = gather(refs, what="url", timeout_s=startup_timeout)
@@ -137,7 +143,7 @@ class EngineGroup:
         self.supervisor = EngineSupervisor(
             self.group.actors, self.urls, api_key=self.api_key, log_dir=log_dir,
             max_restarts_per_step=max_restarts_per_step, connect=self._replace_client,
-            resync=resync, fault_log=fault_log)
+            weights=weights, fault_log=fault_log)
 
     async def generate(self, prompt_ids: list[int], sampling: dict[str, Any],
                        engine: int | None = None) -> Generation:
@@ -261,15 +267,18 @@ class EngineGroup:
                 client.close()
 
     def release_memory(self) -> None:
-        """Colocated mode: every engine frees its weights and KV cache for the trainer's phase
-        (GPU memory with ``--enable-memory-saver``; on CPU SGLang keeps the memory and only runs
-        the protocol: flush, stash its static buffers)."""
-        self._on_all("release_memory_occupation")
+        """Colocated engines free their weights and KV cache for the trainer's phase (GPU memory
+        with ``--enable-memory-saver``; on CPU SGLang keeps the memory and only runs the
+        protocol: flush, stash its static buffers). Engines on devices of their own: nothing."""
+        if self.memory_saver:
+            self._on_all("release_memory_occupation")
 
     def resume_memory(self, tags: list[str]) -> None:
-        """Colocated mode: take memory back, ``["weights"]`` before a weight sync and
-        ``["kv_cache"]`` after it (slime's order: the cache is not needed while weights load)."""
-        self._on_all("resume_memory_occupation", tags)
+        """Colocated engines take memory back: ``["weights"]`` before a weight sync and
+        ``["kv_cache"]`` after it (slime's order: the cache is not needed while weights load).
+        Engines on devices of their own: nothing."""
+        if self.memory_saver:
+            self._on_all("resume_memory_occupation", tags)
 
     def _on_all(self, method: str, *args) -> None:
         async def call_all():

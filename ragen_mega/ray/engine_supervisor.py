@@ -5,7 +5,8 @@ A long run meets dead engines under a rollout's request, between a rollout and t
 finding a dead server (its process exited, or its HTTP server does not answer), the restart (a
 new server on the same devices), the step's allowance (``rollout.max_engine_restarts_per_step``),
 the ``fault/engine_restarts`` and ``fault/episodes_retried`` counters, and bringing a restarted
-server to the trainer's weights (``resync``, or the next sync while a rollout overlaps training).
+server to the trainer's weights (the weight channel's ``resync``, or the next sync while a
+rollout overlaps training).
 A restarted server takes no request until a sync has given it the trainer's weights
 (:attr:`EngineSupervisor.unsynced`, marked before the engine group can reach it), so no token is
 sampled from the checkpoint it loaded. Every path goes through :meth:`EngineSupervisor.recover`;
@@ -24,7 +25,10 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ragen_mega.ray.weight_channel import TrainerWeights
 
 @dataclass
 class Recovery:
@@ -45,18 +49,18 @@ class EngineSupervisor:
     ``workers``: the engines' Ray actors (``server_exited()``, ``restart() -> url``).
     ``urls``: the servers' URLs now. ``api_key``: the engines' key, for the health checks.
     ``connect(engine, url)``: the engine group talks to a restarted server from now on.
-    ``resync({engine: url})``: loads the current weights into restarted engines (None: the
+    ``weights`` (:class:`~ragen_mega.ray.weight_channel.TrainerWeights`): its
+    ``resync({engine: url})`` loads the served weights into restarted engines (None: the
     engines serve the model as it is, so a new server already has it). ``fault_log``: where
     each recovery that restarted something is described (None: stderr only).
     """
 
     def __init__(self, workers: Sequence, urls: list[str], *, api_key: str, log_dir: str,
                  max_restarts_per_step: int, connect: Callable[[int, str], None],
-                 resync: Callable[[dict[int, str]], Any] | None = None,
-                 fault_log: str | Path | None = None):
+                 weights: TrainerWeights | None = None, fault_log: str | Path | None = None):
         self.workers, self.urls, self.api_key = list(workers), urls, api_key
         self.log_dir, self.max_restarts_per_step = log_dir, max_restarts_per_step
-        self.connect, self.resync, self.fault_log = connect, resync, fault_log
+        self.connect, self.weights, self.fault_log = connect, weights, fault_log
         #: called with each :class:`Recovery`, after its restarts and before the caller goes on
         self.listeners: list[Callable[[Recovery], None]] = []
         self.lives = [0] * len(self.workers)  # restarts of each engine so far
@@ -119,15 +123,15 @@ class EngineSupervisor:
         with self._lock:  # a second request that failed on it waits here, then returns
             if self.lives[engine] == life:  # else another request has restarted it
                 restarted = self.recover(error, [engine])
-                if self.resync is not None and not self._deferring:
-                    self.resync(restarted)
+                if self.weights is not None and not self._deferring:
+                    self.weights.resync(restarted)
                     self.synced(restarted)
             return engine not in self._unsynced
 
     @contextlib.contextmanager
     def deferred(self):
         """Within the block (an overlapped rollout on another thread, while the trainer
-        trains), an engine restarted under a request is not given weights by ``resync`` (that
+        trains), an engine restarted under a request is not given weights by a resync (that
         would call the trainer from the rollout's thread, mid-update): it stays in
         :attr:`unsynced` until the next sync."""
         self._deferring = True
@@ -191,7 +195,7 @@ class EngineSupervisor:
         for engine, url in zip(engines, urls):
             self.urls[engine] = url
             self.lives[engine] += 1
-            if self.resync is not None:  # the weights come from the trainer: none until then
+            if self.weights is not None:  # the weights come from the trainer: none until then
                 self._unsynced = {**self._unsynced, engine: url}
             self.connect(engine, url)
         return dict(zip(engines, urls))

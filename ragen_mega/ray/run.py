@@ -4,8 +4,9 @@ placement group (``ray/placement.py``), wired together; nothing of the loop itse
 
 :func:`build_run` starts Ray (or joins it), places the pieces and connects the actor's weight
 sync to the engines; :class:`Run` holds them, pushes the actor's weights into the engines
-(:meth:`Run.sync_weights`), brings restarted engines back to them (:meth:`Run.resync_engines`)
-and stops everything it started (:meth:`Run.shutdown`).
+(:meth:`Run.sync_weights`, which also takes colocated engines' memory back) and stops
+everything it started (:meth:`Run.shutdown`). A restarted engine is brought to the served
+weights by the engine supervisor through :class:`~ragen_mega.ray.weight_channel.TrainerWeights`.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from ragen_mega.algo.objectives import OBJECTIVES
 from ragen_mega.config import RunConfig
 from ragen_mega.models.prepare import resolve_model
 from ragen_mega.ray.placement import ResourcePlan
+from ragen_mega.ray.weight_channel import TrainerWeights
 from ragen_mega.rollout.manager import RolloutManager
 from ragen_mega.rollout.remote_env import RemoteEnvs
 
@@ -52,7 +54,13 @@ class Run:
     rollouts: RolloutManager | None = None   # plays the run's rollouts on its engines
     #: the loop takes each step's rollout from it, as ``trainer.async_mode`` plays them
     source: RolloutSource | None = None
-    weight_version: int = 0   # what the engines serve (a restarted engine is brought to it)
+    #: the actor's weights as the engines get them (and a restarted engine is brought to)
+    weights: TrainerWeights = dataclasses.field(default_factory=TrainerWeights)
+
+    @property
+    def weight_version(self) -> int:
+        """The trainer step whose weights the engines serve."""
+        return self.weights.version
 
     def shutdown(self) -> None:
         """Stop what this run started: trainer actors first (the actor closes its weight-update
@@ -82,38 +90,28 @@ class Run:
         first and their KV cache once the weights are in (slime's order). A replayed run
         (``trainer.replay_rollouts``) has no engine: nothing is sent."""
         if self.engines is None:
-            self.weight_version = version
+            self.weights.version = version
             return {}
         supervisor = self.engines.supervisor
         restarted = {**supervisor.unsynced_urls(), **supervisor.recover(None)}
-        if self.cfg.trainer.colocate:
-            self.engines.resume_memory(["weights"])
+        self.engines.resume_memory(["weights"])
         # async_mode=fully: the rollout plays on; its requests wait between two tokens
         with (self.engines.generation_paused() if self.cfg.trainer.async_mode == "fully"
               else contextlib.nullcontext()):
             while True:  # ends with a sync, or an error: no engine dead, or too many restarts
                 try:
-                    metrics = self.actor.sync_weights(version, new_engines=restarted)
+                    metrics = self.weights.push(version, restarted)
                     break
                 except Exception as error:  # noqa: BLE001 - re-raised unless an engine died
                     restarted = supervisor.recover(error, broken_sync=True)
-                    if self.cfg.trainer.colocate:
-                        self.engines.resume_memory(["weights"])
+                    self.engines.resume_memory(["weights"])
         supervisor.synced(restarted)
         if _sync_mode(self.cfg) == "lora":
             from ragen_mega.backends.sglang.lora_serving import adapter_name
 
             self.engines.adapter = (adapter_name(version), version)   # new requests use it
-        self.weight_version = version
-        if self.cfg.trainer.colocate:
-            self.engines.resume_memory(["kv_cache"])
+        self.engines.resume_memory(["kv_cache"])
         return metrics
-
-    def resync_engines(self, urls: dict[int, str]) -> None:
-        """The engines' ``resync``: restarted engines ``urls`` (index -> url) join the actor's
-        weight channel and get the current weights again. Call it on the trainer's thread,
-        never an overlapped rollout's."""
-        self.actor.sync_weights(self.weight_version, new_engines=urls)
 
 
 def _lora_targets(cfg: RunConfig) -> tuple[str, ...]:
@@ -215,7 +213,7 @@ def _place(run: Run, with_trainers: bool) -> None:
                               max_restarts_per_step=cfg.rollout.max_engine_restarts_per_step,
                               ep=cfg.rollout.engine_ep,
                               routed_experts=_routing_shape(run.model_dir),
-                              resync=run.resync_engines if with_trainers else None,
+                              weights=run.weights if with_trainers else None,
                               fault_log=Path(t.run_dir) / "faults.jsonl",
                               lora_targets=_lora_targets(cfg) if with_trainers else (),
                               lora_serving=_lora_serving(cfg) if with_trainers else None,
@@ -253,6 +251,7 @@ def _start_trainers(run: Run) -> None:
                              total_steps=max(t.total_steps - cfg.critic.warmup_steps,
                                              cfg.actor.lr_warmup_steps + 1),
                              temperature=max(cfg.rollout.temperature, 1e-6))
+    run.weights.actor = run.actor
     if cfg.critic.enable:
         run.critic = TrainerGroup("critic", run.model_dir, cfg.critic, pg, res.critic_bundles,
                                   **place, objective=OBJECTIVES["critic"](cfg.critic),

@@ -11,6 +11,8 @@ the kind from the sync mode, and the trainer worker does not know which one it f
   written as a PEFT directory the engines load by name (``backends/sglang/lora_serving.py``).
 
 Engines restarted since the last sync (``new_engines``) are taken in before the channel sends.
+On the driver, :class:`TrainerWeights` is the channels' other end, handed to the engine
+supervisor to bring a restarted engine to the weights the others serve.
 """
 from __future__ import annotations
 
@@ -26,6 +28,26 @@ class WeightChannel(Protocol):
 
     def close(self) -> None:
         """Tear the channel down (its process group and HTTP sessions)."""
+
+
+class TrainerWeights:
+    """The driver's end of the actor ranks' channels: a push asks every rank to send its
+    weights, and :attr:`version` is what the engines serve since the last one."""
+
+    def __init__(self):
+        self.actor = None   # the actor's TrainerGroup, once its ranks are built
+        self.version = 0
+
+    def push(self, version: int, new_engines: dict[int, str]) -> dict[str, float]:
+        """Send the actor's weights as ``version``, taking in ``new_engines`` (index -> url of
+        a restarted server) first; the ``sync/*`` metrics."""
+        metrics = self.actor.sync_weights(version, new_engines=new_engines)
+        self.version = version
+        return metrics
+
+    def resync(self, engines: dict[int, str]) -> None:
+        """Bring the restarted ``engines`` to :attr:`version` (the weights the others serve)."""
+        self.push(self.version, engines)
 
 
 class ExportChannel:
