@@ -463,6 +463,24 @@ def stop_env_server(proc) -> None:
     proc.stdout.close()
 
 
+# ------------------------------------------------------------------------- the files' order
+#: the files that take longest (pytest --durations, serial, 2-core VM: benchmarks/README.md,
+#: "The test suite's wall time"), longest first. Collected first, so that with two files at a
+#: time (scripts/test.sh) the long ones start early and the short ones fill the end, instead of
+#: one long file running alone while the other worker has nothing left. Only the order changes.
+LONGEST_FIRST = ("test_learn.py", "test_sweep.py", "test_engine_faults.py",
+                 "test_async_rollout.py", "test_fully_async.py", "test_moe.py",
+                 "test_lora_sync.py", "test_train_streamed.py", "test_resume_equivalence.py",
+                 "test_slurm.py", "test_weight_sync_megatron.py", "test_actor_load.py",
+                 "test_run_intent.py", "test_learn_frozen_lake_table.py", "test_faults.py",
+                 "test_sglang_engine.py", "test_train_e2e.py", "test_gateway.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))   # stable: files stay whole
+
+
 # ----------------------------------------------------------------- the test process's exit status
 _EXIT_STATUS = pytest.StashKey[int]()
 
