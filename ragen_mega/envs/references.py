@@ -18,6 +18,8 @@ a line that does not apply to an env is left out.
 - ``frozen_lake``: dynamic programming (:mod:`.frozen_lake_references`); its ``optimal`` is
   ``optimal_per_turn`` there (sees the player at the start of each turn, as the model does).
 - ``sokoban``: search over the level's positions (:mod:`.sokoban_references`).
+- ``textworld``: random admissible commands, estimated; the walkthrough
+  (:mod:`.textworld_references`).
 - ``bandit``: closed form. Success is choosing the arm of higher expected reward and the seed
   only orders the arms on screen, so every line is the same on every seed: ``random_valid`` the
   share of better arms (1/2, or 1 when equal), ``best_fixed`` and ``optimal`` 1,
@@ -72,8 +74,14 @@ def _sokoban(env_kwargs, seeds, max_turns, max_actions_per_turn, example_answer)
     return {key: float(np.mean([per_seed[s][key] for s in seeds])) for key in per_seed[seeds[0]]}
 
 
+def _textworld(env_kwargs, seeds, max_turns, max_actions_per_turn, example_answer):
+    from ragen_mega.envs.textworld_references import references
+
+    return references(env_kwargs, seeds, max_turns, max_actions_per_turn)
+
+
 REFERENCES: dict[str, ReferenceFn] = {"frozen_lake": _frozen_lake, "bandit": _bandit,
-                                      "sokoban": _sokoban}
+                                      "sokoban": _sokoban, "textworld": _textworld}
 
 
 def reference_lines(env_name: str, env_kwargs: dict, seeds: Sequence[int], *, max_turns: int,

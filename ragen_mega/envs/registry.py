@@ -29,6 +29,7 @@ _BUILTIN: dict[str, str] = {
     "babyai": "ragen_mega.envs.babyai:BabyAIEnv",
     "crafter": "ragen_mega.envs.crafter_env:CrafterEnv",
     "babaisai": "ragen_mega.envs.babaisai.env:BabaIsAIEnv",
+    "textworld": "ragen_mega.envs.textworld_env:TextWorldEnv",
 }
 _CLASSES: dict[str, type[TextEnv]] = {}
 _PATHS: dict[str, str] = dict(_BUILTIN)

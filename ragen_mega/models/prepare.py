@@ -38,10 +38,11 @@ def smollm2_gguf_path() -> Path:
     return found[0]
 
 
-def atomic_dir(out_dir: Path, build) -> Path:
-    """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``out_dir`` only if it succeeded."""
+def atomic_dir(out_dir: Path, build, marker: str = "config.json") -> Path:
+    """Run ``build(tmp_dir)`` and rename ``tmp_dir`` to ``out_dir`` only if it succeeded; an
+    ``out_dir`` holding ``marker`` is complete and is not built again."""
     out_dir = Path(out_dir)
-    if (out_dir / "config.json").exists():
+    if (out_dir / marker).exists():
         return out_dir
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
@@ -50,7 +51,7 @@ def atomic_dir(out_dir: Path, build) -> Path:
         try:
             tmp.rename(out_dir)
         except OSError:  # another process finished first; its copy is equally good
-            if not (out_dir / "config.json").exists():
+            if not (out_dir / marker).exists():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
