@@ -8,9 +8,8 @@ Why phrases, not words: the pre-tokenizer splits the text only at line ends and 
 coordinate item (``"),"``), so byte-level BPE over the games' prompts learns whole lines and
 items as tokens: ``Player: (1, 0)``, ``Goal: (3, 2)``, ``_OO_`` (a board row), `` Up </answer>``
 (a whole answer). Each fact of the board is then one token that a layer of attention can pick
-out by what it is; with words, the player's row is a digit that means "player" only through the
-tokens four places before it, which a two-layer model trained from scratch must first learn
-from reward (docs/results.md, "A small model from scratch").
+out by what it is, not a digit whose meaning a two-layer model trained from scratch must first
+learn from reward (docs/results.md, "A small model from scratch").
 
 Byte-level: the 256 bytes are in the vocabulary, so any text encodes (no unknown token) and
 ``decode(encode(text)) == text``; an env the corpus never saw works, with longer prompts. The

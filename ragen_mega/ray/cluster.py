@@ -2,15 +2,11 @@
 
 On slurm the sbatch script starts a Ray head and workers and the driver connects with
 ``address="auto"``; on a laptop the driver starts a private local Ray, with a reaper
-(``ray/reaper.py``) that ends Ray's agents, which outlive a SIGKILLed driver. Only the Ray this
-process started is ever stopped. Every process must agree on ``RAY_AUTH_MODE`` (a mismatch fails
-with InvalidAuthToken), so it is set here, before Ray starts, unless the user set it.
-
-On machines without CUDA every process of the job (trainer ranks, engine workers, their SGLang
-servers) gets ``THP_MEM_ALLOC_ENABLE=1``, which must be set before it allocates: torch then backs
-large CPU tensors with transparent huge pages, halving the first-touch page faults (export,
-SGLang's receive buffers, its load copy) that dominate a CPU weight sync (benchmarks/README.md,
-weight sync).
+(``ray/reaper.py``). Only the Ray this process started is ever stopped. ``RAY_AUTH_MODE`` is set
+here before Ray starts, unless the user set it; without CUDA every process of the job (trainer
+ranks, engine workers, their SGLang servers) gets ``THP_MEM_ALLOC_ENABLE=1``, which must be set
+before it allocates (the export, SGLang's receive buffers, its load copy). Why both:
+docs/cpu_stack.md, "Ray".
 """
 from __future__ import annotations
 

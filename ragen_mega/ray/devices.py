@@ -1,13 +1,11 @@
 """Which physical GPUs a group of placement-group bundles holds, found by asking Ray in each one.
 
-An SGLang engine with ``engine_tp`` devices spans ``engine_tp`` bundles, but its Ray actor can
-take resources only from the bundle it is scheduled in, so it asks for no GPU, and Ray sets no
-``CUDA_VISIBLE_DEVICES`` for it. A server started from it would see every GPU of the node and
-start on GPUs 0..tp-1, on top of trainer rank 0 or another engine. So before an engine starts,
-one tiny task per bundle asks Ray which GPU that bundle holds, and the server is launched on
-exactly those ids. The probe asks for :data:`PROBE_GPUS` and no CPU, so it also fits a colocated
-bundle whose trainer rank holds half the GPU, and gets that same GPU (a bundle's GPU is one
-device).
+An engine spans ``engine_tp`` bundles but its Ray actor takes resources from one, so it asks for
+no GPU and Ray sets no ``CUDA_VISIBLE_DEVICES`` for it: its server would start on GPUs 0..tp-1,
+on top of trainer rank 0 or another engine (docs/design.md, "Placement: disaggregated and
+colocated"). So one tiny task per bundle asks Ray which GPU that bundle holds. It asks for
+:data:`PROBE_GPUS` and no CPU, so it also fits a colocated bundle whose trainer rank holds half
+the GPU, and gets that same GPU (a bundle's GPU is one device).
 """
 from __future__ import annotations
 

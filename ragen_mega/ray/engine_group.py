@@ -2,15 +2,12 @@
 
 Each :class:`EngineWorker` is a small Ray actor that starts one SGLang server on its node (its
 child process group) and reports its URL; the driver then talks to the servers over HTTP, never
-through Ray's object store. The worker asks Ray for no GPU: the group finds each engine's GPUs
-first and the server starts on exactly those (``ray/devices.py`` says why).
-
-A server that dies during a rollout costs a retry, not the run: the request that meets it raises
+through Ray's object store. The worker asks Ray for no GPU: the server starts on the GPUs
+``ray/devices.py`` finds. A request that meets a dead server raises
 :class:`~ragen_mega.rollout.types.EngineRestarted` once the group's
 :class:`~ragen_mega.ray.engine_supervisor.EngineSupervisor` has restarted it with the current
-weights, and the rollout manager plays every episode that was using it again from its start.
-With seeded sampling (``rollout/seeding.py``) the replay gives the same tokens, so the step's
-samples are those of a run without the fault.
+weights, and the rollout manager plays the episodes that used it again (docs/design.md, "A dead
+engine, a dead driver").
 """
 from __future__ import annotations
 

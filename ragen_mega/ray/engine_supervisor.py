@@ -1,16 +1,12 @@
-"""What happens when an SGLang server dies, in one place.
-
-A long run meets dead engines under a rollout's request, between a rollout and the weight sync
-(the train phase), and in the middle of a sync. :class:`EngineSupervisor` owns all of it:
-finding a dead server (its process exited, or its HTTP server does not answer), the restart (a
-new server on the same devices), the step's allowance (``rollout.max_engine_restarts_per_step``),
-the ``fault/engine_restarts`` and ``fault/episodes_retried`` counters, and bringing a restarted
-server to the trainer's weights (the weight channel's ``resync``, or the next sync while a
-rollout overlaps training).
-A restarted server takes no request until a sync has given it the trainer's weights
-(:attr:`EngineSupervisor.unsynced`, marked before the engine group can reach it), so no token is
-sampled from the checkpoint it loaded. Every path goes through :meth:`EngineSupervisor.recover`;
-each recovery is described in ``RUN_DIR/faults.jsonl`` and handed to the ``listeners``.
+"""What happens when an SGLang server dies, in one place: :class:`EngineSupervisor` finds dead
+servers (process exited, or no HTTP answer), restarts them on the same devices within the step's
+allowance (``rollout.max_engine_restarts_per_step``), counts ``fault/engine_restarts`` and
+``fault/episodes_retried``, and brings a restarted server to the trainer's weights (the weight
+channel's ``resync``, or the next sync while a rollout overlaps training). A restarted server
+takes no request before that (:attr:`EngineSupervisor.unsynced`, marked before the engine group
+can reach it). Every path goes through :meth:`EngineSupervisor.recover`; each recovery is
+described in ``RUN_DIR/faults.jsonl`` and handed to the ``listeners``. Where each path runs
+(under a request, in the train phase, in a sync): docs/design.md, "A dead engine, a dead driver".
 
 The design follows slime's isolation of its engines' health monitor from the rollout; the code
 is our own.

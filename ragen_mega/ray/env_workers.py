@@ -1,16 +1,13 @@
-"""Envs in Ray actors, so long-horizon runs step them on the cluster's CPUs, not in the driver.
+"""Envs in Ray actors, so long-horizon runs step them on the cluster's CPUs, not in the driver,
+where their steps would compete with the event loop that feeds the engines (docs/design.md, "Env
+workers").
 
-Crafter or BabyAI episodes run hundreds of turns and a step has 100+ of them: in the driver their
-env steps would compete with the event loop that feeds the engines. Here each :class:`EnvWorker`
-(a Ray actor in its own placement-group bundle) hosts many envs keyed by episode id, and the
-driver holds a :class:`RemoteEnv` per episode, the same awaitable handle as
-``rollout.episode.LocalEnv`` (Ray object refs are awaitable), so ``run_episode`` plays both.
-
-Episode ``i`` plays on worker ``i % num_workers``: a step's episode ids are consecutive, so this
-balances the workers and depends on the episode alone. A worker runs its calls one at a time:
-env steps are CPU-bound Python, so threads would gain nothing under the GIL; more workers give
-more parallelism. A failed call (the worker died, the env raised) is re-raised as
-:class:`EnvWorkerError` naming the worker, the episode and the call.
+Each :class:`EnvWorker` hosts many envs keyed by episode id; the driver holds a
+:class:`RemoteEnv` per episode, awaitable like ``rollout.episode.LocalEnv``. Episode ``i`` plays
+on worker ``i % num_workers``: a step's episode ids are consecutive, so this balances the workers
+and depends on the episode alone. A worker runs its calls one at a time (env steps are CPU-bound
+Python: threads would gain nothing under the GIL); a failed call (the worker died, the env
+raised) is re-raised as :class:`EnvWorkerError` naming the worker, the episode and the call.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """Where every process of a run lives: one Ray placement group, bundles assigned by role.
 
-A run has trainer ranks (TP x PP x DP), SGLang engines (each spanning ``engine_tp`` devices) and
-env workers. Two layouts, as slime has them:
-
-- **disaggregated**: trainer ranks and engines get separate bundles (separate GPUs); weights go
-  from trainer to engines by broadcast.
-- **colocated**: engine ``e`` shares the bundles of trainer ranks ``e*engine_tp ..``; engines
-  release their memory while the trainer trains.
-
-On a CPU machine bundles hold fractional CPUs (``cpus_per_bundle``), so a whole run fits on 2
-cores; on GPU each bundle holds one GPU. Trainer bundles come first, so rank ``r`` sits in bundle
-``r`` and ``PACK`` keeps consecutive ranks (a TP group) on one node when it fits.
+Trainer ranks (TP x PP x DP), SGLang engines (``engine_tp`` bundles each) and env workers, in
+slime's two layouts, disaggregated or colocated (docs/design.md, "Placement: disaggregated and
+colocated"). A bundle holds one GPU, or fractional CPUs (``cpus_per_bundle``) on a CPU machine.
+Trainer bundles come first, so rank ``r`` sits in bundle ``r`` and ``PACK`` keeps consecutive
+ranks (a TP group) on one node when it fits.
 """
 from __future__ import annotations
 

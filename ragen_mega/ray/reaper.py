@@ -1,16 +1,12 @@
 """A private local Ray ends with the driver that started it, even when the driver is SIGKILLed.
 
-Ray ties its raylet and GCS to the driver (the kernel's parent-death signal) and the raylet's
-workers follow the raylet, but its dashboard and runtime-env agents do not: when their raylet
-dies they report it to the GCS, dead too, wait out Ray's 60 s publish timeout, then hang in
-interpreter shutdown, and nothing else would stop them.
-
-The reaper is a small process of ours in its own session. While the driver lives it records
-every process under the driver's Ray (the pids Ray's node reports and their descendants, each
-with its start time); when the driver ends, however it ends, the kernel closes the reaper's
-stdin, and the reaper gives the recorded processes :data:`GRACE_S` to exit, then SIGKILLs the
-rest. It touches only processes it saw under that Ray; a reused pid (a different start time) is
-left alone.
+Ray's raylet and GCS die with the driver (the kernel's parent-death signal) and the raylet's
+workers follow the raylet, but its dashboard and runtime-env agents hang on (docs/design.md, "A
+dead engine, a dead driver"). The reaper, a process of ours in its own session, records every
+process under the driver's Ray while the driver lives (the pids Ray's node reports and their
+descendants, each with its start time); when the driver ends, however it ends, the kernel closes
+the reaper's stdin, and the reaper gives the recorded processes :data:`GRACE_S` to exit, then
+SIGKILLs the rest. A reused pid (a different start time) is left alone.
 
     python -m ragen_mega.ray.reaper ROOT_PID [ROOT_PID ...]   # stdin: a pipe from the driver
 """

@@ -1,12 +1,9 @@
-"""A run's placed pieces: SGLang engines, the Megatron actor (and critic), env workers, in one
-placement group (``ray/placement.py``), wired together; nothing of the loop itself (that is
-``ragen_mega/train.py``) and nothing of how a rollout is played (``rollout/manager.py``).
-
-:func:`build_run` starts Ray (or joins it), places the pieces and connects the actor's weight
-sync to the engines; :class:`Run` holds them, pushes the actor's weights into the engines
-(:meth:`Run.sync_weights`, which also takes colocated engines' memory back) and stops
-everything it started (:meth:`Run.shutdown`). A restarted engine is brought to the served
-weights by the engine supervisor through :class:`~ragen_mega.ray.weight_channel.TrainerWeights`.
+"""A run's placed pieces (SGLang engines, the Megatron actor and critic, env workers) in one
+placement group, wired together: :func:`build_run` starts (or joins) Ray and places them;
+:class:`Run` holds them, syncs the actor's weights into the engines (taking colocated engines'
+memory back) and stops them. No loop (``train.py``), no rollout logic (``rollout/manager.py``):
+docs/design.md, "The loop, the rollout manager, the run". A restarted engine gets the served
+weights from the engine supervisor, through :class:`~ragen_mega.ray.weight_channel.TrainerWeights`.
 """
 from __future__ import annotations
 

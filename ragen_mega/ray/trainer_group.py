@@ -3,13 +3,10 @@
 Each :class:`TrainerWorker` is one rank of the TP x PP x DP world: it joins torch.distributed
 (gloo on CPU, NCCL on GPU) through the rendezvous store rank 0 hosts, builds a
 :class:`~ragen_mega.backends.megatron.train.MegatronTrainer`, and runs whatever the driver asks
-on every rank at once (the methods are SPMD collectives). The driver hands over the GLOBAL batch;
-each rank cuts its data-parallel share.
-
-Weight sync is the actor group's: every rank walks a ``DirectExport(dst=0)`` in step (the ranks
-of rank 0's model-parallel group send it their TP shards and PP stages) and global rank 0
-streams the HF-named tensors into the engines through its
-:class:`~ragen_mega.ray.weight_channel.WeightChannel`, along the export's layout.
+on every rank at once (SPMD collectives). The driver hands over the GLOBAL batch; each rank cuts
+its data-parallel share. At a sync every rank walks a ``DirectExport(dst=0)`` and global rank 0
+streams it into the engines through its :class:`~ragen_mega.ray.weight_channel.WeightChannel`
+(docs/design.md, "Weight sync, streamed").
 """
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 ``python -m ragen_mega.ray.wait_cluster --address HEAD_IP:PORT --nodes N [--gpus-per-node G]
 [--timeout-s S] [--step-pids PID ...]`` returns 0 once N nodes are alive with at least G GPUs
 each; 1 with what the cluster had when the time ran out, or as soon as one of the processes
-starting Ray (``--step-pids``, the srun steps) has exited. A fixed sleep is either too short
-(the driver's placement group waits, then fails, on a half-formed cluster) or wasted time, and
-a node that never joins should be a clear error naming it.
+starting Ray (``--step-pids``, the srun steps) has exited. A fixed sleep would be too short (the
+placement group fails on a half-formed cluster) or wasted (docs/cluster.md).
 """
 from __future__ import annotations
 

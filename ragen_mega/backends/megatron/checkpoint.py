@@ -16,11 +16,11 @@ Layout of ``<root>``::
 A LoRA model (``lora.py``) saves only its adapters and their Adam state, under their HF names
 (``model.layers.3.self_attn.q_proj.lora_A.weight``); its base weights stay the HF directory's.
 
-Why torch_dist: tensors are stored under their *global* names and shapes, so a checkpoint
-written at one TP x PP (x VPP) layout loads at any other. The plain optimizer's state is fully
-reshardable; Megatron's DistributedOptimizer without TE/Apex saves only ``dp_reshardable``
-state, which resumes at the same TP x PP (any DP). Its Adam step counter does not round-trip
-through ``sharded_state_dict``, so the step count is stored here and written back on load.
+torch_dist stores tensors under their *global* names and shapes, so a checkpoint written at
+one TP x PP (x VPP) layout loads at any other. The plain optimizer's state reshards fully;
+DistributedOptimizer's without TE/Apex only over DP (``dp_reshardable``), and its Adam step
+counter, lost by ``sharded_state_dict``, is stored here and written back on load
+(docs/cpu_stack.md, "Settings").
 """
 from __future__ import annotations
 

@@ -191,10 +191,9 @@ class ActorConfig(ModelTrainingConfig):
 @dataclasses.dataclass
 class CriticConfig(ModelTrainingConfig):
     """The ``critic`` section: its training settings and the clipped value loss.
-
-    ``warmup_steps`` (verl's ``trainer.critic_warmup``, as Verlog's runs use it) leaves the
-    actor, its optimizer and LR schedule untouched, so the policy starts moving against a critic
-    that already tracks its returns. ``highlight_first`` is Verlog's option."""
+    ``warmup_steps`` (verl's ``trainer.critic_warmup``) and ``highlight_first`` are Verlog's
+    options; the warm-up lets the policy start moving against a critic that already tracks its
+    returns (docs/configuration.md, "Critic options")."""
     enable: bool = setting(True, help=(
         "train a critic (value model); false: critic-free, for algo.adv_estimator grpo or gigpo"))
     lr: float = bounded(1e-5, gt=0, help="the critic's Adam learning rate")

@@ -1,30 +1,16 @@
 """Run real megatron-core 0.16.1 on a machine without CUDA (gloo).
 
-``apply_cpu_patches()`` applies patches 1-5 and 7-10 once (nothing when CUDA is available);
-patch 6 is the context manager ``cuda_tensor_type_names()``, entered only around Megatron's
-optimizer construction and step. ``quiet_cpu_warnings()`` silences the "no TE/Apex" chatter.
+``apply_cpu_patches()`` applies patches 1-5 and 7-10 once (nothing when CUDA is available):
+CUDA device and sync calls go to the CPU or nowhere (1, 2), the model-parallel "CUDA" RNG
+tracker runs on the CPU generator (3), the modules of :data:`_PROXIED_MODULES` get a ``torch``
+proxy whose tensor factories map cuda -> cpu (4, 5), ``Tensor.cuda`` returns the tensor (7), and
+the MoE token dispatcher gets stand-in streams, numpy split sizes and, on gloo, padded uneven
+collectives (8-10). Patch 6 is the context manager ``cuda_tensor_type_names()``, entered only
+around Megatron's optimizer construction and step. ``quiet_cpu_warnings()`` silences the
+"no TE/Apex" chatter. No patch changes numerics: each picks a device or handles RNG state.
 
-1. ``torch.cuda.current_device`` -> the CPU device (used as ``device=`` for new tensors);
-2. ``torch.cuda.synchronize`` -> no-op;
-3. the model-parallel "CUDA" RNG tracker runs on the CPU generator. ``torch.cuda.manual_seed``
-   maps to ``torch.default_generator.manual_seed``, NOT ``torch.manual_seed``, which calls
-   ``torch.cuda.manual_seed_all`` and would recurse;
-4. modules that build ``device="cuda"`` tensors get a ``torch`` proxy whose tensor factories
-   map cuda -> cpu (:data:`_PROXIED_MODULES`);
-5. the same proxy for the optimizer / DDP modules;
-6. ``Tensor.type()`` reports ``torch.cuda.*Tensor`` names, which Megatron's optimizer and grad
-   clipping assert on;
-7. ``Tensor.cuda`` returns the tensor itself (tied embeddings under PP, checkpoint paths);
-8. MoE: the token dispatcher's ``torch`` is the proxy with a ``cuda`` of stand-in streams whose
-   waits do nothing (replacing ``torch.cuda.Stream`` itself breaks transformers' import), and
-   ``moe_utils.te_general_gemm`` is None without TE (its plain ``torch.mm`` path);
-9. expert parallelism: the dispatcher's split sizes become numpy arrays on the CPU too, as
-   gloo's ``all_to_all`` refuses split sizes given as tensors;
-10. experts under TP: gloo refuses the dispatcher's UNEVEN all-gather / reduce-scatter, so on
-   gloo the pieces are padded to the largest, exchanged evenly, and cut back.
-
-No patch changes numerics: each picks a device or handles RNG state. docs/cpu_stack.md maps
-each patch to the Megatron call sites it covers and what to re-check when megatron-core moves.
+Which Megatron call sites each patch covers, and what to re-check when megatron-core moves:
+docs/cpu_stack.md, "The compatibility patches".
 """
 from __future__ import annotations
 
@@ -190,7 +176,8 @@ def apply_cpu_patches() -> bool:
     # 1, 2
     torch.cuda.current_device = lambda: _CPU
     torch.cuda.synchronize = lambda *a, **k: None
-    # 3
+    # 3 (manual_seed on the default generator: torch.manual_seed would call
+    # torch.cuda.manual_seed_all and recurse)
     torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
     torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
     torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
@@ -204,14 +191,14 @@ def apply_cpu_patches() -> bool:
         module.torch = proxy
     # 7
     torch.Tensor.cuda = lambda self, *a, **k: self
-    # 8
+    # 8 (the dispatcher's view only: replacing torch.cuda.Stream breaks transformers' import)
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     dispatcher_torch = _CpuTorchProxy()
     dispatcher_torch.cuda = _host_streams()
     token_dispatcher.torch = dispatcher_torch
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    # 9
+    # 9 (gloo's all_to_all refuses split sizes given as tensors)
     token_dispatcher.maybe_move_tensor_to_cpu = _host_split_sizes
     # 10
     from megatron.core.tensor_parallel import mappings

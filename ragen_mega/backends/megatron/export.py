@@ -4,8 +4,8 @@ weight sync sends the engines and what ``convert.py`` writes. A LoRA model expor
 weights (``lora.merged_weights``), never its adapters.
 
 :func:`export_hf_state` gives every rank every tensor (collectives over TP, EP and PP);
-:class:`DirectExport` gives them to one rank only, each shard sent straight there, and knows
-before any tensor moves what it will yield (``.layout``), which lets the weight sync stream.
+:class:`DirectExport` sends each shard straight to one rank, for the streamed weight sync
+(docs/design.md, "Weight sync, streamed").
 """
 from __future__ import annotations
 

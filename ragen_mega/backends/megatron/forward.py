@@ -5,11 +5,10 @@ Log-probs are aligned with the next token: for right-padded ``input_ids`` [B, S]
 length, on every rank (the last pipeline stage broadcasts them). Values are [B, S]: the
 critic's value after reading token t.
 
-Vocab-parallel: the LM head's logits stay split over TP ranks (``parallel_output=True``); the
-softmax normaliser, target logit and entropy take one all-reduce of [b, s] tensors (after a MAX
-all-reduce for stability), never a full-vocab gather (:class:`_VocabParallelLogprobs`). Padded
-vocab columns (ids >= vocab_size) are left out of the softmax, so log-probs equal transformers'
-even when TP forces padding.
+Vocab-parallel (:class:`_VocabParallelLogprobs`): the LM head's logits stay split over TP ranks
+(``parallel_output=True``), reduced only as [b, s] tensors, never gathered over the vocabulary;
+padded vocab columns (ids >= vocab_size) are left out of the softmax, so log-probs equal
+transformers' even when TP forces padding (docs/design.md, "The Megatron trainer").
 
 Training: each micro-batch is a dict with at least ``input_ids`` [b, s] (right padded, trimmed)
 and ``attention_mask``; any other [b, ...] tensors in it (sliced by ``split_microbatches``)

@@ -5,36 +5,30 @@ linear of a chunk whose base weights are loaded, with a forward hook that adds
 ``s * B(A(dropout(x)))`` to the output (``s = alpha / rank``, PEFT's scaling), and freezes every
 other parameter, so DDP keeps gradient buffers and Adam state for the adapters alone.
 
-Targets are PEFT's HF module names (``q_proj`` ... ``down_proj``), one pair (A, B) per HF module,
-although Megatron fuses q/k/v into ``linear_qkv`` and gate/up into ``linear_fc1``. Which rows (or
-columns) of a fused shard belong to which HF module is read off the HF <-> Megatron mapping: fed
-each module's row indices (``Rule.hf_to_shard``), it returns the shard's rows in Megatron order,
-so the adapters follow the grouped-KV qkv layout and the ``[gate_r; up_r]`` halves.
+Targets are PEFT's HF module names (``q_proj`` ... ``down_proj``), one pair (A, B) per HF module
+inside Megatron's fused ``linear_qkv`` and ``linear_fc1``: ``Rule.hf_to_shard``, fed each
+module's row indices, returns the shard's rows in Megatron order, so the adapters follow the
+grouped-KV qkv layout and the ``[gate_r; up_r]`` halves.
 
-TP splits (each rank holds what its base shard needs, Megatron's pattern for a low-rank pair):
-- column-parallel (qkv, fc1): A [r, in] whole on every rank, B by output rows as the base.
-  ``h = A x`` passes ``copy_to_tensor_model_parallel_region`` (identity forward, all-reduce
-  backward), so A's gradient, a sum over the ranks' output slices, is whole on every rank.
-- row-parallel (o_proj, fc2): A by input columns as the base, B [out, r] whole. The partial
-  ``A_r x_r`` are all-reduced before B: r values a token rather than the output's hidden.
-- sequence parallelism (MoE at TP > 1): each rank holds its slice of the tokens outside the
-  linears, so a column-parallel ``h = A x`` is gathered over the tokens as the linear gathers
-  x, a row-parallel ``A_r x_r`` reduce-scattered as the output is. Each rank then sees its
-  tokens' part of the whole matrix's gradient (column-parallel A, row-parallel B), so that
-  matrix is read through ``copy_to_tensor_model_parallel_region`` to sum it over the ranks.
-- an expert's linears leave communication to the token dispatcher (every TP rank of an expert
-  gets all its tokens; fc2's partial outputs are summed after): no collective in the delta,
-  and the whole matrix's gradient is summed the same way.
-The sharded matrices carry megatron-core's TP attributes, so the gradient norm counts every
-rank's slice and a replica once. Pipeline stages hold their own layers' adapters; DP and the
-distributed optimizer see ordinary trainable parameters.
+TP splits are Megatron's for a low-rank pair. Column-parallel (qkv, fc1): A [r, in] whole, B by
+output rows; ``h = A x`` passes ``copy_to_tensor_model_parallel_region`` (identity forward,
+all-reduce backward), so A's gradient is whole on every rank. Row-parallel (o_proj, fc2): A by
+input columns, B [out, r] whole; the partial ``A_r x_r`` are all-reduced before B (r values a
+token rather than the output's hidden). Under sequence parallelism (MoE at TP > 1) ``A x`` is
+gathered over the tokens and ``A_r x_r`` reduce-scattered, as the linear does with x and its
+output; an expert's linears need no collective (the token dispatcher gives every TP rank of an
+expert all its tokens and sums fc2's partial outputs). In both, each rank sees only part of the
+whole matrices' gradients (column-parallel A, row-parallel B), so they too are read through
+``copy_to_tensor_model_parallel_region``, which sums them over the ranks. The sharded matrices
+carry megatron-core's TP attributes, so the gradient norm counts every rank's slice and a
+replica once. Pipeline stages hold their own layers' adapters; DP and the distributed optimizer
+see ordinary trainable parameters.
 
-Mixtures of experts: each expert's ``linear_fc1`` / ``linear_fc2`` takes the adapters of HF's
-per-expert ``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` (the keys PEFT reads onto
+Mixtures of experts: each expert's ``linear_fc1`` / ``linear_fc2`` takes HF's per-expert
+``mlp.experts.{e}.gate_proj`` / ``up_proj`` / ``down_proj`` adapters (the keys PEFT reads onto
 transformers' fused experts, and SGLang's per-expert names); the shared expert's are a dense
 MLP's. An expert-parallel rank holds its own experts' adapters, marked ``allreduce = False``
-(megatron-core's expert mark) so DDP and the distributed optimizer reduce their gradients over
-the expert-data-parallel ranks only; checkpoints and gathers take them from their owner.
+(megatron-core's expert mark), so gradients are reduced over the expert-data-parallel ranks only.
 
 Initialisation is PEFT's (A uniform in +-1/sqrt(in), B zero), drawn whole per HF module seeded
 by the run's seed and the module's name, then sliced: every layout starts from the same adapters.
@@ -45,6 +39,7 @@ Checkpoints hold the adapters only (:func:`sharded_state_dict`) under their HF n
 shapes, so they reshard across TP x PP. ``lora_export.py`` takes the adapters out whole.
 
 Not supported: TransformerEngine's layer spec (its linears take the norm's input).
+(docs/design.md, "LoRA")
 """
 from __future__ import annotations
 

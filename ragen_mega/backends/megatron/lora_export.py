@@ -91,12 +91,11 @@ def read_peft_adapter(adapter_dir) -> tuple[dict[str, torch.Tensor], LoraSetting
 
 
 class AdapterExport:
-    """The adapter-only weight sync's export, in ``export.DirectExport``'s protocol.
-    Constructing it is the collective (:func:`gather_adapters`: every rank takes part);
-    iterating it yields, on ``dst`` only, the scaling (``lora_merge.SCALING_NAME``, one fp32
-    value), then every adapter under PEFT's keys, each module's A then B, for the engine's
-    plugin (``backends/sglang/lora_merge.py``) to merge into ``W_base + s * B A``. ``layout``
-    (on ``dst``): the names, shapes and dtypes it will yield, for the streamed send."""
+    """The adapter-only weight sync's export, in ``export.DirectExport``'s protocol: constructing
+    it is the collective (:func:`gather_adapters`, every rank); iterating yields, on ``dst``
+    only, the scaling (``lora_merge.SCALING_NAME``, one fp32 value), then each module's A and B
+    under PEFT's keys, which the engine's ``lora_merge`` plugin merges; ``layout`` (on ``dst``)
+    lists their names, shapes and dtypes for the streamed send (docs/design.md, "LoRA")."""
 
     def __init__(self, chunks, dst: int):
         from ragen_mega.backends.sglang.lora_merge import SCALING_NAME

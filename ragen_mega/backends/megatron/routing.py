@@ -3,17 +3,14 @@ chose (slime's ``--use-rollout-routing-replay``, "R3").
 
 Engine and trainer route from router logits that differ in the last bits (other kernels,
 batch shapes, bf16 on one side): a near tie flips, the token goes through other experts, and the
-trainer's log-prob of a sampled token is not the engine's. Replay removes that: the engine
-returns each token's experts (SGLang's ``return_routed_experts``), the batch carries them as
-``routed_experts`` [B, S, layers, top-k] (column t: token t's experts; -1 where the engine has
-none: padding, and the last token), and the trainer's router keeps its own scores but takes the
-engine's experts (their probabilities are the scores there, so the router still trains).
-
-Every MoE layer's router gets an :class:`EngineRouting` (megatron-core's routers call
-``router_replay.get_replay_topk`` when one is set; ours is per model, never in megatron's
-class-level ``RouterReplay`` list). It always counts the (token, layer) pairs whose own top-k
-differs from the engine's, the routing mismatch, replay or not. Tokens without engine routing
-keep their own experts.
+trainer's log-prob of a sampled token is not the engine's. The batch's ``routed_experts``
+[B, S, layers, top-k] holds in column t token t's experts as the engine chose them, -1 where it
+has none (padding, and the last token). Every MoE layer's router gets an :class:`EngineRouting`
+(megatron-core's routers call ``router_replay.get_replay_topk`` when one is set; ours is per
+model, not in megatron-core's class-level ``RouterReplay`` list), which always counts the routing
+mismatch and, with replay, takes the engine's experts at the router's own scores, so the router
+still trains. Tokens without engine routing keep their own experts.
+(docs/design.md, "Routing replay")
 """
 from __future__ import annotations
 

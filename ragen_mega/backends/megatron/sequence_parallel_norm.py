@@ -1,12 +1,12 @@
-"""The RMSNorm of Megatron's local layer spec, for sequence parallelism.
+"""The RMSNorm of Megatron's local layer spec, for sequence parallelism (a mixture of experts
+under TP).
 
 Without TransformerEngine or Apex, megatron-core's local spec builds torch's ``RMSNorm``
 (``WrappedTorchNorm``), which refuses ``sequence_parallel``: each TP rank then normalises its
 slice of the sequence, so a norm weight's gradient must be summed over the TP ranks, which
 megatron-core does only for parameters marked ``sequence_parallel``. This is torch's
-``RMSNorm``, marked. It serves a mixture of experts under TP (megatron-core trains experts under
-TP only with sequence parallelism); the q/k norms get it too (megatron-core sums them by name
-anyway).
+``RMSNorm``, marked; the q/k norms get it too (megatron-core sums them by name anyway).
+(docs/design.md, "Mixtures of experts")
 """
 from __future__ import annotations
 

@@ -15,19 +15,14 @@ response, right padded), ``loss_mask`` (1 on model-written tokens), optional ``a
 (critic). That is a rollout record's layout, and ``compute_logprobs`` / ``compute_values``
 return it too.
 
-Loss normalisation (``algo.losses`` module doc): the global normaliser (loss tokens, or loss
-sequences for the seq-mean modes) is summed over this rank's micro-batches and all-reduced over
-DP; each micro-batch loss is its share of the global mean times M * D, because Megatron's
-schedule divides by the M micro-batches and DDP averages over the D replicas. The gradient is
-then that of the whole global (mini-)batch, whatever the micro-batching and DP split.
+Loss normalisation is ``algo.losses``'s (module doc): each micro-batch loss is its share of the
+DP-global mean times M * D (Megatron's schedule divides by the M micro-batches, DDP averages over
+the D replicas), so the gradient is the whole (mini-)batch's whatever the split.
 
 A training step advances the LR schedule and ``steps`` once, however many updates it makes (as
-verl's LR schedule counts training steps), so checkpoints stay named by the run's step.
-
-An update whose loss or gradients hold a NaN or inf on any rank is skipped on every rank (one
-all-reduced flag, so the ranks never disagree about their weights): weights and Adam state stay
-as they were, the metrics count it (``updates_skipped``, ``updates_skipped_in_row``), and the
-loop ends a run that skips too many in a row.
+verl's LR schedule counts training steps), so checkpoints stay named by the run's step. An update
+whose loss or gradients hold a NaN or inf on any rank is skipped on every rank (one all-reduced
+flag) and counted (docs/design.md, "Faults that cost an episode or an update, not the run").
 """
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 an HF model, kept in the backend so that ``models/`` and the config layer import no megatron.
 
 :func:`megatron_config` sets what makes Megatron compute what transformers computes (and the CPU
-settings of docs/cpu_stack.md); :func:`layer_spec` picks TransformerEngine's layer spec when it
-imports, the local one otherwise, whose core attention is ``local_attention``
+settings: docs/cpu_stack.md, "Settings"); :func:`layer_spec` picks TransformerEngine's layer spec
+when it imports, the local one otherwise, whose core attention is ``local_attention``
 (``models.hf_config.LOCAL_ATTENTIONS``; ``"sdpa"``: ``sdpa_attention.SDPAttention``).
 """
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """HTTP client for one SGLang server: token-in/token-out generation and the weight-update API.
 
-Prompts go in as ``input_ids`` and completions come back as ``output_ids`` with
-``meta_info.output_token_logprobs``: text is never re-tokenized, so the trainer trains on exactly
-the tokens the engine sampled. :class:`AsyncEngineClient` is the aiohttp implementation;
-:class:`EngineClient` runs it on a private event-loop thread, for plain code and several threads
-at once (e.g. a weight sender that keeps an HTTP call open while it broadcasts).
+Prompts go in as ``input_ids``, completions come back as ``output_ids`` with
+``meta_info.output_token_logprobs`` (docs/design.md, "Token-in, token-out").
+:class:`AsyncEngineClient` is the aiohttp client; :class:`EngineClient` runs it on a private
+event-loop thread, for plain code and several threads at once (e.g. a weight sender that keeps
+an HTTP call open while it broadcasts).
 
 Errors are :class:`EngineError` naming the engine URL and the endpoint. Only repeatable calls are
 retried (generation, health, info, flush): a weight-update call that timed out may still run on

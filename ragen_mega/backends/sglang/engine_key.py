@@ -1,12 +1,11 @@
 """An SGLang server plugin: the run's engine key, kept off the command line and out of the log.
 
-An engine listens on its node's address on a shared cluster: without a key anyone who reaches
-the node could generate on it or push weights into it. SGLang's ``--api-key`` makes every
-endpoint but ``/health*`` answer 401 without ``Authorization: Bearer KEY``. On the command line
-the key would be readable by every user of the node (``/proc/PID/cmdline``), and SGLang logs its
-whole ``server_args``, so the launcher passes the key in the server's environment
-(:data:`KEY_ENV`, readable by its owner only). This plugin, run in each server process before it
-parses its arguments, adds ``--api-key`` to them and blanks the key in every log record.
+SGLang's ``--api-key`` makes every endpoint but ``/health*`` answer 401 without
+``Authorization: Bearer KEY``. On the command line the key would be readable by every user of
+the node (``/proc/PID/cmdline``) and SGLang logs its whole ``server_args``, so the launcher
+passes it in the server's environment (:data:`KEY_ENV`, readable by its owner only); this plugin,
+run in each server process before it parses its arguments, adds ``--api-key`` and blanks the key
+in every log record (docs/cluster.md, "Shared clusters").
 """
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """An SGLang server plugin for CPU servers: expert parallelism in the pure-torch MoE path.
 
-With ``--ep-size`` > 1 each SGLang rank holds a block of the experts, and the router's top-k
-ids reach the MoE kernel as local indices, -1 for another rank's expert (that rank adds its part
-when the layer sums the ranks' outputs). GPU kernels skip the -1 entries; SGLang 0.5.23's CPU
-path, ``fused_moe_native.moe_forward_native``, uses them as indices ("index -1 is out of
-bounds"), and mapping them to a local expert would count a token twice if it also chose that
-one. The plugin computes such a batch itself: each local expert's tokens through its gated SiLU
-MLP (without biases; any other raises ``NotImplementedError``), weighted and summed per token,
-other ranks' entries left out. A batch with no expert elsewhere goes to the original function.
+With ``--ep-size`` > 1 the router's top-k ids reach the MoE kernel as local indices, -1 for
+another rank's expert (that rank adds its part when the layer sums the ranks' outputs). GPU
+kernels skip -1; SGLang 0.5.23's ``fused_moe_native.moe_forward_native`` indexes with it, so the
+plugin computes such a batch itself (gated SiLU MLPs without biases; any other raises
+``NotImplementedError``) and leaves other batches to the original (docs/cpu_stack.md, "Plugins").
 """
 from __future__ import annotations
 

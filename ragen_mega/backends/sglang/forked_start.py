@@ -1,16 +1,10 @@
 """An SGLang server plugin for CPU servers: the scheduler and detokenizer processes are forked
-from the server's main process instead of spawned.
-
-Why: SGLang's launcher sets the ``spawn`` start method (``entrypoints/engine.py``,
-``_set_envs_and_config``) because a CUDA context cannot cross a fork, so each child imports
-sglang, torch and transformers again beside the main process. A forked child inherits the
-imported modules and the plugins already applied (``load_plugins`` is guarded by a flag it
-inherits too), which saves a third of a CPU server's start-up (benchmarks/README.md, "CPU engine
-start-up").
-
-Why a fork is safe here: a CPU server has no CUDA, the main process has computed nothing with
-torch when it forks (no OpenMP thread pool is inherited half-alive), and none of our plugins
-starts a thread. GPU servers never load this plugin (``server.build_env`` adds it on CPU only).
+from the server's main process instead of spawned, so they inherit its imports (sglang, torch,
+transformers) and the plugins already applied (``load_plugins`` is guarded by a flag they inherit
+too). SGLang spawns because a CUDA context cannot cross a fork; a CPU server has none, computes
+nothing with torch before the fork, and no plugin of ours starts a thread. GPU servers never load
+it (``server.build_env`` adds it on CPU only). Why a fork is safe, and the saving:
+docs/cpu_stack.md, "Plugins"; benchmarks/README.md, "CPU engine start-up".
 """
 from __future__ import annotations
 

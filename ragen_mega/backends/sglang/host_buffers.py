@@ -1,15 +1,12 @@
 """An SGLang server plugin for CPU servers: host buffers without page-locking.
 
-SGLang allocates some host buffers through ``ALLOC_MEMORY_FUNCS[device]``
-(``mem_cache/pool_host/common.py``), whose default registers the memory with CUDA
-(``cudaHostRegister``) for asynchronous device copies; on a CPU server that fails the start-up.
-One is the buffer ``--enable-return-routed-experts`` makes for routing replay
-(``state_capturer/base.py``, ``BaseHostCache``). SGLang's LoRA serving (``--enable-lora``) also
-stages adapter weights and per-batch indices in page-locked tensors (``pin_memory=True``,
-``Tensor.pin_memory()``), which torch refuses without an accelerator. On the CPU all of it is
-host memory already: the plugin gives the ``cpu`` device a plain ``torch.empty``, makes
-``Tensor.pin_memory`` return the tensor itself and drops ``pin_memory=True`` from torch's tensor
-factories.
+The routed-experts buffer of ``--enable-return-routed-experts`` is allocated through
+``ALLOC_MEMORY_FUNCS[device]``, whose default registers it with CUDA for asynchronous device
+copies and fails a CPU server's start-up; SGLang's LoRA serving (``--enable-lora``) stages
+adapter weights and per-batch indices in page-locked tensors, which torch refuses without an
+accelerator (docs/cpu_stack.md, "Plugins"). On the CPU all of it is host memory already: the
+plugin gives the ``cpu`` device a plain ``torch.empty``, makes ``Tensor.pin_memory`` return the
+tensor itself and drops ``pin_memory=True`` from torch's tensor factories.
 """
 from __future__ import annotations
 

@@ -1,31 +1,25 @@
 """An SGLang server plugin: LoRA adapters in, exact merged weights served (``actor.lora``).
 
-A LoRA run's weight sync sends only the adapters (``lora_export.AdapterExport``: MBs, not the
-model's GBs), while the engine serves plain merged weights at full speed with no LoRA kernel
-(SGLang's LoRA backends are Triton/CUDA, or per-request adapter slots that every rollout request
-would have to name). This plugin, enabled by :data:`TARGETS_ENV` (the adapted HF module names,
-comma separated), merges on the engine's side:
+A LoRA run's sync sends only the adapters (``lora_export.AdapterExport``) and the engine serves
+plain merged weights with no LoRA kernel (SGLang's LoRA backends are Triton/CUDA, or per-request
+adapter slots every rollout request would have to name); why, and the cost: docs/design.md,
+"LoRA". Enabled by :data:`TARGETS_ENV` (the adapted HF module names, comma separated):
 
 * After the initial load (or a reload from disk) it keeps a host copy of every parameter an
-  adapted module loads into (``model.layers.3.self_attn.q_proj`` goes into SGLang's fused
-  ``qkv_proj.weight``, an expert's ``gate_proj`` into its layer's ``experts.w13_weight``) as this
-  rank holds it (its TP shard, its EP experts), taken before SGLang's post-load processing: the
-  layout its weight loaders, and so a weight update, write.
-* Every later ``load_weights`` (a sync by either transport) reads the scaling
-  (:data:`SCALING_NAME`, sent first) and the adapters under PEFT's keys
-  (``model.layers.3.self_attn.q_proj.lora_A.weight``, ``...lora_B.weight``). Once a module's A
-  and B are in, ``s * B A`` is computed in fp32 on the whole matrix and handed to the model's own
-  weight loader, which shards it into an fp32 scratch swapped in for the parameter during that
-  load. At the first sync the scratch is NaN-filled, so the rows the loader wrote show the
-  module's shard (``q`` of a fused ``qkv``, this rank's rows); they are remembered. Those rows
-  become ``W_base + s B A``, cast once to the parameter's dtype: every sync starts from the kept
-  base, so nothing accumulates or drifts, and each entry is the trainer's own merge
-  (``lora.LoraLinear.merged``). Other names pass through (a full sync still works). The model's
-  ``load_weights`` must load each weight as it draws it, as SGLang's Qwen2, Qwen3, Llama and
-  Qwen2/Qwen3-MoE do.
+  adapted module loads into (``q_proj`` into the fused ``qkv_proj.weight``, an expert's
+  ``gate_proj`` into ``experts.w13_weight``) as this rank holds it (its TP shard, its EP
+  experts), taken before SGLang's post-load processing: the layout a weight update writes.
+* Every later ``load_weights`` (either transport) reads the scaling (:data:`SCALING_NAME`, sent
+  first) and the adapters under PEFT's keys (``...q_proj.lora_A.weight``, ``...lora_B.weight``).
+  Once a module's A and B are in, ``s * B A`` (fp32, whole matrix) goes through the model's own
+  weight loader into an fp32 scratch swapped in for the parameter; NaN-filled at the first sync,
+  the scratch shows which rows the loader wrote (the module's shard), and they are remembered.
+  Those rows become ``W_base + s B A`` from the kept base, cast once to the parameter's dtype, so
+  nothing drifts and each entry is the trainer's own merge (``lora.LoraLinear.merged``). Other
+  names pass through (a full sync still works). The model's ``load_weights`` must load each
+  weight as it draws it, as SGLang's Qwen2, Qwen3, Llama and Qwen2/Qwen3-MoE do.
 
-A restarted engine keeps the base it loads from disk and gets the current adapters from the
-resync that follows.
+A restarted engine keeps the base it loads from disk and gets the adapters from the resync.
 """
 from __future__ import annotations
 

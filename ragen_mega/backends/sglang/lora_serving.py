@@ -1,21 +1,13 @@
-"""SGLang's own LoRA serving for a LoRA run's engines (``actor.lora.sync: native``).
+"""SGLang's own LoRA serving for a LoRA run's engines (``actor.lora.sync: native``;
+``--enable-lora``: S-LoRA-style kernels on a GPU, the ``torch_native`` backend on a CPU).
 
-The default (``sync: adapters``, ``lora_merge.py``) merges the adapters into the engine's
-weights. Here the engines serve the base model and the adapters by name, as SGLang serves LoRA
-(``--enable-lora``; S-LoRA-style kernels on a GPU, the ``torch_native`` backend on a CPU):
-
-* each sync writes the step's adapters as a PEFT directory under the run directory, and every
-  engine loads it as ``ragen_mega_v{version}`` (``/load_lora_adapter`` reads the directory, so
-  the engines must be able to read it, as checkpoints on a cluster's shared file system; SGLang's
-  tensor endpoint, which unpickles what it is sent, is not used);
-* generation requests name the newest version (``EngineGroup.adapter``): a request in flight
-  finishes on the adapter it started with, and the swap is the moment the name changes;
-* each engine keeps the newest two versions (an overlapped rollout may still play the older one)
-  and unloads the one before (SGLang answers once the requests using it have finished).
-
-Against the merge: no host copy of the base weights, no pause for a weight update, and a sync
-moves a few MB; generation pays the adapters' extra matmuls in every request. The merge stays the
-default: this path has run on CPU engines only, and the two have not been compared on a GPU.
+Each sync writes the adapters as a PEFT directory under the run directory (the engines must be
+able to read it) and every engine loads it as ``ragen_mega_v{version}``; requests name the newest
+version (``EngineGroup.adapter``); each engine keeps the newest two (an overlapped rollout may
+still play the older one). Against the default merge (``lora_merge.py``): no host copy of the
+base, no update pause, a sync of a few MB, but the adapters' matmuls in every request. The merge
+stays the default: this path has run on CPU engines only, and the two have not been compared on
+a GPU. How it works: docs/design.md, "LoRA".
 """
 from __future__ import annotations
 

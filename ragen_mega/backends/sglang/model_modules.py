@@ -1,12 +1,10 @@
 """Which of SGLang's model modules a server needs: those that define the checkpoint's
-architectures.
-
-At start-up SGLang's model registry imports all ~260 modules of ``sglang.srt.models`` to find
-the one class it serves (CPU time: benchmarks/README.md, "CPU engine start-up"). It skips the
-modules named in ``SGLANG_DISABLED_MODEL_ARCHS``, so the launcher names all the others there
-(:func:`unneeded_model_modules`). Modules are found by searching their source for
-``class <Architecture>(``, without importing SGLang; when no module defines an architecture (a
-name SGLang maps elsewhere), nothing is skipped.
+architectures. The launcher names all the others in ``SGLANG_DISABLED_MODEL_ARCHS``
+(:func:`unneeded_model_modules`), so SGLang's registry skips them instead of importing all ~260
+modules of ``sglang.srt.models`` at start-up (benchmarks/README.md, "CPU engine start-up").
+Modules are found by searching their source for ``class <Architecture>(``, without importing
+SGLang; when no module defines an architecture (a name SGLang maps elsewhere), nothing is
+skipped.
 """
 from __future__ import annotations
 

@@ -1,11 +1,10 @@
 """Make our SGLang plugins visible to the server processes we launch, and to no other process.
 
-SGLang runs each general plugin of the entry-point group ``sglang.srt.plugins`` in every server
-process before it serves (``sglang.srt.plugins.load_plugins``). In ragen_mega's own package
-metadata they would hook every SGLang process on the machine, a user's too, so
-:func:`plugin_pythonpath` writes a throw-away ``.dist-info`` declaring just the requested ones,
-which the launcher puts on the server's ``PYTHONPATH``. A user's ``SGLANG_PLUGINS`` is a
-whitelist of entry-point names; :func:`allow_plugins` adds ours to it.
+SGLang runs each general plugin in every server process before it serves
+(``sglang.srt.plugins.load_plugins``), so :func:`plugin_pythonpath` declares just the requested
+ones in a throw-away ``.dist-info`` for the server's ``PYTHONPATH`` (docs/cpu_stack.md,
+"Plugins"). A user's ``SGLANG_PLUGINS`` is a whitelist of entry-point names; :func:`allow_plugins`
+adds ours to it.
 """
 from __future__ import annotations
 

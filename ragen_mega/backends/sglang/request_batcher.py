@@ -1,10 +1,7 @@
-"""One batched ``/generate`` for the requests that one pass of the event loop makes.
-
-Every episode is its own coroutine (``rollout/episode.py``), so a turn of 128 episodes is 128
-HTTP requests, each parsed by SGLang's HTTP server and handed to the scheduler one by one; on a
-small model that costs nearly as much as the model (benchmarks/README.md,
-``rollout.batch_requests``). RAGEN's own rollout is batched by turn: every live episode's prompt
-goes to the engine at once.
+"""One batched ``/generate`` for the requests that one pass of the event loop makes: RAGEN's
+turn-by-turn batches, for small models whose per-request HTTP work (each request parsed by
+SGLang's HTTP server and handed to the scheduler one by one) costs nearly as much as the model
+(docs/design.md, "One training step"; benchmarks/README.md, ``rollout.batch_requests``).
 
 :class:`RequestBatcher` leaves the episodes' code as it is: a request waits until the running
 pass of the event loop ends (``loop.call_soon``), by when every episode woken by a batch's

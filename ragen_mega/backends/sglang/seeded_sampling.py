@@ -1,14 +1,12 @@
-"""Seeded sampling for SGLang servers: a request that carries ``sampling_params["sampling_seed"]``
-is sampled as a pure function of its logits, its seed and the token position (SGLang's Gumbel-max
-``multinomial_with_seed``), so it replays exactly whatever else is in the batch. Exact resume
-relies on it: a step's rollout is a function of the step and the weights.
+"""Seeded sampling for CPU SGLang servers: a request that carries
+``sampling_params["sampling_seed"]`` is sampled as a pure function of its logits, its seed and
+the token position (SGLang's Gumbel-max ``multinomial_with_seed``), so it replays exactly
+whatever else is in the batch; exact resume relies on it.
 
-SGLang honours ``sampling_seed`` only under ``--enable-deterministic-inference``, which GPU
-servers get. On CPU that flag cannot start (0.5.23: ``--attention-backend torch_native`` is
-refused by ``arg_groups/overrides.py:_deterministic_attention_backend``, and
-``ModelRunner.maybe_enable_batch_invariant_mode`` raises "No supported accelerator" in
-``get_dispatch_device_backend``), and the seeded sampler's hash is a ``sgl_kernel`` CPU op that
-PyPI does not ship. So CPU servers load :func:`seeded_sampling_plugin` (``plugins.py``) instead.
+GPU servers get this from ``--enable-deterministic-inference``. On CPU that flag cannot start
+(among other refusals, ``ModelRunner.maybe_enable_batch_invariant_mode`` raises in
+``get_dispatch_device_backend``) and the seeded sampler's hash is a ``sgl_kernel`` op PyPI does
+not ship, so CPU servers load :func:`seeded_sampling_plugin` (docs/cpu_stack.md, "Plugins").
 """
 from __future__ import annotations
 

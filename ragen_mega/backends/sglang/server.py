@@ -1,24 +1,19 @@
 """Launch a real SGLang server (``python -m sglang.launch_server``) as a child process.
 
-Each server has its own session (``start_new_session=True``), so :meth:`EngineServer.shutdown`
-kills the whole group: SGLang's scheduler and detokenizer would otherwise keep memory and ports.
-Output goes to a log file, after a line naming the server's pid (a restarted engine appends);
-a failed or timed-out start-up raises with the log's tail, where SGLang says why. A server dies
-with the process that started it, however that ends (SIGKILL, Ray's memory monitor, Ray ending a
-dead driver's actors): the launcher arms ``PR_SET_PDEATHSIG`` (``backends/parent_death.py``: so
-start servers from a long-lived thread), and SGLang's children do the same towards it; its own
-session keeps it out of the starter's process-group signals.
+Each server has its own session, so :meth:`EngineServer.shutdown` kills the whole group
+(SGLang's scheduler and detokenizer would otherwise keep memory and ports) and the starter's
+process-group signals do not reach it. Output goes to a log file, after a line naming the
+server's pid (a restarted engine appends); a failed or timed-out start raises with the log's
+tail. A server dies with the process that started it (``PR_SET_PDEATHSIG``,
+``backends/parent_death.py``: so start servers from a long-lived thread; docs/design.md, "A dead
+engine, a dead driver").
 
-GPU servers get SGLang's defaults on the GPUs they are given (``gpu_ids``). A machine without
-CUDA gets the CPU way (docs/cpu_stack.md, "SGLang on CPU"): ``SGLANG_USE_CPU_ENGINE=1``,
-:data:`CPU_ARGS`, import-only stand-ins for ``sgl_kernel``/``torchvision`` (``cpu_standins``), a
-bounded KV cache (on CPU SGLang sizes it from *host* RAM: ~15 GB for a tiny model) and the
-:data:`CPU_PLUGINS` (each plugin's module says what it does; docs/cpu_stack.md, "Plugins").
-
-Seeded sampling (``seeded_sampling=True``: a request with ``sampling_seed`` replays exactly,
-whatever else is in the batch) is ``--enable-deterministic-inference`` on GPU and the
-``seeded_sampling.py`` plugin on CPU, where that flag cannot start. Every server's model registry
-imports only the modules that define the checkpoint's architectures (``model_modules.py``).
+GPU servers get SGLang's defaults on the GPUs they are given (``gpu_ids``), and
+``--enable-deterministic-inference`` for seeded sampling. A machine without CUDA gets
+``SGLANG_USE_CPU_ENGINE=1``, :data:`CPU_ARGS`, the ``cpu_standins``, a bounded KV cache and the
+:data:`CPU_PLUGINS`, seeded sampling among them (docs/cpu_stack.md, "SGLang on CPU"). Every
+server's model registry imports only the modules that define the checkpoint's architectures
+(``model_modules.py``).
 """
 from __future__ import annotations
 

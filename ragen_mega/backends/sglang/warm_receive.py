@@ -1,24 +1,20 @@
 """Weight-sync receives on CPU SGLang servers: into memory that is reused, loaded as they land.
 
-For ``/update_weights_from_distributed`` (per-tensor format) SGLang 0.5.23 allocates every
-tensor with ``torch.empty``, broadcasts into all of them, waits for all, and only then calls the
-model's ``load_weights``. On CPU the allocator maps large blocks fresh each time, and their
-first-touch page faults dominate the receive (benchmarks/README.md, "Weight sync from a TP=2
-Megatron trainer"); the load waits for the last byte. A GPU's caching allocator hands back warm
-memory, so the plugin is for CPU servers only (``server.build_env`` adds it there; it steps aside
-for any non-CPU runner).
-
-:func:`warm_receive_plugin` replaces that receive:
+For per-tensor ``/update_weights_from_distributed`` SGLang 0.5.23 allocates every tensor with
+``torch.empty``, receives all, and only then calls ``load_weights``; on CPU the fresh blocks'
+first-touch page faults dominate the receive (a GPU's caching allocator hands back warm memory,
+so the plugin steps aside for any non-CPU runner). :func:`warm_receive_plugin` replaces that
+receive (docs/cpu_stack.md, "Plugins"; numbers: benchmarks/README.md, "Weight sync from a TP=2
+Megatron trainer"):
 
 * tensors are carved, 64-byte aligned, from one arena that lives across updates and grows to the
-  largest bucket, so from the second sync on the receive writes warm pages. Cost: one bucket of
-  host memory (at most the sender's ``bucket_bytes``) per engine rank.
-* the returned sequence's iterator waits for each tensor's broadcast just before handing it out,
-  so ``load_weights`` copies tensor i while tensor i+1 arrives (gloo receives on its own threads).
-* after the load it waits for receives still pending (a load that failed half way) and checks
-  that no parameter or buffer aliases the arena (a loader that kept a received tensor); if one
-  does, the arena is left to the model and the next update allocates a new one, so reuse never
-  overwrites live weights.
+  largest bucket: from the second sync on the receive writes warm pages, at the cost of one
+  bucket of host memory (at most the sender's ``bucket_bytes``) per engine rank;
+* reading tensor i waits for its broadcast only, so ``load_weights`` copies tensor i while
+  tensor i+1 arrives (gloo receives on its own threads);
+* after the load it waits for receives still pending (a load that failed half way) and, if a
+  parameter or buffer aliases the arena (a loader kept a received tensor), leaves the arena to
+  the model and allocates a new one next update, so reuse never overwrites live weights.
 """
 from __future__ import annotations
 

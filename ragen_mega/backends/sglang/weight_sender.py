@@ -1,24 +1,22 @@
 """Ship a model's weights, as ``(hf_name, tensor)`` pairs, into running SGLang engines.
 
 The trainer side of weight sync, whatever produced the tensors (Megatron export, a plain
-``state_dict``). Tensors are packed into buckets of about ``bucket_bytes`` (a larger tensor goes
-alone), one bucket in flight at a time, each sent by one of two transports:
+``state_dict``): buckets of about ``bucket_bytes`` (a larger tensor goes alone), one in flight,
+each sent by one of two transports along :meth:`BucketedWeightSender.send` (docs/design.md,
+"Weight sync, streamed"):
 
-* ``mode="distributed"`` (trainer and engines on different devices/nodes): broadcast from rank 0
-  of a process group that the sender and every engine TP rank joined (engine ``i`` takes ranks
-  ``1 + sum(tp of engines before i)`` onwards; :mod:`~ragen_mega.backends.sglang.update_group`).
+* ``mode="distributed"``: broadcast from rank 0 of a group that every engine TP rank joined
+  (engine ``i`` takes ranks ``1 + sum(tp of engines before i)`` onwards; ``update_group.py``).
   SGLang's ``/update_weights_from_distributed`` answers only after the broadcast has arrived, so
   the HTTP calls run on the clients' threads while this thread broadcasts; if an engine refuses
   the update, the broadcast is abandoned with an error instead of waiting forever.
-* ``mode="tensor"`` (colocated: same host/GPU): pickled with torch's multiprocessing pickler, so
-  only handles (CUDA IPC, or a shared-memory file on CPU) travel over HTTP
-  (:mod:`~ragen_mega.backends.sglang.payloads`).
+* ``mode="tensor"`` (colocated): pickled with torch's multiprocessing pickler, so only handles
+  (CUDA IPC, or a shared-memory file on CPU) travel over HTTP (``payloads.py``).
 
-:meth:`BucketedWeightSender.send` describes the path both take. Pausing generation around a sync
-is the caller's choice (``EngineClient.pause_generation`` / ``continue_generation``).
-
-The design follows slime's ``UpdateWeightFromDistributed`` (buckets, a custom group with the
-trainer at rank 0, HTTP calls overlapped with the broadcast); the code is our own.
+Pausing generation around a sync is the caller's choice (``EngineClient.pause_generation`` /
+``continue_generation``). The design follows slime's ``UpdateWeightFromDistributed`` (buckets, a
+custom group with the trainer at rank 0, HTTP calls overlapped with the broadcast); the code is
+our own.
 """
 from __future__ import annotations
 

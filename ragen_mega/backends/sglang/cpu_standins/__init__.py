@@ -1,25 +1,19 @@
 """Import-only stand-ins for ``sgl_kernel`` and ``torchvision``, so SGLang's server runs on CPU.
 
-Why: SGLang 0.5.23 imports both packages at module level on its CPU path, but neither installs
-on a CPU machine: PyPI's ``sgl-kernel`` wheels are CUDA builds, and PyPI's ``torchvision`` for
-torch 2.13 is a CUDA build that fails to load. On the CPU path (``SGLANG_USE_CPU_ENGINE=1
---device cpu --attention-backend torch_native --sampling-backend pytorch``) SGLang only
-*imports* names from them; it never calls one.
+SGLang 0.5.23 imports both at module level on its CPU path, where it only imports names from
+them, and neither installs on a CPU machine. The stand-ins hold exactly the names the server
+touches while it starts, loads a Llama/Qwen2 checkpoint, generates and updates weights: the
+``*_cpu`` functions in ``sgl_kernel/__init__.py``; torchvision's ``__version__`` (transformers
+parses it), ``io.{ImageReadMode, decode_image}``, ``transforms.InterpolationMode``,
+``transforms.functional.{InterpolationMode, pil_to_tensor}`` and ``transforms.v2.functional``
+(the module only). Functions raise :class:`CpuStandinError` if called; enums are real enums
+because SGLang and transformers read their members at import time; any other name raises
+``AttributeError``, so SGLang's ``try: from sgl_kernel import X`` fallbacks still work.
 
-What they hold: exactly the names the server touches while it starts, loads a Llama/Qwen2
-checkpoint, generates and updates weights on CPU (found by starting the real server with a
-tracing import hook): the ``*_cpu`` functions in ``sgl_kernel/__init__.py``; torchvision's
-``__version__`` (transformers parses it), ``io.{ImageReadMode, decode_image}``,
-``transforms.InterpolationMode``, ``transforms.functional.{InterpolationMode, pil_to_tensor}``
-and ``transforms.v2.functional`` (the module only). Functions raise :class:`CpuStandinError` if
-called; enums are real enums because SGLang and transformers read their members at import time.
-Any *other* name raises ``AttributeError``, so SGLang's own ``try: from sgl_kernel import X /
-except ImportError`` fallbacks still take effect.
-
-When they are used: only by :func:`ragen_mega.backends.sglang.server.launch_server`, only for
-the *server* process (via its ``PYTHONPATH``), and only for a package that is really absent
-(:func:`server_pythonpath`), so they never shadow an installed package, and no other process
-(trainer, driver, tests) sees them. On a GPU cluster neither is used.
+Only :func:`ragen_mega.backends.sglang.server.launch_server` uses them, on the server process's
+``PYTHONPATH`` and only for a package that is really absent (:func:`server_pythonpath`), so they
+never shadow an installed package and no other process sees them. Why each is needed and how the
+names were found: docs/cpu_stack.md, "Import-only stand-ins".
 """
 from __future__ import annotations
 
