@@ -239,14 +239,21 @@ def engines_started_together(hf_dir, *engines: dict, **common):
     """SGLang servers for ``hf_dir`` (one per dict of ``launch_server`` arguments, ``common``
     added to each), started side by side and yielded once all are healthy: each imports SGLang
     and loads its model in its own process, so on two cores three take about 20 s less than one
-    after another. Every one is stopped on the way out."""
-    from ragen_mega.backends.sglang.server import launch_server
+    after another. A server whose free port another process took before it listened (two test
+    files run at once) is launched again, as ``launch_server`` does when it waits itself. Every
+    one is stopped on the way out."""
+    from ragen_mega.backends.sglang.server import EnginePortTaken, launch_server
 
     with contextlib.ExitStack() as stack:
         servers = [stack.enter_context(launch_server(hf_dir, wait=False, **common, **kw))
                    for kw in engines]
-        for server in servers:
-            server.wait_healthy(600)
+        for i, (server, kw) in enumerate(zip(servers, engines)):
+            try:
+                server.wait_healthy(600)
+            except EnginePortTaken:
+                server.shutdown()
+                servers[i] = stack.enter_context(launch_server(hf_dir, startup_timeout=600,
+                                                               **common, **kw))
         yield servers
 
 
