@@ -1,8 +1,7 @@
 """Reference lines of a TextWorld game (:class:`~ragen_mega.envs.textworld_env.TextWorldEnv`).
 
-- ``random_valid``: a uniformly random admissible command at every step (the random agent the
-  issue of BALROG's TextWorld port asks for; BALROG itself publishes none), estimated from
-  ``episodes`` seeded games per map;
+- ``random_valid``: a uniformly random admissible command at every step (BALROG publishes no
+  random baseline), estimated from ``episodes`` seeded games per map;
 - ``optimal``: the game's walkthrough (textworld's recorded winning commands) played within the
   budget: 1 when it fits. The walkthrough is the shortest path on coin collector's tree maps
   and may not be on the others, so there this is a lower bound of the best policy's success.
