@@ -31,6 +31,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from ragen_mega.envs.checks import is_int
 from ragen_mega.models.prepare import atomic_dir, cache_dir
 
 #: task -> (textworld challenge, BALROG's settings); a ``level`` kwarg replaces ``level``
@@ -54,8 +55,6 @@ LOCK = threading.RLock()
 
 def check_task(task: object, level: object, split: object, games: object) -> None:
     """Refuse settings no game can be made from, naming the kwarg."""
-    from ragen_mega.envs.checks import is_int
-
     if task not in TASKS:
         raise ValueError(f"textworld: unknown task {task!r}; choose one of {sorted(TASKS)}")
     if level is not None:
