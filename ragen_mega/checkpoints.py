@@ -75,14 +75,14 @@ def latest_complete_step(run_dir: str | Path) -> int | None:
     return int(text)
 
 
-def discard_incomplete(run_dir: str | Path) -> list[Path]:
-    """Remove the step directories newer than ``latest_step`` (a save that never completed);
-    returns them. An unreadable pointer says nothing about which saves completed: nothing is
-    removed (:func:`newest_intact_step` then verifies every step instead)."""
+def discard_incomplete(run_dir: str | Path) -> None:
+    """Remove the step directories newer than ``latest_step`` (a save that never completed). An
+    unreadable pointer says nothing about which saves completed: nothing is removed
+    (:func:`newest_intact_step` then verifies every step instead)."""
     try:
         newest = latest_complete_step(run_dir) or 0
     except UnreadablePointer:
-        return []
+        return
     root = checkpoint_root(run_dir)
     stale = [d for role in ("actor", "critic") for d in sorted((root / role).glob("step_*"))
              if d.name[5:].isdigit() and int(d.name[5:]) > newest]
@@ -90,7 +90,6 @@ def discard_incomplete(run_dir: str | Path) -> list[Path]:
         warnings.warn(f"trainer.resume: discarding {d}: its step never completed "
                       f"(latest_step is {newest})")
         shutil.rmtree(d)
-    return stale
 
 
 def newest_intact_step(run_dir: str | Path, with_critic: bool) -> int | None:
@@ -279,7 +278,6 @@ def resume(cfg: RunConfig, actor: TrainerGroup, critic: TrainerGroup | None
                       f"rollout, played during step {step} (trainer.async_mode=one_step_off); "
                       f"without it now, step {step + 1} is played again")
         pending = None
-    if pending is not None:
-        pending = PlayedStep.from_state_dict(pending,
-                                             Path(cfg.trainer.run_dir) / "faults.jsonl")
+    elif pending is not None:
+        pending = PlayedStep.from_state_dict(pending, Path(cfg.trainer.run_dir) / "faults.jsonl")
     return step, extra.get("streams"), pending

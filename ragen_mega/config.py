@@ -277,7 +277,6 @@ class RunConfig:
                                   f"ranks, so it must divide trainer.data_parallel="
                                   f"{self.trainer.data_parallel}, got {ep}")
 
-
     def _validate_estimator_needs(self):
         """What the estimator declares it needs (``algo/estimators.py``'s ``EstimatorSpec``):
         a critic, no critic, groups of two or more."""

@@ -10,12 +10,12 @@ reference ending docs/configuration.md (:func:`reference_markdown`, via
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
 from ragen_mega.config import RunConfig, load_run_config
-from ragen_mega.config_tree import (ConfigError, KeyDoc, describe_keys, dump_yaml, to_dict,
-                                    yaml_value)
+from ragen_mega.config_tree import ConfigError, KeyDoc, describe_keys, dump_yaml, yaml_value
 
 #: the heading the generated reference starts with; docs/configuration.md ends with it
 REFERENCE_HEADING = "## Every key"
@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
                                   "or overrides")
             sys.stdout.write(keys_yaml(args.keys))
         else:
-            sys.stdout.write(dump_yaml(to_dict(load_run_config(config, overrides)), width=100))
+            cfg = load_run_config(config, overrides)
+            sys.stdout.write(dump_yaml(dataclasses.asdict(cfg), width=100))
     except ConfigError as e:
         print(f"ragen-mega config: config error: {e}", file=sys.stderr)
         return 2

@@ -84,7 +84,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         others = [a for a in args if a is not type(None)]
         if len(others) == 1:  # Optional[X]: X's own message (a Literal's allowed values)
             return _coerce(value, others[0], key)
-        for arg in (a for a in args if a is not type(None)):
+        for arg in others:
             try:
                 return _coerce(value, arg, key)
             except ConfigError:
@@ -339,11 +339,6 @@ def load_config(root_type: type[T], path: str | Path | None = None,
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
         values = loaded or {}
     return build_config(root_type, _deep_update(values, parse_overrides(overrides or [])))
-
-
-def to_dict(cfg: Any) -> dict:
-    """The tree as plain nested dicts (for YAML dumps next to checkpoints and TensorBoard)."""
-    return dataclasses.asdict(cfg)
 
 
 class _CoreSchemaDumper(yaml.SafeDumper):

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 from ragen_mega.config import RunConfig, load_run_config
@@ -82,11 +83,10 @@ def evaluate(cfg: RunConfig, checkpoint: str) -> dict:
     with hf_weights(checkpoint) as model_dir:
         episodes = play_held_out(cfg, model_dir)
     metrics = summarize(episodes, "val")
-    tags = sorted({e.samples[0].env_tag for e in episodes})
-    counts = {tag: sum(e.samples[0].env_tag == tag for e in episodes) for tag in tags}
+    counts = Counter(e.samples[0].env_tag for e in episodes)
     lines, tag_lines = held_out_references(cfg)
     report = {**pick(metrics, "val"), "episodes": len(episodes), "per_tag": {
-        tag: {**pick(metrics, f"val/{tag}"), "episodes": counts[tag]} for tag in tags}}
+        tag: {**pick(metrics, f"val/{tag}"), "episodes": counts[tag]} for tag in sorted(counts)}}
     if lines:
         report["references"] = lines
     for tag, row in report["per_tag"].items():
@@ -145,7 +145,7 @@ def play_held_out(cfg: RunConfig, model_dir: str) -> list:
 
 def format_table(report: dict) -> str:
     """One row per env tag, then the total; the reference lines next to the success."""
-    rows = [(tag, report["per_tag"][tag]) for tag in report["per_tag"]] + [("all", report)]
+    rows = [*report["per_tag"].items(), ("all", report)]
     ks = sorted({k for _, row in rows for k in row if k.startswith("pass@")})
     refs = [k for k in REFERENCE_KEYS if any(k in row.get("references", {}) for _, row in rows)]
     cols = ["episodes", "success", *refs, *ks, "valid_action_rate", "mean_turns",

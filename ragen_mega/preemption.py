@@ -43,11 +43,11 @@ class StopRequest:
 
 
 @contextlib.contextmanager
-def stop_on_signals(signals: tuple[int, ...] = STOP_SIGNALS) -> Iterator[StopRequest]:
-    """Route ``signals`` to a :class:`StopRequest` inside the block; the previous handlers come
-    back afterwards (a second ``train`` call in one process starts with a clear flag)."""
+def stop_on_signals() -> Iterator[StopRequest]:
+    """Route :data:`STOP_SIGNALS` to a :class:`StopRequest` inside the block; the previous handlers
+    come back afterwards (a second ``train`` call in one process starts with a clear flag)."""
     stop = StopRequest()
-    previous = {s: signal.signal(s, stop.request) for s in signals}
+    previous = {s: signal.signal(s, stop.request) for s in STOP_SIGNALS}
     try:
         yield stop
     finally:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ragen_mega import checkpoints
-from ragen_mega.config_tree import ConfigError, to_dict
+from ragen_mega.config_tree import ConfigError
 
 #: the config file a start writes into the run directory and the next start compares with
 CONFIG_FILE = "config.json"
@@ -83,7 +83,7 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 def config_record(cfg) -> dict:
     """The run config as ``RUN_DIR/config.json`` holds it (tuples as lists, JSON's values)."""
-    return json.loads(json.dumps(to_dict(cfg)))
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
 def may_change(key: str) -> bool:
@@ -95,14 +95,6 @@ def config_changes(saved: dict, now: dict) -> dict[str, tuple[Any, Any]]:
     different values; a key only one side holds (another code version's config) is skipped."""
     old, new = flatten(saved), flatten(now)
     return {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
-
-
-def _show(value: Any) -> str:
-    return json.dumps(value)
-
-
-def _listed(changes: dict[str, tuple[Any, Any]]) -> str:
-    return ", ".join(f"{k} {_show(a)} -> {_show(b)}" for k, (a, b) in changes.items())
 
 
 def start_plan(cfg) -> StartPlan:
@@ -124,7 +116,8 @@ def start_plan(cfg) -> StartPlan:
     meaning = {k: v for k, v in changes.items() if not may_change(k)}
     forced = bool(meaning) and mode == "force"
     if meaning and not forced:
-        keys = "\n".join(f"  {k}: {_show(a)} -> {_show(b)}" for k, (a, b) in meaning.items())
+        keys = "\n".join(f"  {k}: {json.dumps(a)} -> {json.dumps(b)}"
+                         for k, (a, b) in meaning.items())
         raise ConfigChanged(
             f"{run_dir} holds a run at step {newest} whose config differs in keys that change "
             f"what it trains:\n{keys}\nStart a new run (another trainer.run_dir), put these keys "
@@ -139,8 +132,10 @@ def start_plan(cfg) -> StartPlan:
         if not saved_file.is_file():
             message += f" (no {CONFIG_FILE} there to compare the config with)"
     if changes:
+        listed = ", ".join(f"{k} {json.dumps(a)} -> {json.dumps(b)}"
+                           for k, (a, b) in changes.items())
         message += (f"; {'FORCED (trainer.resume=force), ' if forced else ''}changed since its "
-                    f"last start: {_listed(changes)}")
+                    f"last start: {listed}")
     return StartPlan(run_dir, newest, t.total_steps, changes, forced, message)
 
 

@@ -88,19 +88,6 @@ def batches(examples: list, batch_size: int, seed: int) -> Iterator[list]:
         order = order[batch_size:]
 
 
-def heldout_batch(examples: list, pad_id: int, rows_multiple_of: int) -> dict[str, torch.Tensor]:
-    """The held-out examples as one batch, padded with loss-free copies of the first to whole
-    micro-batches on every rank."""
-    from ragen_mega.sft_data import collate_examples
-
-    batch = collate_examples(examples, pad_id)
-    extra = -len(examples) % rows_multiple_of
-    if extra:
-        batch = {k: torch.cat([v, v[:1].expand(extra, *v.shape[1:])]) for k, v in batch.items()}
-        batch["loss_mask"][len(examples):] = 0.0
-    return batch
-
-
 def heldout_loss(actor, batch: dict[str, torch.Tensor]) -> float:
     """Token-mean negative log-likelihood of the held-out targets under the actor's weights."""
     logprobs = actor.compute_logprobs(batch)
@@ -122,19 +109,17 @@ def placed_actor(cfg: RunConfig, model_dir: str, total_steps: int):
                          host_cpus=os.cpu_count() or 1, use_gpu=torch.cuda.is_available(),
                          with_engines=False)
     pg = create_placement_group(res.placement)
-    actor = None
     try:
         actor = TrainerGroup("actor", model_dir, cfg.actor, pg, res.actor_bundles,
                              num_cpus=res.trainer_cpus, num_gpus=res.trainer_gpus,
                              threads=res.trainer_threads, seed=cfg.trainer.seed,
                              objective=SFTObjective(), total_steps=total_steps)
-        yield actor
-    finally:
         try:
-            if actor is not None:
-                actor.kill()
+            yield actor
         finally:
-            remove_placement_group(pg)
+            actor.kill()
+    finally:
+        remove_placement_group(pg)
 
 
 @dataclasses.dataclass
@@ -171,14 +156,16 @@ def run(p: Prepared) -> list[dict[str, float]]:
     """Train (module doc); returns every logged step's metrics (step 0: the held-out loss of
     the start weights) and leaves the Hugging Face directory at :func:`output_dir`."""
     from ragen_mega.backends.megatron.convert import megatron_to_hf
+    from ragen_mega.backends.megatron.train import pad_rows
     from ragen_mega.logging import RunLogger, append_metrics
     from ragen_mega.ray.cluster import init_ray
     from ragen_mega.run_intent import config_record
     from ragen_mega.sft_data import collate_examples
 
     cfg, s = p.cfg, p.cfg.sft
-    held = heldout_batch(p.heldout, p.pad_id,
-                         cfg.actor.micro_batch_size * cfg.trainer.data_parallel)
+    # padded with loss-free copies of the first example to whole micro-batches on every rank
+    held = pad_rows(collate_examples(p.heldout, p.pad_id),
+                    cfg.actor.micro_batch_size * cfg.trainer.data_parallel)
     run_dir = Path(cfg.trainer.run_dir)
     with holding_run_dir(run_dir, "sft"):  # a second job in this directory exits here
         init_ray(cfg.trainer.ray_address)
@@ -212,11 +199,6 @@ def run(p: Prepared) -> list[dict[str, float]]:
         progress.say(f"writing the Hugging Face model to {output_dir(cfg)}")
         megatron_to_hf(checkpoint, output_dir(cfg))
     return history
-
-
-def sft(cfg: RunConfig) -> list[dict[str, float]]:
-    """:func:`prepare`, then :func:`run`."""
-    return run(prepare(cfg))
 
 
 def main(argv: list[str] | None = None) -> int:

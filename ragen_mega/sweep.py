@@ -117,7 +117,7 @@ class SweepConfig:
             if not _NAME.fullmatch(name):
                 raise ConfigError(f"variants[{i}].name: {name!r} is not a directory name "
                                   f"(letters, digits, _ . = + , -)")
-        for name in variant_names(self):  # the grid's, named by its values
+        for name in variant_overrides(self):  # the grid's, named by its values
             if not _NAME.fullmatch(name):
                 raise ConfigError(f"grid: its variant {name!r} is not a directory name "
                                   f"(letters, digits, _ . = + , -); use plainer values")
@@ -129,7 +129,7 @@ class SweepConfig:
             if clash:
                 raise ConfigError(f"{where}: {', '.join(clash)} set by the sweep (the run "
                                   f"directory, seed_keys) for every run")
-        known = set(variant_names(self))
+        known = set(variant_overrides(self))
         for i, pair in enumerate(self.report.pairs):
             for name in pair:
                 if name not in known:
@@ -169,10 +169,6 @@ def variant_overrides(sweep: SweepConfig) -> dict[str, dict[str, Any]]:
     points = _grid_points(sweep.grid) or [("", {})]
     return {"_".join(n for n in (name, point) if n): {**over, **extra}
             for name, over in listed for point, extra in points}
-
-
-def variant_names(sweep: SweepConfig) -> list[str]:
-    return list(variant_overrides(sweep))
 
 
 def _override(key: str, value: Any) -> str:
@@ -426,6 +422,6 @@ def main(argv: list[str] | None = None) -> int:
               f"(sbatch options override its #SBATCH lines, e.g. sbatch --nodes=1 "
               f"--gpus-per-node=1 {path})")
         return 0
-    print(f"ragen-mega sweep: {len(runs)} runs ({len(variant_names(sweep))} variants x "
+    print(f"ragen-mega sweep: {len(runs)} runs ({len(variant_overrides(sweep))} variants x "
           f"{len(sweep.seeds)} seeds) in {sweep.dir}", flush=True)
     return run_locally(sweep, runs)

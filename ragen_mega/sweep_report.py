@@ -98,18 +98,14 @@ def estimate(values: Sequence[float], statistic: Callable[..., float], reps: int
 
 
 # ------------------------------------------------------------------------------- run scores
-def _at(steps: list[int], values: list[float], step: int) -> float | None:
-    return values[steps.index(step)] if step in steps else None
-
-
 def run_scores(rows: list[dict], references: dict[str, float], cfg, report) -> dict:
     """One run's scores (module docstring): ``end``, ``step_<s>``, ``auc``, ``reach_<line>``
     (with ``reached_<line>``), ``collapsed`` (1/0, None when undefined) and
     ``collapse_step``."""
     steps, values = series(rows, report.metric)
     out: dict = {"end": values[-1] if values else None, "last_step": steps[-1] if steps else 0}
-    for s in report.at_steps:
-        out[f"step_{s}"] = _at(steps, values, s)
+    at = dict(zip(steps, values))
+    out.update({f"step_{s}": at.get(s) for s in report.at_steps})
     out["auc"] = (float(np.trapezoid(values, steps)) / (steps[-1] - steps[0])
                   if len(steps) >= 2 else None)
     for line, share in report.lines.items():

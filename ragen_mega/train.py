@@ -356,10 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         train(cfg)
-    except run_intent.ConfigChanged as e:
-        print(f"ragen-mega train: {e}", file=sys.stderr)
-        return 2
-    except RunDirInUse as e:
+    except (run_intent.ConfigChanged, RunDirInUse) as e:
         print(f"ragen-mega train: {e}", file=sys.stderr)
         return 2
     except preemption.Preempted as stopped:

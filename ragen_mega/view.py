@@ -19,6 +19,7 @@ import functools
 import json
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,16 +75,6 @@ def run_summary(run_dir: Path) -> dict[str, Any]:
     return {"run": run_dir.name, "steps": [steps[k] for k in sorted(steps)]}
 
 
-def _responses_by_turn(records) -> dict[tuple[int, int], dict[str, int]]:
-    """(group, turn) -> response text -> how many episodes wrote it."""
-    counts: dict[tuple[int, int], dict[str, int]] = {}
-    for r in records:
-        for t in r["turns"]:
-            bucket = counts.setdefault((r["group"], t["turn"]), {})
-            bucket[t["response"]] = bucket.get(t["response"], 0) + 1
-    return counts
-
-
 def _previous_responses(run_dir: Path, kind: str, step: int) -> set[str] | None:
     """Every response of the previous step's file of ``kind`` (None: there is none)."""
     try:
@@ -96,10 +87,10 @@ def _previous_responses(run_dir: Path, kind: str, step: int) -> set[str] | None:
 def marked(records, previous: set[str] | None) -> list[dict[str, Any]]:
     """``records`` with each turn's echo marks: ``repeats_in_group`` (other episodes of its
     group that wrote the same response at the same turn) and ``in_previous_step``."""
-    counts = _responses_by_turn(records)
+    counts = Counter((r["group"], t["turn"], t["response"]) for r in records for t in r["turns"])
     out = []
     for r in records:
-        turns = [{**t, "repeats_in_group": counts[(r["group"], t["turn"])][t["response"]] - 1,
+        turns = [{**t, "repeats_in_group": counts[(r["group"], t["turn"], t["response"])] - 1,
                   "in_previous_step": None if previous is None else t["response"] in previous}
                  for t in r["turns"]]
         out.append({**r, "turns": turns})

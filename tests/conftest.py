@@ -351,6 +351,37 @@ def training_grads(chunks, ids, mask, rank, *, reduce_over_dp: bool = False):
     return (grads if rank == 0 else None), metrics
 
 
+def load_adapters(chunks, tensors) -> None:
+    """Set the adapters of ``chunks`` from whole tensors under ``lora.adapter_tensors``' keys:
+    each rank takes its slice. Every adapter must be there with its shape; extra keys (another
+    stage's layers) are ignored."""
+    from megatron.core import parallel_state as mpu
+
+    from ragen_mega.backends.megatron.chunk import unwrap
+    from ragen_mega.backends.megatron.lora import adapter_tensors
+
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for model in map(unwrap, chunks):
+            for key, param, axis in adapter_tensors(model):
+                if key not in tensors:
+                    raise KeyError(f"adapter {key} is missing")
+                part = tensors[key] if axis is None else tensors[key].chunk(tp, dim=axis)[tp_rank]
+                if part.shape != param.shape:
+                    raise ValueError(f"adapter {key}: shape {tuple(tensors[key].shape)} gives "
+                                     f"this rank {tuple(part.shape)}, the model has "
+                                     f"{tuple(param.shape)} (rank or model differ)")
+                param.copy_(part)
+
+
+def hf_to_megatron_shard(*args, **kwargs) -> dict:
+    """{local Megatron name: this TP rank's shard} for one model chunk: the arguments and pairs
+    of ``mapping.iter_hf_to_megatron_shard``, as a dict."""
+    from ragen_mega.models import mapping
+
+    return dict(mapping.iter_hf_to_megatron_shard(*args, **kwargs))
+
+
 PID_LINE = re.compile(r"^\[ragen-mega\] SGLang server pid (\d+):", re.M)
 
 
@@ -467,6 +498,29 @@ def stop_env_server(proc) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
+
+
+def served_and_local(env: str, kwargs: dict, answers: list[str], tokenizer, max_turns: int = 6):
+    """Two groups of two episodes of ``env`` (seeds from 0) with the same scripted ``answers``
+    (one action a turn, thinking on), played in this process and on ``ragen-mega env-server
+    ENV``: ``(local, remote)`` episode results, in the same order."""
+    from ragen_mega.agent import AgentConfig
+    from ragen_mega.rollout.remote_env import RemoteEnvs
+    from ragen_mega.rollout.seeding import EnvPart, mix_specs
+
+    agent = AgentConfig(think=True, max_actions_per_turn=1)
+    specs = mix_specs([EnvPart("served", env, kwargs, 2)], group_size=2, first_seed=0)
+    proc, url = start_env_server(env, *[f"--kwarg={k}={v}" for k, v in kwargs.items()])
+    try:
+        local = asyncio.run(_run_episodes_keyed(specs, tokenizer, agent,
+                                                _scripted(tokenizer, answers),
+                                                max_turns=max_turns))
+        remote = asyncio.run(asyncio.wait_for(_run_episodes_keyed(
+            specs, tokenizer, agent, _scripted(tokenizer, answers), max_turns=max_turns,
+            open_env=RemoteEnvs([url], timeout_s=30).open), 120))
+    finally:
+        stop_env_server(proc)
+    return local, remote
     proc.stdout.close()
 
 

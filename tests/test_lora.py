@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_batch
+from conftest import load_adapters, make_batch
 from ragen_mega.backends.megatron.launch import run_workers
 
 RANK, ALPHA = 4, 8.0
@@ -57,7 +57,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
         base_lp, _ = forward_logprobs(chunks, ids, mask, micro_batch_size=2)
         lora.apply_lora(chunks, settings, seed=0)
         fresh_lp, _ = forward_logprobs(chunks, ids, mask, micro_batch_size=2)
-        lora.load_adapters(chunks, adapters)
+        load_adapters(chunks, adapters)
         lp, _ = forward_logprobs(chunks, ids, mask, micro_batch_size=2)
         run_schedule(chunks, split_microbatches(ids, mask, 2),
                      make_forward_step(temperature=1.0, compute_entropy=True, loss_fn=_loss),
@@ -73,7 +73,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, batch, ckpt_root, peft_dir
         out[(tp, pp)] = dict(base_lp=base_lp, fresh_lp=fresh_lp, lp=lp, grads=grads,
                              frozen_grads=frozen_grads)
         if (tp, pp) == (2, 1):
-            lora.load_adapters(chunks, adapters)   # the data above were the gradients
+            load_adapters(chunks, adapters)   # the data above were the gradients
             out["merged"] = dict(export_hf_state(chunks))
         del chunks
         gc.collect()
@@ -193,6 +193,35 @@ def _row_logprobs(model, ids, mask, grad: bool = False):
         if grad:
             (loss / ((len(rows) + 1) // 2)).backward()
     return lp
+
+
+def read_peft_adapter(adapter_dir):
+    """A PEFT LoRA adapter directory's tensors (keys as ``lora.adapter_tensors`` names them)
+    and settings; what it cannot express here is refused, naming the field."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from ragen_mega.backends.megatron.lora import LoraSettings
+    from ragen_mega.backends.megatron.lora_export import PEFT_PREFIX
+
+    adapter_dir = Path(adapter_dir)
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    for field, allowed in (("peft_type", ("LORA",)), ("bias", ("none",)),
+                           ("use_rslora", (False, None)), ("use_dora", (False, None)),
+                           ("fan_in_fan_out", (False, None))):
+        if config.get(field, allowed[0]) not in allowed:
+            raise ValueError(f"{adapter_dir}/adapter_config.json: {field} is "
+                             f"{config[field]!r}; only {allowed[0]!r} is supported")
+    targets = config["target_modules"]
+    targets = [targets] if isinstance(targets, str) else targets
+    settings = LoraSettings(int(config["r"]), float(config["lora_alpha"]),
+                            float(config.get("lora_dropout", 0.0)), tuple(sorted(targets)))
+    raw = load_file(str(adapter_dir / "adapter_model.safetensors"))
+    tensors = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
+               for k, v in raw.items()}
+    return tensors, settings
 
 
 @pytest.fixture(scope="module")
@@ -324,7 +353,6 @@ def test_convert_writes_the_checkpoints_adapters_for_peft_and_merged_into_the_ba
     from safetensors.torch import load_file
 
     from ragen_mega.backends.megatron import convert
-    from ragen_mega.backends.megatron.lora_export import read_peft_adapter
 
     step_1 = str(results["ckpt"] / "step_1")
     assert convert.main(["megatron-to-peft", "--megatron-dir", step_1,

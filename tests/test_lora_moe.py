@@ -24,7 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_batch, training_grads
+from conftest import load_adapters, make_batch, training_grads
 from ragen_mega.backends.megatron.launch import run_workers
 
 RANK, ALPHA = 4, 8.0
@@ -94,7 +94,7 @@ def _worker(rank, world, hf_dir, adapters, ids, mask, trained_dir, batch, peft_d
         chunks = build_model(hf_dir)
         load_hf_checkpoint(chunks, hf_dir)
         lora.apply_lora(chunks, lora.LoraSettings(RANK, ALPHA, 0.0, TARGETS), seed=0)
-        lora.load_adapters(chunks, adapters)
+        load_adapters(chunks, adapters)
         name = _name(layout)
         out[name] = {
             "held": sorted(key for key, _, _ in lora.adapter_tensors(chunks[0])),

@@ -11,6 +11,7 @@ import itertools
 import pytest
 import torch
 
+from conftest import hf_to_megatron_shard
 from ragen_mega.models import mapping
 from ragen_mega.models.hf_config import ConfigMismatchError, ModelSpec, model_spec
 from ragen_mega.models.mapping import check_checkpoint
@@ -56,8 +57,8 @@ def shard_everything(state, spec, tp, pp, vpp):
         stage = vp_stage if vpp else None
         offset = mapping.chunk_layers(spec, pp_rank, pp, vpp, stage).start
         for tp_rank in range(tp):
-            chunk = mapping.hf_to_megatron_shard(state, spec, tp_rank, tp, pp_rank, pp, vpp=vpp,
-                                                 vp_stage=stage)
+            chunk = hf_to_megatron_shard(state, spec, tp_rank, tp, pp_rank, pp, vpp=vpp,
+                                         vp_stage=stage)
             for local, tensor in chunk.items():
                 name = mapping.to_global(local, offset)
                 shards.setdefault(f"{name}@{pp_rank}" if name == "output_layer.weight"
@@ -109,7 +110,7 @@ def test_fused_layouts_match_hand_built_example():
         "model.layers.0.mlp.gate_proj.weight": gate, "model.layers.0.mlp.up_proj.weight": up,
         "model.layers.0.mlp.down_proj.weight": torch.tensor([[70., 71., 72., 73.]]),
     }
-    full = mapping.hf_to_megatron_shard(state, spec, 0, 1)
+    full = hf_to_megatron_shard(state, spec, 0, 1)
     qkv = "decoder.layers.0.self_attention.linear_qkv."
     # group 0: q0 q1 k0 v0, group 1: q2 q3 k1 v1
     assert full[qkv + "weight"].flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
@@ -118,7 +119,7 @@ def test_fused_layouts_match_hand_built_example():
         [40, 41, 42, 43, 50, 51, 52, 53]
     # padded to 16 rows, a multiple of divisor 2 x 8 (the same for TP 1, 2, 4, 8)
     assert full["embedding.word_embeddings.weight"].flatten().tolist() == [1, 2, 3] + [0] * 13
-    r0, r1 = (mapping.hf_to_megatron_shard(state, spec, r, 2) for r in (0, 1))
+    r0, r1 = (hf_to_megatron_shard(state, spec, r, 2) for r in (0, 1))
     assert r0[qkv + "weight"].flatten().tolist() == [10, 11, 20, 30]
     assert r1[qkv + "weight"].flatten().tolist() == [12, 13, 21, 31]
     assert r0["decoder.layers.0.mlp.linear_fc1.weight"].flatten().tolist() == [40, 41, 50, 51]

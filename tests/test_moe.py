@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import engines_started_together, make_batch, training_grads
+from conftest import engines_started_together, hf_to_megatron_shard, make_batch, training_grads
 from ragen_mega.backends.megatron.launch import run_workers
 from ragen_mega.models import mapping
 from ragen_mega.models.hf_config import ConfigMismatchError, model_spec
@@ -71,7 +71,7 @@ def test_moe_mapping_round_trips_exactly_and_checks_expert_shapes(moe_dirs, arch
     assert sum(".experts." in name for name in hf) == 2 * 4 * 3   # per-expert names on disk
     mapping.check_checkpoint(spec, {k: v.shape for k, v in hf.items()})
     for tp in (1, 2):
-        shards = [mapping.hf_to_megatron_shard(hf, spec, rank, tp) for rank in range(tp)]
+        shards = [hf_to_megatron_shard(hf, spec, rank, tp) for rank in range(tp)]
         assert "decoder.layers.1.mlp.experts.local_experts.3.linear_fc2.weight" in shards[0]
         back = dict(mapping.megatron_to_hf(
             [(name, [s[name] for s in shards]) for name in mapping.megatron_names(spec)], spec))

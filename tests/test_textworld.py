@@ -6,18 +6,14 @@ settings. Games are generated into a directory of this module's own.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 
 import numpy as np
 import pytest
 
-from conftest import start_env_server, stop_env_server
-from ragen_mega.agent import AgentConfig
+from conftest import served_and_local
 from ragen_mega.envs import make
 from ragen_mega.envs.textworld_references import random_admissible, references
-from ragen_mega.rollout.remote_env import RemoteEnvs
-from ragen_mega.rollout.seeding import EnvPart, mix_specs
 
 SMALL = {"coin_collector": {"level": 4}, "treasure_hunter": {"level": 3},
          "the_cooking_game": {}}
@@ -190,23 +186,13 @@ def test_bad_kwargs_name_the_kwarg(kwargs, named):
         make("textworld", **kwargs)
 
 
-def test_served_games_play_as_local_ones(games_dir, tokenizer, scripted, run_episodes_keyed):
+def test_served_games_play_as_local_ones(games_dir, tokenizer):
     """``ragen-mega env-server textworld``: the same seeds and answers (moves, a wall, ``goal``,
     garbage) played on the server and in this process give equal samples and metrics."""
     kwargs = {"task": "coin_collector", "level": 4, "games": 4, "cache_dir": games_dir}
     answers = [f" go </think><answer> {a} </answer>" for a in
                ("go west", "go north", "goal", "go east", "take coin", "look")]
-    agent = AgentConfig(think=True, max_actions_per_turn=1)
-    specs = mix_specs([EnvPart("tw", "textworld", kwargs, 2)], group_size=2, first_seed=0)
-    proc, url = start_env_server("textworld", *[f"--kwarg={k}={v}" for k, v in kwargs.items()])
-    try:
-        local = asyncio.run(run_episodes_keyed(specs, tokenizer, agent,
-                                               scripted(tokenizer, answers), max_turns=6))
-        remote = asyncio.run(asyncio.wait_for(run_episodes_keyed(
-            specs, tokenizer, agent, scripted(tokenizer, answers), max_turns=6,
-            open_env=RemoteEnvs([url], timeout_s=30).open), 120))
-    finally:
-        stop_env_server(proc)
-    for spec, lo, re in zip(specs, local, remote):
-        assert re.samples == lo.samples and re.metrics == lo.metrics, spec
+    local, remote = served_and_local("textworld", kwargs, answers, tokenizer)
+    for lo, re in zip(local, remote):
+        assert re.samples == lo.samples and re.metrics == lo.metrics
     assert {e.metrics["valid_action_rate"] for e in local} - {0.0, 1.0}   # some moves hit walls

@@ -54,11 +54,9 @@ class AgentConfig:
         "(docs/results.md)."))
 
     def __post_init__(self):
-        _check_bool("think", self.think)
-        _check_bool("include_thoughts_in_memory", self.include_thoughts_in_memory)
-        _check_bool("answer_line", self.answer_line)
-        _check_bool("example_answer", self.example_answer)
-        _check_bool("instructions", self.instructions)
+        for field in ("think", "include_thoughts_in_memory", "answer_line", "example_answer",
+                      "instructions"):
+            _check_bool(field, getattr(self, field))
         if self.example_answer and not self.instructions:
             raise ConfigError("example_answer: the example is part of the format rule, which "
                               "instructions=false leaves out")

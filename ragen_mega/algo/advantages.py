@@ -184,10 +184,9 @@ def normalize_scores(scores: torch.Tensor, group_ids: torch.Tensor, method: str 
     if method not in NORM_METHODS:
         raise ValueError(f"unknown reward normalization method {method!r}; "
                          f"allowed: {', '.join(NORM_METHODS)}")
-    if method == "identity":
-        _check_samples(scores=scores, group_ids=group_ids)
-        return scores.clone()
     _check_samples(scores=scores, group_ids=group_ids)
+    if method == "identity":
+        return scores.clone()
     mean, std, count = _per_sample_stats(scores, group_ids)
     if method == "mean":
         out = scores - mean

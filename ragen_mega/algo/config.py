@@ -51,12 +51,10 @@ class FilterConfig:
         "(RAGEN-2's soft reweighting; critic-free estimators only)"))
 
     def validate(self):
-        if self.strategy not in STRATEGIES:
-            raise ConfigError(f"strategy: must be one of {sorted(STRATEGIES)}, got "
-                              f"{self.strategy!r}")
-        if self.metric not in GROUP_METRICS:
-            raise ConfigError(f"metric: must be one of {sorted(GROUP_METRICS)}, got "
-                              f"{self.metric!r}")
+        for key, registry in (("strategy", STRATEGIES), ("metric", GROUP_METRICS)):
+            value = getattr(self, key)
+            if value not in registry:
+                raise ConfigError(f"{key}: must be one of {sorted(registry)}, got {value!r}")
         for key in ("top_p", "min_p"):  # unset: algo/filter.py's defaults, which follow the
             value = getattr(self, key)     # strategy and the metric
             if value is not None and self.strategy != key:

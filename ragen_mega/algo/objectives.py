@@ -190,9 +190,6 @@ class SFTObjective(Objective):
 
     stat_names = ("loss", "entropy")
 
-    def __init__(self, settings=None):
-        self.s = settings
-
     def __call__(self, outputs: dict, mb: dict, norm: Normalization
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         mask = mb["loss_mask"]

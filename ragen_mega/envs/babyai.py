@@ -90,26 +90,17 @@ Actions (write exactly one):
 X on a cell beside Y. Finish the mission in as few steps as you can."""
 
 
-def _check_level(level: object) -> None:
-    if isinstance(level, str) and (level in LEVELS or (level.startswith("BabyAI-")
-                                                       and level in gym.registry)):
-        return
-    raise ValueError(f"babyai: unknown level {level!r}; use one of {sorted(LEVELS)} "
-                     "or a registered BabyAI-* env id such as 'BabyAI-GoToObj-v0'")
-
-
-def _check_max_steps(max_steps: object) -> None:
-    if max_steps is None or (is_int(max_steps) and max_steps > 0):
-        return
-    raise ValueError(f"babyai: max_steps must be a positive integer or None, got {max_steps!r}")
-
-
 class BabyAIEnv(TextEnv):
     """A minigrid BabyAI level behind :class:`TextEnv`; see the module docstring."""
 
     def __init__(self, level: str = "goto", max_steps: int | None = None):
-        _check_level(level)
-        _check_max_steps(max_steps)
+        if not (isinstance(level, str) and (level in LEVELS or (level.startswith("BabyAI-")
+                                                                and level in gym.registry))):
+            raise ValueError(f"babyai: unknown level {level!r}; use one of {sorted(LEVELS)} "
+                             "or a registered BabyAI-* env id such as 'BabyAI-GoToObj-v0'")
+        if max_steps is not None and not (is_int(max_steps) and max_steps > 0):
+            raise ValueError(f"babyai: max_steps must be a positive integer or None, got "
+                             f"{max_steps!r}")
         self.level = level
         kwargs = {} if max_steps is None else {"max_steps": int(max_steps)}
         entry = LEVELS.get(level, level)

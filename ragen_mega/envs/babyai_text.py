@@ -20,7 +20,6 @@ _IDX_TO_STATE = {index: name for name, index in STATE_TO_IDX.items()}
 _NOT_DESCRIBED = {"unseen", "empty", "floor", "agent"}
 
 
-
 def relative_position(right: int, forward: int) -> str:
     """Offset from the agent in words: sideways part first, then the forward part."""
     parts = []

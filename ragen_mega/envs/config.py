@@ -7,6 +7,7 @@ import dataclasses
 from typing import Optional
 
 from ragen_mega.config_tree import ConfigError, bounded, check_bounds, setting
+from ragen_mega.envs.registry import env_class, list_envs
 from ragen_mega.user_code import is_code_path
 
 _TAG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
@@ -16,8 +17,6 @@ def _check_env_name(name: str, name_key: str) -> None:
     """``name`` is a registered env or a user's ``MODULE:CLASS`` / ``FILE.py:CLASS`` (imported
     here, so a bad one fails at load); else a ConfigError naming the key. ``preflight.py``
     checks that the env builds with its kwargs."""
-    from ragen_mega.envs import env_class, list_envs
-
     if not is_code_path(name):  # a registered env is not imported here (crafter, minigrid)
         if name not in list_envs():
             raise ConfigError(f"{name_key}: unknown env {name!r}; registered envs: "
@@ -30,13 +29,6 @@ def _check_env_name(name: str, name_key: str) -> None:
         raise ConfigError(f"{name_key}: {e}") from e
 
 
-def _env_names() -> list[str]:
-    """The registered envs' names, read when the keys are listed."""
-    from ragen_mega.envs import list_envs
-
-    return list(list_envs())
-
-
 _USER_ENV = "a class of yours as MODULE:CLASS or FILE.py:CLASS"
 
 
@@ -46,7 +38,7 @@ class EnvMixEntry:
     tag: str = setting("", help=(
         "the env's name in metric names (rollout/<tag>/success, val/<tag>/pass@k, ...): letters, "
         "digits, _ - ."))
-    name: Optional[str] = setting(None, choices=_env_names, also=_USER_ENV, help=(
+    name: Optional[str] = setting(None, choices=list_envs, also=_USER_ENV, help=(
         "the env; null: the env registered under the tag"))
     kwargs: dict = setting(default_factory=dict, help="the env's constructor arguments")
     env_groups: int = bounded(1, ge=0, help="training groups per step (0: evaluated only)")
@@ -91,7 +83,7 @@ class EnvConfig:
     seeds depend only on the step (resume) and no two envs share one
     (``rollout.seeding.mix_specs``).
     """
-    name: str = setting("bandit", choices=_env_names, also=_USER_ENV, help=(
+    name: str = setting("bandit", choices=list_envs, also=_USER_ENV, help=(
         "the env a run plays (`ragen-mega play NAME` shows it)"))
     kwargs: dict = setting(default_factory=dict, help="the env's constructor arguments")
     env_groups: int = bounded(8, ge=1, help="distinct seeds per step (RAGEN: env_groups)")
@@ -99,7 +91,7 @@ class EnvConfig:
     max_turns: int = bounded(5, ge=1, help=(
         "turns an episode may play; the last one ends it (truncated)"))
     seed: int = setting(0, help="first training seed; step k uses seeds after step k-1's")
-    val_name: Optional[str] = setting(None, choices=_env_names, also=_USER_ENV, help=(
+    val_name: Optional[str] = setting(None, choices=list_envs, also=_USER_ENV, help=(
         "the env of the held-out evaluation; null: env.name"))
     val_kwargs: dict = setting(default_factory=dict, help=(
         "the held-out env's constructor arguments"))

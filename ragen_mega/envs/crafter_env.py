@@ -82,14 +82,6 @@ class ReproducibleCrafter(crafter.Env):
         return self.reset()
 
 
-def _check_kwargs(max_steps: object, success_achievement: object) -> None:
-    if not is_int(max_steps) or max_steps <= 0:
-        raise ValueError(f"crafter: max_steps must be a positive integer, got {max_steps!r}")
-    if success_achievement not in constants.achievements:
-        raise ValueError(f"crafter: unknown success_achievement {success_achievement!r}; "
-                         f"choose one of {constants.achievements}")
-
-
 def _rules_text() -> str:
     """Crafter's recipes, written from crafter's own data tables so they cannot drift."""
     def amounts(d):
@@ -127,7 +119,11 @@ class CrafterEnv(TextEnv):
     """Crafter behind :class:`TextEnv`; see the module docstring."""
 
     def __init__(self, max_steps: int = 2000, success_achievement: str = "collect_diamond"):
-        _check_kwargs(max_steps, success_achievement)
+        if not is_int(max_steps) or max_steps <= 0:
+            raise ValueError(f"crafter: max_steps must be a positive integer, got {max_steps!r}")
+        if success_achievement not in constants.achievements:
+            raise ValueError(f"crafter: unknown success_achievement {success_achievement!r}; "
+                             f"choose one of {constants.achievements}")
         self.max_steps = int(max_steps)
         self.success_achievement = success_achievement
         self._game = ReproducibleCrafter(length=self.max_steps, seed=0)

@@ -18,7 +18,6 @@ VITALS = ("health", "food", "drink", "energy")
 _FACING_NAMES = {(-1, 0): "left", (1, 0): "right", (0, -1): "up", (0, 1): "down"}
 
 
-
 def relative_position(dx: int, dy: int) -> str:
     """Offset in words, vertical part first: "1 step up and 2 steps left"."""
     parts = []

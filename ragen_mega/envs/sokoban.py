@@ -173,7 +173,7 @@ def move_outcome(player: Cell, step: Cell, blocked: Callable[[Cell], bool],
 
 def parse_grid(grid: str) -> Level:
     """Read a grid written in the env's symbols; errors name the offending row or symbol."""
-    rows = [row for row in grid.strip("\n").split("\n")]
+    rows = grid.strip("\n").split("\n")
     if not rows or any(len(row) != len(rows[0]) for row in rows):
         raise ValueError(f"sokoban grid: rows must all have the same length, got {grid!r}")
     unknown = sorted(set("".join(rows)) - set(LEGEND))

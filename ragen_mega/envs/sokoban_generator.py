@@ -40,9 +40,6 @@ class Level:
     boxes: np.ndarray    # bool [rows, cols]
     player: tuple[int, int]
 
-    def copy(self) -> "Level":
-        return Level(self.walls.copy(), self.targets.copy(), self.boxes.copy(), self.player)
-
 
 def max_boxes(dim_room: tuple[int, int]) -> int:
     """Most boxes a room of this size takes: each needs room to be pulled around."""

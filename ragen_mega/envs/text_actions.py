@@ -10,8 +10,6 @@ from __future__ import annotations
 from typing import Sequence
 
 _PREVIEW_CHARS = 40
-
-
 _OUTER_PUNCTUATION = " \t\n.,!?;:'\"`*[](){}"
 
 
@@ -29,10 +27,7 @@ def match_action(text: object, actions: Sequence[str]) -> int | None:
     if len(text) > 4 * longest + 16:  # no padding makes text this long an action; skip the work
         return None
     canonical = normalize_action(text)
-    for index, action in enumerate(actions):
-        if canonical == action:
-            return index
-    return None
+    return actions.index(canonical) if canonical in actions else None
 
 
 def unknown_action_reason(text: object, actions: Sequence[str]) -> str:

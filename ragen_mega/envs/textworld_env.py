@@ -128,22 +128,12 @@ _HELP = {
 }
 # the Z-machine's prompt and status line ("> ... -= Room =-score/moves") after each reply
 _STATUS = re.compile(r"\n>[^\n]*$")
-
-
 _BLANK_LINES = re.compile(r"\n{3,}")
 
 
 def _clean(feedback: str) -> str:
     """The game's reply without the status line, runs of blank lines made one."""
     return _BLANK_LINES.sub("\n\n", _STATUS.sub("", feedback)).strip()
-
-
-def _check_kwargs(max_steps: object, show_commands: object) -> None:
-    if not is_int(max_steps) or max_steps <= 0:
-        raise ValueError(f"textworld: max_steps must be a positive int, got {max_steps!r}")
-    if not isinstance(show_commands, bool):
-        raise ValueError(f"textworld: show_commands must be true or false, got "
-                         f"{show_commands!r}")
 
 
 class TextWorldEnv(TextEnv):
@@ -153,7 +143,11 @@ class TextWorldEnv(TextEnv):
                  games: int = 25, split: str = "train", max_steps: int = 80,
                  show_commands: bool = False, cache_dir: str | None = None):
         check_task(task, level, split, games)
-        _check_kwargs(max_steps, show_commands)
+        if not is_int(max_steps) or max_steps <= 0:
+            raise ValueError(f"textworld: max_steps must be a positive int, got {max_steps!r}")
+        if not isinstance(show_commands, bool):
+            raise ValueError(f"textworld: show_commands must be true or false, got "
+                             f"{show_commands!r}")
         self.task, self.level, self.games, self.split = task, level, int(games), split
         self.max_steps, self.show_commands = int(max_steps), show_commands
         self.cache_dir = cache_dir

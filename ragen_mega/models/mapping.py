@@ -5,8 +5,8 @@ The table is :func:`rules` (layer rules use ``"{i}"``); the other functions answ
 about it for a ``spec`` (a ``ModelSpec``) and a ``role`` ("actor": LM head, "critic": value
 head): which pipeline chunk holds which parameters and, through :func:`rule_of`, one
 parameter's :class:`Rule`: its names on each side and how a TP split cuts it. Loading uses
-``hf_to_megatron_shard`` (or its streaming twin), export ``megatron_to_hf`` (full tensors or TP
-shards in TP-rank order). :func:`check_checkpoint` names the config field a tensor contradicts.
+``iter_hf_to_megatron_shard``, export ``megatron_to_hf`` (full tensors or TP shards in TP-rank
+order). :func:`check_checkpoint` names the config field a tensor contradicts.
 
 Names. Megatron names are those of ``GPTModel`` built with the *local* layer spec
 (``decoder.layers.3.self_attention.linear_qkv.weight``). A "global" name carries the global layer
@@ -250,10 +250,6 @@ def adaptable_rules(spec: ModelSpec, role: str = "actor") -> list[Rule]:
 # ---------------------------------------------------------------------------------------------
 # pipeline placement
 
-def _num_chunks(pp_size: int, vpp: int | None) -> int:
-    return pp_size * (vpp or 1)
-
-
 def _check_stage(pp_rank: int, pp_size: int, vpp: int | None, vp_stage: int | None) -> int:
     if not 0 <= pp_rank < pp_size:
         raise ValueError(f"pp_rank={pp_rank} outside [0, pp_size={pp_size})")
@@ -271,7 +267,7 @@ def chunk_layers(spec: ModelSpec, pp_rank: int, pp_size: int, vpp: int | None = 
     """Global layer ids of one model chunk; Megatron's even split (interleaved when vpp)."""
     vp_stage = _check_stage(pp_rank, pp_size, vpp, vp_stage)
     spec.check_parallel(1, pp_size, vpp)
-    per_chunk = spec.num_layers // _num_chunks(pp_size, vpp)
+    per_chunk = spec.num_layers // (pp_size * (vpp or 1))
     start = (vp_stage * pp_size + pp_rank) * per_chunk
     return range(start, start + per_chunk)
 
@@ -374,7 +370,7 @@ def owner(global_name: str, spec: ModelSpec, pp_size: int, vpp: int | None = Non
         return 0, 0
     if rule.place == "head":
         return pp_size - 1, (vpp or 1) - 1
-    per_chunk = spec.num_layers // _num_chunks(pp_size, vpp)
+    per_chunk = spec.num_layers // (pp_size * (vpp or 1))
     chunk = _layer_index(global_name) // per_chunk
     return chunk % pp_size, chunk // pp_size
 
@@ -439,17 +435,6 @@ def iter_hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelS
             raise KeyError(f"HF checkpoint lacks {missing[0]} (needed for {global_name})")
         yield local_name, rule.hf_to_shard([hf_state[n] for n in names], spec, tp_rank,
                                            tp_size).clone()
-
-
-def hf_to_megatron_shard(hf_state: Mapping[str, torch.Tensor], spec: ModelSpec, tp_rank: int,
-                         tp_size: int, pp_rank: int = 0, pp_size: int = 1, *,
-                         vpp: int | None = None, vp_stage: int | None = None,
-                         role: str = "actor", ep_rank: int = 0, ep_size: int = 1
-                         ) -> dict[str, torch.Tensor]:
-    """{local Megatron name: this TP rank's shard} for one model chunk (see the iterator)."""
-    return dict(iter_hf_to_megatron_shard(hf_state, spec, tp_rank, tp_size, pp_rank, pp_size,
-                                          vpp=vpp, vp_stage=vp_stage, role=role, ep_rank=ep_rank,
-                                          ep_size=ep_size))
 
 
 def megatron_to_hf(items: Iterable[tuple[str, torch.Tensor | Sequence[torch.Tensor]]],
@@ -541,12 +526,11 @@ def check_checkpoint(spec: ModelSpec, shapes: Mapping[str, Sequence[int]],
                     raise ConfigMismatchError(f"tensor {name} has shape {shape}, expected "
                                               f"{factor} in dim {dim}")
                 continue
-            want = getattr(spec, CONFIG_KEY_TO_SPEC[field]) * factor
-            if size != want:
+            value = getattr(spec, CONFIG_KEY_TO_SPEC[field])
+            if size != value * factor:
                 implied = f"{size / factor:g}" if size % factor == 0 else f"{size}/{factor}"
-                raise ConfigMismatchError(
-                    f"{field}: config says {getattr(spec, CONFIG_KEY_TO_SPEC[field])}, checkpoint tensor "
-                    f"{name} has shape {shape}, implying {implied}")
+                raise ConfigMismatchError(f"{field}: config says {value}, checkpoint tensor "
+                                          f"{name} has shape {shape}, implying {implied}")
     unexpected = sorted(set(shapes) - set(expected))
     if unexpected:
         raise ConfigMismatchError(f"checkpoint has tensors the config does not imply: "

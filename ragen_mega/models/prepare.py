@@ -17,8 +17,6 @@ import shutil
 import tempfile
 from pathlib import Path
 
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def cache_dir() -> Path:
     """Where prepared models live: ``$RAGEN_MEGA_CACHE`` or ``~/.cache/ragen_mega``."""

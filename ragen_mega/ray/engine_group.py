@@ -132,7 +132,7 @@ class EngineGroup:
         self.clients = [AsyncEngineClient(u, api_key=self.api_key) for u in self.urls]
         self._next = itertools.cycle(range(len(self.clients)))
         self.routed_shape = routed_experts
-        self._batcher = RequestBatcher(self._send_batch) if batch_requests else None
+        self._batcher = RequestBatcher(self._send) if batch_requests else None
         self._retired: list = []  # clients of replaced servers, closed at the end of run
         #: the loop (and its thread) of serve_forever while it runs
         self._resident: asyncio.AbstractEventLoop | None = None
@@ -154,13 +154,9 @@ class EngineGroup:
         life = self.supervisor.lives[engine]
         adapter = self.adapter   # a sync may change it meanwhile: this request keeps its own
         lora_path = adapter[0] if adapter else None
+        send = self._send if self._batcher is None else self._batcher.generate
         try:
-            if self._batcher is not None:
-                out = await self._batcher.generate((engine, lora_path), prompt_ids, sampling)
-            else:
-                out = await self.clients[engine].generate(
-                    prompt_ids, sampling, return_logprob=True,
-                    return_routed_experts=self.routed_shape is not None, lora_path=lora_path)
+            out = await send((engine, lora_path), prompt_ids, sampling)
         except ContextLengthExceeded as e:
             raise PromptTooLong(str(e)) from e
         except EngineError as e:  # blocking Ray calls: off the loop the episodes run on
@@ -180,10 +176,10 @@ class EngineGroup:
         return Generation(out.output_ids, out.output_logprobs, out.finish_reason, routed,
                           versions)
 
-    async def _send_batch(self, key: tuple[int, str | None], prompts: list[list[int]],
-                          samplings: list[dict]) -> list:
-        """One batched request (:class:`RequestBatcher`'s ``send``) to engine ``key[0]`` with
-        adapter ``key[1]``."""
+    async def _send(self, key: tuple[int, str | None], prompts: list[int] | list[list[int]],
+                    samplings: dict | list[dict]):
+        """One request to engine ``key[0]`` with adapter ``key[1]``: a prompt, or a batch of
+        them (:class:`RequestBatcher`'s ``send``)."""
         engine, lora_path = key
         return await self.clients[engine].generate(
             prompts, samplings, return_logprob=True,

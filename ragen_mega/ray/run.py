@@ -215,11 +215,10 @@ def _place(run: Run, with_trainers: bool) -> None:
                               lora_targets=_lora_targets(cfg) if with_trainers else (),
                               lora_serving=_lora_serving(cfg) if with_trainers else None,
                               batch_requests=cfg.rollout.batch_requests)
+    open_env = None  # envs built in the driver
     if res.placement.env_worker_bundles:
         run.env_workers = EnvWorkerGroup(pg, res.placement.env_worker_bundles,
                                          num_cpus=res.env_worker_cpus)
-    open_env = None  # envs built in the driver
-    if run.env_workers is not None:
         open_env = run.env_workers.open
     elif cfg.env.remote:
         open_env = RemoteEnvs(cfg.env.remote, cfg.env.remote_timeout_s).open

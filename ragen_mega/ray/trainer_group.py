@@ -60,28 +60,16 @@ class TrainerWorker:
                       vpp=config.vpp, ep=config.ep, seed=derived["seed"], store=store)
         self.trainer = MegatronTrainer(config, hf_dir, role=role, **derived)
 
-    def _local(self, batch: dict) -> dict:
-        """This DP rank's rows of ``batch``, padded first to a multiple of the DP ranks (a
-        weight-sync probe is one row; ``_gather_rows`` drops the padding again)."""
-        from megatron.core import parallel_state as mpu
-
-        from ragen_mega.backends.megatron.train import dp_shard, pad_rows
-
-        return dp_shard(pad_rows(batch, mpu.get_data_parallel_world_size()))
-
     def compute_logprobs(self, batch: dict) -> torch.Tensor | None:
         """Log-probs [B, S] of the global batch (returned by rank 0 only)."""
-        rows = len(batch["input_ids"])
-        return self._gather_rows(self.trainer.compute_logprobs(self._local(batch)), rows)
+        return self._on_rows(self.trainer.compute_logprobs, batch)
 
     def compute_ref_logprobs(self, batch: dict) -> torch.Tensor | None:
         """The reference policy's log-probs [B, S] of the global batch (rank 0 only)."""
-        rows = len(batch["input_ids"])
-        return self._gather_rows(self.trainer.compute_ref_logprobs(self._local(batch)), rows)
+        return self._on_rows(self.trainer.compute_ref_logprobs, batch)
 
     def compute_values(self, batch: dict) -> torch.Tensor | None:
-        rows = len(batch["input_ids"])
-        return self._gather_rows(self.trainer.compute_values(self._local(batch)), rows)
+        return self._on_rows(self.trainer.compute_values, batch)
 
     def train(self, batch: dict) -> dict[str, float]:
         return self.trainer.train(batch)  # cuts its PPO mini-batches, then each one's DP shard
@@ -133,18 +121,22 @@ class TrainerWorker:
             self.channel.close()
             self.channel = None
 
-    def _gather_rows(self, local: torch.Tensor, rows: int) -> torch.Tensor | None:
-        """The first ``rows`` rows of every DP rank's, in global order, on rank 0 (None
-        elsewhere)."""
+    def _on_rows(self, compute, batch: dict) -> torch.Tensor | None:
+        """``compute`` on this DP rank's rows of the global ``batch`` (padded first to a
+        multiple of the DP ranks: a weight-sync probe is one row); every DP rank's output, in
+        global order and without the padding, on rank 0 (None elsewhere)."""
         from megatron.core import parallel_state as mpu
 
+        from ragen_mega.backends.megatron.train import dp_shard, pad_rows
+
         dp = mpu.get_data_parallel_world_size()
+        local = compute(dp_shard(pad_rows(batch, dp)))
         if dp > 1:
             parts = [torch.empty_like(local) for _ in range(dp)]
             torch.distributed.all_gather(parts, local.contiguous(),
                                          group=mpu.get_data_parallel_group())
             local = torch.cat(parts)
-        return local[:rows] if self.rank == 0 else None
+        return local[:len(batch["input_ids"])] if self.rank == 0 else None
 
 
 class TrainerGroup:

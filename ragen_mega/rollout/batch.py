@@ -84,11 +84,8 @@ def build_batch(samples: Sequence[Sample], pad_id: int, state_similarity: float 
     state keys, matched exactly or, with ``state_similarity``, approximately)."""
     batch = collate(samples, pad_id)
     batch["reward"] = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    batch["episode_id"] = torch.tensor([s.episode_id for s in samples])
-    batch["group_id"] = torch.tensor([s.group_id for s in samples])
-    batch["turn"] = torch.tensor([s.turn for s in samples])
-    batch["last"] = torch.tensor([s.last for s in samples])
-    batch["cut"] = torch.tensor([s.cut for s in samples])
+    for key in ("episode_id", "group_id", "turn", "last", "cut"):
+        batch[key] = torch.tensor([getattr(s, key) for s in samples])
     batch["member"] = torch.tensor([s.episode_id if s.stream is None else s.stream
                                     for s in samples])
     batch["state_group"] = anchor_groups([s.state_key for s in samples],

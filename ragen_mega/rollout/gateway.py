@@ -175,9 +175,8 @@ class Gateway:
                                  f"gets its own base URL for the time of its episode)",
                                  status=404)
             body = await _json_object(request)
-            if chat:
-                return JSONResponse(await self._chat(episode_id, calls, body))
-            return JSONResponse(await self._completion(episode_id, calls, body))
+            answer = self._chat if chat else self._completion
+            return JSONResponse(await answer(episode_id, calls, body))
         except BadRequest as e:
             kind = "invalid_request_error" if e.status < 500 else "server_error"
             return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param,
@@ -217,14 +216,9 @@ class Gateway:
 
     async def _sample(self, calls: EpisodeCalls, sampling: dict, prompt_ids: list[int],
                       extends: bool) -> tuple[list[int], Generation, str]:
-        """Generate for ``prompt_ids``; the prompt, the engine's answer and its text as the
-        agent gets it (special tokens and a final stop string left out, as OpenAI does)."""
-        gen = await self._generate(calls, prompt_ids, sampling, extends)
-        text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-        return prompt_ids, gen, _without_stop(text, sampling)
-
-    async def _generate(self, calls: EpisodeCalls, prompt_ids: list[int], sampling: dict,
-                        extends: bool) -> Generation:
+        """Generate for ``prompt_ids`` and record the call; the prompt, the engine's answer and
+        its text as the agent gets it (special tokens and a final stop string left out, as
+        OpenAI does)."""
         if calls.engine_restarted:
             raise BadRequest("the engine serving this episode was restarted; the episode will "
                              "be played again from its start", status=503)
@@ -242,7 +236,8 @@ class Gateway:
             raise BadRequest(f"the engine serving this episode died and was restarted ({e}); "
                              f"the episode will be played again from its start", status=503)
         calls.calls.append(Call(list(prompt_ids), gen, extends))
-        return gen
+        text = self.tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        return prompt_ids, gen, _without_stop(text, sampling)
 
     def _response(self, episode_id: int, calls: EpisodeCalls, kind: str, choice: dict,
                   prompt_ids: list[int], gen: Generation) -> dict:

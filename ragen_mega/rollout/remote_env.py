@@ -59,10 +59,9 @@ class HttpEnv:
         return env
 
     async def reset(self, seed: int) -> str:
-        if self._fresh_seed == seed:  # opening reset the session on this seed already
-            self._fresh_seed = None
+        fresh, self._fresh_seed = self._fresh_seed, None
+        if fresh == seed:  # opening reset the session on this seed already
             return self._obs
-        self._fresh_seed = None
         out = await _call(self.http, "POST", f"{self._session}/reset", {"seed": seed})
         return self._observed(out)
 

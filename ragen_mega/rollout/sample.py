@@ -92,9 +92,7 @@ def jsonable(value: Any) -> Any:
     """``value`` as JSON's values (a user env's step info may hold numpy scalars, arrays or
     objects: numbers become floats or ints, sequences lists, anything else its ``str``), so
     it can sit in :attr:`Sample.info` and in a trajectory file."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (int, float)):
+    if value is None or isinstance(value, (bool, str, int, float)):
         return value
     if isinstance(value, dict):
         return {str(k): jsonable(v) for k, v in value.items()}

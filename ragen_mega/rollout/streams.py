@@ -113,16 +113,14 @@ class EnvStreams:
                                    episode_id=j * len(self.streams) + stream)
 
     async def play_window(self, generate_for: Callable[[int], GenerateFn],
-                          sampling: dict[str, Any], weight_version: int, *,
-                          max_failures: int | None = None) -> Window:
+                          sampling: dict[str, Any], weight_version: int) -> Window:
         """Every stream plays ``turns_per_step`` turns concurrently (:meth:`play_stream`) with
         ``generate_for(s)``; ``weight_version`` (the engines' weights) is recorded in each sample.
         If any stream raises, the others are cancelled (their envs stay open: :meth:`restore`)."""
         try:
             async with asyncio.TaskGroup() as tasks:
-                played = [tasks.create_task(self.play_stream(
-                    s, generate_for(s.index), sampling, max_failures=max_failures))
-                    for s in self.streams]
+                played = [tasks.create_task(self.play_stream(s, generate_for(s.index), sampling))
+                          for s in self.streams]
         except BaseExceptionGroup as group:  # the first stream's error, as the caller knows it
             raise group.exceptions[0] from None
         window = Window.merged([task.result() for task in played])
@@ -130,30 +128,14 @@ class EnvStreams:
             sample.weight_version = weight_version
         return window
 
-    async def play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any],
-                          *, max_failures: int | None = None) -> Window:
+    async def play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any]
+                          ) -> Window:
         """Stream ``stream``'s ``turns_per_step`` turns of one window, as a window of their own
-        (:meth:`Window.merged` joins them). More than ``max_failures`` env failures in the window
-        (default ``turns_per_step``) raise RuntimeError naming the first."""
-        part = Window([], [], {})
-        limit = self.turns_per_step if max_failures is None else max_failures
-        part.samples, part.finished = await self._play_stream(stream, generate, sampling, part,
-                                                              limit)
-        for sample in part.samples:
-            sample.stream = stream.index
-        if stream.state is not None:   # the episode goes on: its last turn here is a cut
-            part.samples[-1].cut = True
-            part.next_prompts[part.samples[-1].episode_id] = stream.state.next_prompt_ids(
-                self.agent)
-        return part
-
-    async def _play_stream(self, stream: _Stream, generate: GenerateFn, sampling: dict[str, Any],
-                           window: Window, max_failures: int
-                           ) -> tuple[list[Sample], list[Episode]]:
-        samples: list[Sample] = []
-        finished: list[Episode] = []
+        (:meth:`Window.merged` joins them). More than ``turns_per_step`` episodes dropped in the
+        window raise RuntimeError naming the first."""
+        window = Window([], [], {})
+        samples, finished, dropped = window.samples, window.finished, window.dropped
         episode_start = 0   # where the current episode's samples begin in ``samples``
-        failures: list[DroppedEpisode] = []
         while len(samples) < self.turns_per_step:
             spec = self.spec(stream.index, stream.episode)
             try:
@@ -170,12 +152,12 @@ class EnvStreams:
                     if len(samples) > episode_start:
                         samples[-1].last = True
                     elif stream.state.turn == 0:  # not a single turn: nothing to train on
-                        failures.append(DroppedEpisode(
+                        dropped.append(DroppedEpisode(
                             spec, "prompt_too_long", f"env {spec.env_name!r} (seed {spec.seed}, "
                             f"episode {spec.episode_id}): its first prompt is longer than the "
                             f"engine's context"))
-                        window.dropped.append(failures[-1])
                 else:
+                    sample.stream = stream.index
                     samples.append(sample)
                     stream.responses.append((sample.response_ids, sample.info["finish_reason"]))
                 if stream.state.over:
@@ -188,14 +170,16 @@ class EnvStreams:
                 if stream.state is not None:
                     with contextlib.suppress(Exception):  # the env already failed once
                         await stream.state.env.close()
-                failures.append(DroppedEpisode(spec, "env_failed", str(e)))
-                window.dropped.append(failures[-1])
+                dropped.append(DroppedEpisode(spec, "env_failed", str(e)))
                 stream.next_episode()
-            if len(failures) > max_failures:
-                raise RuntimeError(f"rollout: env stream {stream.index}: {len(failures)} episodes "
+            if len(dropped) > self.turns_per_step:
+                raise RuntimeError(f"rollout: env stream {stream.index}: {len(dropped)} episodes "
                                    f"in one window gave no sample; the first: "
-                                   f"{failures[0].reason}")
-        return samples, finished
+                                   f"{dropped[0].reason}")
+        if stream.state is not None:   # the episode goes on: its last turn here is a cut
+            samples[-1].cut = True
+            window.next_prompts[samples[-1].episode_id] = stream.state.next_prompt_ids(self.agent)
+        return window
 
     async def restore(self, state: dict[str, list]) -> None:
         """Close the envs of an abandoned window (an engine restart cut it short) and put the

@@ -21,6 +21,7 @@ A LoRA checkpoint (adapters only) goes to HF merged into its base model (the run
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -191,21 +192,22 @@ def _lora_base(ckpt_dir: Path, state: dict, hf_dir) -> Path:
     return base
 
 
-def _fresh_out_dir(out_dir) -> tuple[Path, Path]:
-    """(out_dir, its temp twin): the output is written to the temp dir and renamed into place."""
-    out_dir = Path(out_dir).resolve()
+@contextlib.contextmanager
+def _written_into_place(out_dir: Path):
+    """A temp twin of ``out_dir`` (absent or empty) to write the output into, renamed into place
+    when the block ends without an error, removed in any case."""
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty")
     tmp = out_dir.parent / f".tmp-{out_dir.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    return out_dir, tmp
-
-
-def _commit(tmp: Path, out_dir: Path) -> None:
-    if out_dir.exists():
-        out_dir.rmdir()
-    os.rename(tmp, out_dir)
+    try:
+        yield tmp
+        if out_dir.exists():
+            out_dir.rmdir()
+        os.rename(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
@@ -227,17 +229,14 @@ def megatron_to_hf(megatron_dir, out_dir, hf_dir=None, tp: int = 1, pp: int = 1,
     if not hf_dir:
         _check_layout(src_hf, tp, pp, ep)
     role = state["signature"].get("role") or "actor"
-    out_dir, tmp = _fresh_out_dir(out_dir)
-    try:
+    out_dir = Path(out_dir).resolve()
+    with _written_into_place(out_dir) as tmp:
         world = tp * pp * ep
         run_workers(_export_worker, world, str(ckpt_dir), str(src_hf), str(tmp), role, lora,
                     tp=tp, pp=pp, ep=ep, timeout=24 * 3600, threads_per_worker=_threads(world))
         for item in src_hf.iterdir():  # config, generation config, tokenizer, chat template
             if item.is_file() and not any(item.match(p) for p in _WEIGHT_FILES):
                 shutil.copy2(item, tmp / item.name)
-        _commit(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 
@@ -270,12 +269,9 @@ def megatron_to_peft(megatron_dir, out_dir) -> Path:
     if state["signature"].get("role") == "critic":
         raise ValueError(f"{ckpt_dir} is a critic's: its value head is no PEFT adapter; export "
                          "it merged with megatron-to-hf")
-    out_dir, tmp = _fresh_out_dir(out_dir)
-    try:
+    out_dir = Path(out_dir).resolve()
+    with _written_into_place(out_dir) as tmp:
         write_peft_adapter(tmp, read_adapters(ckpt_dir), lora, state.get("lora_base", ""))
-        _commit(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
 
 

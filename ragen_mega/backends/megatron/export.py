@@ -23,7 +23,7 @@ from ragen_mega.models import mapping
 from ragen_mega.models.hf_config import ModelSpec
 
 
-def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = None,
+def export_hf_state(chunks, *, dst: int | None = None,
                     prefetch_bytes: int = 256 << 20) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model, one parameter at a time.
 
@@ -39,10 +39,9 @@ def export_hf_state(chunks, spec: ModelSpec | None = None, *, dst: int | None = 
     the next optimizer step.
     """
     if dst is not None:
-        yield from DirectExport(chunks, dst, spec, prefetch_bytes)
+        yield from DirectExport(chunks, dst, prefetch_bytes)
         return
-    own_spec, role = chunk_spec(chunks)
-    spec = spec or own_spec
+    spec, role = chunk_spec(chunks)
     from megatron.core import parallel_state as mpu
 
     tp_group = mpu.get_tensor_model_parallel_group()
@@ -115,14 +114,13 @@ class DirectExport:
     the consumer sends one on; senders keep as many bytes in flight.
     """
 
-    def __init__(self, chunks, dst: int, spec: ModelSpec | None = None,
-                 prefetch_bytes: int = 256 << 20):
+    def __init__(self, chunks, dst: int, prefetch_bytes: int = 256 << 20):
         from megatron.core import parallel_state as mpu
 
         if prefetch_bytes <= 0:
             raise ValueError(f"export_hf_state: prefetch_bytes must be > 0, got {prefetch_bytes}")
-        own_spec, self.role = chunk_spec(chunks)
-        self.spec, self.dst, self.prefetch_bytes = spec or own_spec, dst, prefetch_bytes
+        self.spec, self.role = chunk_spec(chunks)
+        self.dst, self.prefetch_bytes = dst, prefetch_bytes
         self.layout: list[tuple[str, tuple[int, ...], torch.dtype]] | None = None
         self.where = parallel_info()
         dense = set(dist.get_process_group_ranks(mpu.get_model_parallel_group()))

@@ -323,29 +323,21 @@ def run_schedule(chunks, microbatches: list[dict], forward_step, *, forward_only
         seq_length=seq, micro_batch_size=mbs, forward_only=forward_only)
 
 
-def _assemble(results: list[dict], microbatches: list[dict], key: str, shape) -> torch.Tensor:
+def _on_every_rank(results: list[dict], microbatches: list[dict], key: str, shape) -> torch.Tensor:
+    """The micro-batches' ``key`` in one fp32 tensor of ``shape`` (zeros past each micro-batch's
+    width), assembled on the last pipeline stage and broadcast from it to the others."""
+    from megatron.core import parallel_state as mpu
+
     out = torch.zeros(shape, dtype=torch.float32, device=local_device())
-    for mb, res in zip(microbatches, results):
-        value = res[key]
-        out[mb["rows"], : value.shape[1]] = value
+    pp = mpu.get_pipeline_model_parallel_world_size()
+    if mpu.get_pipeline_model_parallel_rank() == pp - 1:
+        for mb, res in zip(microbatches, results):
+            value = res[key]
+            out[mb["rows"], : value.shape[1]] = value
+    if pp > 1:
+        group = mpu.get_pipeline_model_parallel_group()
+        dist.broadcast(out, src=dist.get_global_rank(group, pp - 1), group=group)
     return out
-
-
-def _broadcast_from_last_stage(tensors: list[torch.Tensor]) -> None:
-    from megatron.core import parallel_state as mpu
-
-    if mpu.get_pipeline_model_parallel_world_size() == 1:
-        return
-    group = mpu.get_pipeline_model_parallel_group()
-    src = dist.get_global_rank(group, mpu.get_pipeline_model_parallel_world_size() - 1)
-    for t in tensors:
-        dist.broadcast(t, src=src, group=group)
-
-
-def _is_last_stage() -> bool:
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_pipeline_model_parallel_rank() == mpu.get_pipeline_model_parallel_world_size() - 1
 
 
 def _check_role(chunks, role: str, fn: str) -> None:
@@ -367,16 +359,10 @@ def forward_logprobs(chunks, input_ids: torch.Tensor, attention_mask: torch.Tens
                              routing_replay=routing_replay)
     with torch.no_grad():
         results = run_schedule(chunks, microbatches, step, forward_only=True)
-    batch, seq = input_ids.shape
-    shape = (batch, seq - 1)
-    last = _is_last_stage()
-    logprobs = (_assemble(results, microbatches, "logprobs", shape) if last
-                else torch.zeros(shape, device=local_device()))
-    entropy = None
-    if compute_entropy:
-        entropy = (_assemble(results, microbatches, "entropy", shape) if last
-                   else torch.zeros(shape, device=local_device()))
-    _broadcast_from_last_stage([t for t in (logprobs, entropy) if t is not None])
+    shape = (input_ids.shape[0], input_ids.shape[1] - 1)
+    logprobs = _on_every_rank(results, microbatches, "logprobs", shape)
+    entropy = (_on_every_rank(results, microbatches, "entropy", shape) if compute_entropy
+               else None)
     return logprobs, entropy
 
 
@@ -387,7 +373,4 @@ def forward_values(chunks, input_ids: torch.Tensor, attention_mask: torch.Tensor
     microbatches = split_microbatches(input_ids, attention_mask, micro_batch_size)
     with torch.no_grad():
         results = run_schedule(chunks, microbatches, make_forward_step(), forward_only=True)
-    values = (_assemble(results, microbatches, "values", tuple(input_ids.shape))
-              if _is_last_stage() else torch.zeros(tuple(input_ids.shape), device=local_device()))
-    _broadcast_from_last_stage([values])
-    return values
+    return _on_every_rank(results, microbatches, "values", tuple(input_ids.shape))

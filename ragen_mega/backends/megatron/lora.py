@@ -362,29 +362,3 @@ def load_state_dict(model: nn.Module, loaded: dict) -> None:
         for key, value in loaded.items():
             if key not in adapter_keys:
                 params[key].copy_(value)
-
-
-def _slice(tensor: torch.Tensor, axis: int | None, tp_rank: int, tp: int) -> torch.Tensor:
-    return tensor if axis is None else tensor.chunk(tp, dim=axis)[tp_rank]
-
-
-def load_adapters(chunks, tensors) -> None:
-    """Set the adapters of ``chunks`` from whole tensors under :func:`adapter_tensors`' keys:
-    each rank takes its slice. Every adapter must be there with its shape; extra keys (another
-    stage's layers) are ignored."""
-    from megatron.core import parallel_state as mpu
-
-    from ragen_mega.backends.megatron.chunk import unwrap
-
-    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
-    with torch.no_grad():
-        for model in map(unwrap, chunks):
-            for key, param, axis in adapter_tensors(model):
-                if key not in tensors:
-                    raise KeyError(f"adapter {key} is missing")
-                part = _slice(tensors[key], axis, tp_rank, tp)
-                if part.shape != param.shape:
-                    raise ValueError(f"adapter {key}: shape {tuple(tensors[key].shape)} gives "
-                                     f"this rank {tuple(part.shape)}, the model has "
-                                     f"{tuple(param.shape)} (rank or model differ)")
-                param.copy_(part)

@@ -3,8 +3,7 @@
 The adapters (``lora.py``) live sliced over TP and spread over PP and EP ranks; everything
 outside the trainer wants them whole under PEFT's names. :func:`write_peft_adapter` writes the
 adapter directory that ``peft.PeftModel.from_pretrained`` and SGLang's ``--enable-lora`` load
-(``convert megatron-to-peft``, ``lora.sync: native``). The way back into the slices is
-``lora.load_adapters``.
+(``convert megatron-to-peft``, ``lora.sync: native``).
 """
 from __future__ import annotations
 
@@ -65,29 +64,6 @@ def write_peft_adapter(out_dir, tensors: dict[str, torch.Tensor], settings: Lora
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
               "init_lora_weights": True, "modules_to_save": None, "inference_mode": True}
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-
-def read_peft_adapter(adapter_dir) -> tuple[dict[str, torch.Tensor], LoraSettings]:
-    """A PEFT LoRA adapter directory's tensors (keys as :func:`adapter_tensors` names them)
-    and settings; what it cannot express here is refused, naming the field."""
-    from safetensors.torch import load_file
-
-    adapter_dir = Path(adapter_dir)
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    for field, allowed in (("peft_type", ("LORA",)), ("bias", ("none",)),
-                           ("use_rslora", (False, None)), ("use_dora", (False, None)),
-                           ("fan_in_fan_out", (False, None))):
-        if config.get(field, allowed[0]) not in allowed:
-            raise ValueError(f"{adapter_dir}/adapter_config.json: {field} is "
-                             f"{config[field]!r}; only {allowed[0]!r} is supported")
-    targets = config["target_modules"]
-    targets = [targets] if isinstance(targets, str) else targets
-    settings = LoraSettings(int(config["r"]), float(config["lora_alpha"]),
-                            float(config.get("lora_dropout", 0.0)), tuple(sorted(targets)))
-    raw = load_file(str(adapter_dir / "adapter_model.safetensors"))
-    tensors = {k[len(PEFT_PREFIX):] if k.startswith(PEFT_PREFIX) else k: v
-               for k, v in raw.items()}
-    return tensors, settings
 
 
 class AdapterExport:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ragen_mega.backends.megatron.chunk import unwrap
+from ragen_mega.backends.megatron.parallel import parallel_info
 from ragen_mega.backends.megatron.transformer_config import (block_spec, layer_spec,
                                                              megatron_config, te_available)
 from ragen_mega.models import mapping
@@ -51,27 +52,19 @@ class ValueHead(nn.Module):
         return torch.matmul(hidden_states, self.weight.t()), None
 
 
-def _as_spec(spec_or_hf_dir) -> ModelSpec:
-    return spec_or_hf_dir if isinstance(spec_or_hf_dir, ModelSpec) else model_spec(spec_or_hf_dir)
-
-
 def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = torch.float32,
                 use_te: bool | None = None, local_attention: str = "sdpa",
                 config_overrides: dict | None = None) -> list[nn.Module]:
     """This rank's model chunks (random init; ``load_hf_checkpoint`` fills them).
     ``use_te`` / ``local_attention``: the layer spec (``transformer_config.layer_spec``)."""
-    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.module import Float16Module
 
     mapping._check_role(role)
-    spec = _as_spec(spec_or_hf_dir)
-    tp = mpu.get_tensor_model_parallel_world_size()
-    pp = mpu.get_pipeline_model_parallel_world_size()
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
-    pp_rank = mpu.get_pipeline_model_parallel_rank()
-    ep, ep_rank = _expert_parallel()
-    config = megatron_config(spec, tp=tp, pp=pp, vpp=vpp, ep=ep, dtype=dtype,
+    spec = spec_or_hf_dir if isinstance(spec_or_hf_dir, ModelSpec) else model_spec(spec_or_hf_dir)
+    where = parallel_info()
+    pp, vpp, pp_rank = where.pp, where.vpp, where.pp_rank
+    config = megatron_config(spec, tp=where.tp, pp=pp, vpp=vpp, ep=where.ep, dtype=dtype,
                              **(config_overrides or {}))
     use_te = te_available() if use_te is None else use_te
     local_sp = config.sequence_parallel and not use_te   # the local spec's norms must allow SP
@@ -82,10 +75,10 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
         stage = vp_stage if vpp else None
         pre = mapping.chunk_has_embedding(pp_rank, pp, vpp, stage)
         post = mapping.chunk_has_head(pp_rank, pp, vpp, stage)
-        block = block_spec(layers, len(mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)),
-                           local_sp)
+        layer_ids = mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)
+        block = block_spec(layers, len(layer_ids), local_sp)
         model = GPTModel(
-            config=config, transformer_layer_spec=block, vocab_size=spec.padded_vocab(tp),
+            config=config, transformer_layer_spec=block, vocab_size=spec.padded_vocab(where.tp),
             max_sequence_length=spec.max_position_embeddings, pre_process=pre, post_process=post,
             parallel_output=True,
             share_embeddings_and_output_weights=spec.tie_word_embeddings and role == "actor",
@@ -93,9 +86,9 @@ def build_model(spec_or_hf_dir, *, role: str = "actor", dtype: torch.dtype = tor
         if role == "critic" and post:
             model.output_layer = ValueHead(spec.hidden_size, dtype, config.sequence_parallel)
         model.ragen_spec, model.ragen_role, model.ragen_vp_stage = spec, role, stage
-        model.ragen_layers = mapping.chunk_layers(spec, pp_rank, pp, vpp, stage)
-        model.ragen_experts = (mapping.local_experts(spec, ep_rank, ep) if spec.is_moe
-                               else range(0))
+        model.ragen_layers = layer_ids
+        model.ragen_experts = (mapping.local_experts(spec, where.ep_rank, where.ep)
+                               if spec.is_moe else range(0))
         if spec.is_moe:
             from ragen_mega.backends.megatron import routing
 
@@ -117,13 +110,6 @@ def _experts_apart(model: nn.Module) -> None:
     for name, param in model.named_parameters():
         if ".mlp.experts." in name:
             param.allreduce = False
-
-
-def _expert_parallel() -> tuple[int, int]:
-    """(size, rank) of this rank's expert-parallel group."""
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
 
 
 def chunk_spec(chunks) -> tuple[ModelSpec, str]:
@@ -167,16 +153,10 @@ class _LazySafetensors(Mapping):
         return len(self._where)
 
 
-def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
+def load_hf_checkpoint(chunks, hf_dir) -> None:
     """Copy this rank's shard of an HF checkpoint into ``chunks`` (strict, see module doc)."""
-    from megatron.core import parallel_state as mpu
-
     hf_dir = Path(hf_dir)
-    own_spec, role = chunk_spec(chunks)
-    spec = spec or own_spec
-    if spec != own_spec:
-        raise ConfigMismatchError(f"load_hf_checkpoint: spec {spec} differs from the one the "
-                                  f"model was built with {own_spec}")
+    spec, role = chunk_spec(chunks)
     if (hf_dir / "config.json").exists():
         file_spec = model_spec(hf_dir, vocab_divisor=spec.vocab_divisor)
         if file_spec != spec:
@@ -191,19 +171,16 @@ def load_hf_checkpoint(chunks, hf_dir, spec: ModelSpec | None = None) -> None:
         shapes.pop("lm_head.weight", None)
         shapes.pop("score.weight", None)
     mapping.check_checkpoint(spec, shapes, role)
-    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
-    pp = mpu.get_pipeline_model_parallel_world_size()
-    pp_rank = mpu.get_pipeline_model_parallel_rank()
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size()
-    ep, ep_rank = _expert_parallel()
+    where = parallel_info()
     for chunk in chunks:
         model = unwrap(chunk)
         params = local_params(model)
         written = set()
         with torch.no_grad():
             for name, tensor in mapping.iter_hf_to_megatron_shard(
-                    state, spec, tp_rank, tp, pp_rank, pp, vpp=vpp, vp_stage=model.ragen_vp_stage,
-                    role=role, ep_rank=ep_rank, ep_size=ep):
+                    state, spec, where.tp_rank, where.tp, where.pp_rank, where.pp, vpp=where.vpp,
+                    vp_stage=model.ragen_vp_stage, role=role, ep_rank=where.ep_rank,
+                    ep_size=where.ep):
                 if name not in params:
                     raise KeyError(f"mapping produced {name}, which the model chunk lacks")
                 if params[name].shape != tensor.shape:

@@ -304,13 +304,8 @@ class MegatronTrainer:
 
         dp = mpu.get_data_parallel_world_size()
         minibatches = [pad_rows(mb, dp) for mb in ppo_minibatches(batch, c.ppo_mini_batch_size)]
-        return self._phase(self._update, [dp_shard(mb) for _ in range(c.ppo_epochs)
-                                          for mb in minibatches])
-
-    def _phase(self, update, local_batches: list[dict]) -> dict:
-        """One training step: the LR schedule advances once, then one update per batch."""
-        self.scheduler.step(1)  # lr of this step: schedule at step k (1-based)
-        results = [update(b) for b in local_batches]
+        self.scheduler.step(1)  # once a step; lr of this step: schedule at step k (1-based)
+        results = [self._update(dp_shard(mb)) for _ in range(c.ppo_epochs) for mb in minibatches]
         if any(r["update_successful"] for r in results):
             self.steps += 1
         for r in results:
@@ -363,15 +358,11 @@ class MegatronTrainer:
                        lr=float(lr), update_successful=float(bool(updated)))
         return metrics
 
-    def _scale(self, num_microbatches: int) -> float:
-        """Undo the schedule's 1/M and DDP's 1/D so gradients are those of the global loss."""
-        from megatron.core import parallel_state as mpu
-
-        return float(num_microbatches * mpu.get_data_parallel_world_size())
-
     def _update(self, batch: dict) -> dict:
         """One optimizer update on this DP rank's rows of one mini-batch, each micro-batch's
         loss scaled to its share of the global mean (module doc)."""
+        from megatron.core import parallel_state as mpu
+
         objective = self.objective
         if objective.needs_reference and "ref_logprobs" not in batch:
             batch = {**batch, "ref_logprobs": self.compute_ref_logprobs(batch)}
@@ -379,7 +370,8 @@ class MegatronTrainer:
         batch = _to_device(objective.prepare(batch))
         microbatches, normalizer, global_tokens, width, padding = self._microbatches(
             batch, objective.keys)
-        scale = self._scale(len(microbatches))
+        # undo the schedule's 1/M and DDP's 1/D: the gradients are those of the global loss
+        scale = float(len(microbatches) * mpu.get_data_parallel_world_size())
         norm = Normalization(self.config.loss_agg_mode, normalizer,
                              self.config.loss_horizon or width, global_tokens)
 

@@ -269,19 +269,6 @@ class AsyncEngineClient:
             raise EngineError(f"{where}: malformed response ({type(e).__name__}: {e}): "
                               f"{str(item)[:300]}") from None
 
-    async def _generate_request(self, input_ids, sampling_params: dict | list[dict],
-                                return_logprob: bool, timeout: float | None,
-                                return_routed_experts: bool,
-                                lora_path: str | None = None) -> list:
-        body = {"input_ids": input_ids, "sampling_params": sampling_params,
-                "return_logprob": return_logprob}
-        if return_routed_experts:
-            body["return_routed_experts"] = True
-        if lora_path is not None:
-            body["lora_path"] = lora_path
-        out = await self.request("POST", "/generate", body, timeout=timeout)
-        return out if isinstance(out, list) else [out]
-
     async def generate(self, input_ids: Sequence[int] | Sequence[Sequence[int]],
                        sampling_params: dict | Sequence[dict] | None = None, *,
                        return_logprob: bool = True, timeout: float | None = None,
@@ -311,9 +298,14 @@ class AsyncEngineClient:
         if any(p.get("n", 1) != 1 for p in (params if isinstance(params, list) else [params])):
             raise ValueError("generate: sampling_params['n'] must be 1 (send a prompt once per "
                              "sample, each with its own sampling_seed)")
-        items = await self._generate_request(prompts[0] if single else prompts, params,
-                                             return_logprob, timeout, return_routed_experts,
-                                             lora_path)
+        body = {"input_ids": prompts[0] if single else prompts, "sampling_params": params,
+                "return_logprob": return_logprob}
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+        if lora_path is not None:
+            body["lora_path"] = lora_path
+        out = await self.request("POST", "/generate", body, timeout=timeout)
+        items = out if isinstance(out, list) else [out]
         if len(items) != len(prompts):
             raise EngineError(f"POST {self.url}/generate: malformed response: expected "
                               f"{len(prompts)} completion(s), got {len(items)}")

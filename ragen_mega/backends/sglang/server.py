@@ -101,12 +101,12 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def _log_tail(path: Path, chars: int = LOG_TAIL_CHARS) -> str:
+def _log_tail(path: Path) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError as e:
         return f"<could not read {path}: {e}>"
-    return text[-chars:]
+    return text[-LOG_TAIL_CHARS:]
 
 
 @dataclass
@@ -124,14 +124,11 @@ class EngineServer:
     def pid(self) -> int:
         return self.process.pid
 
-    def log_tail(self, chars: int = LOG_TAIL_CHARS) -> str:
-        return _log_tail(self.log_file, chars)
-
     def _fail(self, why: str, error: type = EngineStartupError) -> EngineStartupError:
         return error(
             f"SGLang server at {self.url} (pid {self.pid}) {why}.\n"
             f"command: {' '.join(self.command)}\nlog {self.log_file}, last lines:\n"
-            f"{self.log_tail()}")
+            f"{_log_tail(self.log_file)}")
 
     def wait_healthy(self, timeout: float = 300.0, poll: float = 0.25) -> "EngineServer":
         """Block until ``/health_generate`` answers 200 (the server generated one token).

@@ -92,28 +92,20 @@ class Bucket:
 
 
 @dataclass
-class _Moved:
-    """What a send has put on its way so far."""
-
-    tensors: int = 0
-    buckets: int = 0
-    bytes: int = 0
-
-    def add(self, tensors: int, nbytes: int) -> None:
-        self.tensors += tensors
-        self.buckets += 1
-        self.bytes += nbytes
-
-
-@dataclass
 class SyncStats:
-    """What one :meth:`BucketedWeightSender.send` moved and how long it took."""
+    """What one :meth:`BucketedWeightSender.send` moved and how long it took (counted as the
+    buckets go on their way)."""
 
     version: str
-    num_tensors: int
-    num_buckets: int
-    num_bytes: int
-    seconds: float
+    num_tensors: int = 0
+    num_buckets: int = 0
+    num_bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, tensors: int, nbytes: int) -> None:
+        self.num_tensors += tensors
+        self.num_buckets += 1
+        self.num_bytes += nbytes
 
 
 class BucketedWeightSender:
@@ -270,7 +262,7 @@ class BucketedWeightSender:
                                "(or use the sender as a context manager)")
         start = time.perf_counter()
         streamed = layout is not None and self.mode == "distributed" and self.load_format is None
-        moved = _Moved()
+        stats = SyncStats(str(version))
         with self._sessions():
             finish = None  # of the bucket on its way
             try:
@@ -279,7 +271,7 @@ class BucketedWeightSender:
                     if finish is not None:  # one bucket on the wire at a time
                         finish, landed = None, finish
                         landed()
-                    finish = self._start(bucket, moved)
+                    finish = self._start(bucket, stats)
                 if finish is None:
                     raise ValueError("BucketedWeightSender.send: named_tensors was empty")
             finally:
@@ -287,9 +279,8 @@ class BucketedWeightSender:
                     finish()            # one before the error goes up
         for e in self.engines:
             e.update_weight_version(str(version))
-        return SyncStats(version=str(version), num_tensors=moved.tensors,
-                         num_buckets=moved.buckets, num_bytes=moved.bytes,
-                         seconds=time.perf_counter() - start)
+        stats.seconds = time.perf_counter() - start
+        return stats
 
     @contextlib.contextmanager
     def _sessions(self):
@@ -341,15 +332,15 @@ class BucketedWeightSender:
             announced = Bucket.of(pairs, flattened=False, flush_cache=last)  # meta tensors
             yield replace(announced, tensors=drawn(pairs, last))
 
-    def _start(self, bucket: Bucket, moved: "_Moved") -> Callable[[], None]:
+    def _start(self, bucket: Bucket, stats: SyncStats) -> Callable[[], None]:
         """Start sending ``bucket`` to every engine; return ``finish()``, which waits until
         every engine has loaded it (and raises :class:`EngineError` if one refused or the time
         ran out)."""
         if self.mode == "distributed":
-            return self._start_broadcast(bucket, moved)
-        return self._start_share(bucket, moved)
+            return self._start_broadcast(bucket, stats)
+        return self._start_share(bucket, stats)
 
-    def _start_broadcast(self, bucket: Bucket, moved: "_Moved") -> Callable[[], None]:
+    def _start_broadcast(self, bucket: Bucket, stats: SyncStats) -> Callable[[], None]:
         """Announce the bucket (each engine allocates it and waits in the receive), then put
         each tensor on the wire as it comes."""
         answers = [e.submit(e.aio.update_weights_from_distributed(
@@ -361,7 +352,7 @@ class BucketedWeightSender:
         for tensor in bucket.tensors:
             sent.append(tensor)
             works.append(broadcast(tensor, self.group))
-        moved.add(len(bucket.names), sum(t.nbytes for t in sent))
+        stats.add(len(bucket.names), sum(t.nbytes for t in sent))
 
         def finish() -> None:
             self._await_broadcast(works, answers)
@@ -389,7 +380,7 @@ class BucketedWeightSender:
         for w in works:
             w.wait()
 
-    def _start_share(self, bucket: Bucket, moved: "_Moved") -> Callable[[], None]:
+    def _start_share(self, bucket: Bucket, stats: SyncStats) -> Callable[[], None]:
         """Hand every engine TP rank its own pickle of the bucket's shared-memory handles."""
         pairs = list(zip(bucket.names, bucket.tensors))
         payload = engine_payload(pairs, flattened=self.load_format == "flattened_bucket")
@@ -398,7 +389,7 @@ class BucketedWeightSender:
                        load_format=self.load_format, flush_cache=bucket.flush_cache,
                        timeout=self.timeout))
                    for e, tp in zip(self.engines, self._tp_sizes())]
-        moved.add(len(pairs), sum(t.nbytes for _, t in pairs))
+        stats.add(len(pairs), sum(t.nbytes for _, t in pairs))
 
         def finish(_keep_alive=payload) -> None:  # the tensors' shared memory lives until here
             _answered(answers)

@@ -43,14 +43,6 @@ Actions: up, right, down, left move you one cell; idle waits. Win by stepping on
 that is WIN, in as few moves as you can."""
 
 
-def _check_task(task: object) -> str:
-    if isinstance(task, str):
-        name = task.removeprefix("env/")
-        if name in TASKS:
-            return name
-    raise ValueError(f"babaisai: unknown task {task!r}; use one of: {', '.join(TASKS)}")
-
-
 class BabaIsAIEnv(TextEnv):
     """One BabaIsAI level per episode; see the module docstring for rules and rewards."""
 
@@ -58,13 +50,16 @@ class BabaIsAIEnv(TextEnv):
                  add_ruleset: bool = True, binary_reward: bool = False):
         """``add_ruleset``: show the "Active rules" section; ``binary_reward``: a win pays 1.0
         whatever its step."""
-        self.task = _check_task(task)
+        name = task.removeprefix("env/") if isinstance(task, str) else None
+        if name not in TASKS:
+            raise ValueError(f"babaisai: unknown task {task!r}; use one of: {', '.join(TASKS)}")
         if not is_int(max_steps) or max_steps < 1:
             raise ValueError(f"babaisai: max_steps must be an int >= 1, got {max_steps!r}")
         for key, value in (("add_ruleset", add_ruleset), ("binary_reward", binary_reward)):
             if not isinstance(value, bool):
                 raise ValueError(f"babaisai: {key} must be true or false, got {value!r}")
-        self.max_steps, self.add_ruleset, self.binary_reward = max_steps, add_ruleset, binary_reward
+        self.task, self.max_steps = name, max_steps
+        self.add_ruleset, self.binary_reward = add_ruleset, binary_reward
         self._grid: Grid | None = None
         self._steps = 0
         self._done = False

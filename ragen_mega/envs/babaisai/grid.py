@@ -203,17 +203,18 @@ class Grid:
         shade = color.name if color is not None and color.kind == "color" else ""
         return Rule(before.name, after.name, shade)
 
+    def _transform(self, thing: Thing) -> Rule | None:
+        """The first ``A IS B`` rule that turns ``thing`` (a top thing) into another B."""
+        return next((rule for rule in self.rules.transforms()
+                     if thing.kind == "object" and thing.name == rule.noun
+                     and rule.color in ("", thing.color) and rule.target != thing.name), None)
+
     def apply_transforms(self) -> None:
         """``A IS B``: a new B (default colour) on top of every cell whose top is an A."""
-        transforms = self.rules.transforms()
-        if not transforms:
-            return
         for x, y, thing in list(self.tops()):
-            for rule in transforms:
-                if (thing.kind == "object" and thing.name == rule.noun
-                        and rule.color in ("", thing.color) and rule.target != thing.name):
-                    self.put(x, y, obj(rule.target))
-                    break
+            rule = self._transform(thing)
+            if rule is not None:
+                self.put(x, y, obj(rule.target))
 
     # -- moves ------------------------------------------------------------------------------
 
@@ -267,10 +268,7 @@ class Grid:
     def can_change_without_you(self) -> bool:
         """Whether a step can still change anything with no YOU object: only a transform acting
         on a top object can (it may create a YOU)."""
-        transforms = self.rules.transforms()
-        return any(t.kind == "object" and t.name == r.noun and r.target != t.name
-                   and r.color in ("", t.color)
-                   for _, _, t in self.tops() for r in transforms)
+        return any(self._transform(thing) is not None for _, _, thing in self.tops())
 
 
 def parse_level(text: str) -> Grid:

@@ -18,20 +18,17 @@ offset, so left and up always read "step").
 from __future__ import annotations
 
 from ragen_mega.envs.babaisai.grid import Grid, Thing
+from ragen_mega.envs.wording import steps
 
 _LISTED_KINDS = {"noun", "is", "property"}  # plus objects other than baba
 
 
-def _count(n: int, direction: str) -> str:
-    return f"{n} step{'' if n == 1 else 's'} {direction}"
-
-
 def offset_phrase(dx: int, dy: int) -> str:
     """``(-5, -4)`` -> "5 steps to the left and 4 steps up"; ``(0, 2)`` -> "2 steps down"."""
-    vertical = _count(abs(dy), "down" if dy > 0 else "up") if dy else ""
+    vertical = steps(abs(dy), "down" if dy > 0 else "up") if dy else ""
     if not dx:
         return vertical
-    horizontal = _count(abs(dx), "to the right" if dx > 0 else "to the left")
+    horizontal = steps(abs(dx), "to the right" if dx > 0 else "to the left")
     return f"{horizontal} and {vertical}" if vertical else horizontal
 
 
