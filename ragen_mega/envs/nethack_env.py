@@ -38,6 +38,7 @@ Where this differs from BALROG, and why:
 """
 from __future__ import annotations
 
+import abc
 import hashlib
 import importlib.util
 import json
@@ -225,9 +226,9 @@ class NLETextEnv(TextEnv):
         self._text = ""
         self._started = self._done = False
 
+    @abc.abstractmethod
     def _action_table(self) -> dict[str, int]:
         """The action texts the env takes, each to its index in NLE's action list."""
-        raise NotImplementedError
 
     @property
     def valid_actions(self) -> list[str]:
@@ -284,8 +285,9 @@ class NLETextEnv(TextEnv):
                 return total, message, int(info["end_status"])
             message, index = message.replace("--More--", "\n"), self._more
 
+    @abc.abstractmethod
     def _score(self, end_status: int) -> dict[str, Any]:
-        raise NotImplementedError
+        """``success``, ``progression`` and the game's own figures, after a step."""
 
     def _render(self, message: str) -> str:
         """BALROG's hybrid observation: inventory, then message, language observation,
