@@ -6,9 +6,10 @@ with the weights at ``PATH`` on SGLang engines, no trainer, through the training
 evaluation (:meth:`RolloutManager.episodes` with ``evaluate=True``, :func:`summarize`), so the
 numbers are those a run logs under ``val/``. Prints one row per env tag; ``--out`` writes JSON:
 ``success``, ``valid_action_rate``, ``episodes``, ``mean_turns``, ``response_length``, ``pass@k``
-where k > 1, ``references`` (:mod:`ragen_mega.envs.references` lines on the same seeds and
-budget: ``random_valid``, ``example_copy``, ``best_fixed``, ``optimal``, those that apply; absent
-when an env has none), and ``per_tag`` (tag -> the same keys).
+where k > 1, ``progression`` (BALROG's metric, for the envs that report it), ``references``
+(:mod:`ragen_mega.envs.references` lines on the same seeds and budget: ``random_valid``,
+``example_copy``, ``best_fixed``, ``optimal``, those that apply; absent when an env has none),
+and ``per_tag`` (tag -> the same keys).
 
 ``PATH`` is ``smollm2``, a Hugging Face model directory or Hub id (as ``model.path`` takes
 them), a run directory (its newest complete step) or one step's actor checkpoint
@@ -125,7 +126,7 @@ def pick(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     """The report's keys of one ``summarize`` prefix (pass@k kept under its own name)."""
     out = {name: metrics[f"{prefix}/{key}"] for key, name in _KEYS.items()}
     out.update({key.rsplit("/", 1)[1]: value for key, value in metrics.items()
-                if key.startswith(f"{prefix}/pass@")})
+                if key.startswith(f"{prefix}/pass@") or key == f"{prefix}/progression"})
     return out
 
 
@@ -148,7 +149,8 @@ def format_table(report: dict) -> str:
     rows = [*report["per_tag"].items(), ("all", report)]
     ks = sorted({k for _, row in rows for k in row if k.startswith("pass@")})
     refs = [k for k in REFERENCE_KEYS if any(k in row.get("references", {}) for _, row in rows)]
-    cols = ["episodes", "success", *refs, *ks, "valid_action_rate", "mean_turns",
+    progression = ["progression"] if any("progression" in row for _, row in rows) else []
+    cols = ["episodes", "success", *progression, *refs, *ks, "valid_action_rate", "mean_turns",
             "response_length"]
     width = max(len(t) for t, _ in rows)
     lines = [f"{'env':<{width}}  " + "  ".join(f"{c:>17}" for c in cols)]

@@ -85,3 +85,14 @@ def test_console_line_shows_success_per_tag_only_for_a_mix():
     assert "| val succ 0.5 (box 0.25, lake 0.75)" in line
     single = summarize(EPISODES[:4], "rollout")  # one tag: its values equal the totals
     assert "| succ 0.25 |" in format_console_line(3, 10, single)
+
+
+def test_progression_is_averaged_where_an_env_reports_it():
+    """BALROG's progression (the env's ``info["progression"]``): an episode of that env that
+    reported none made no progress; an env that reports none gets no key of its own."""
+    tw = [episode("tw", g, g, 0.0, False, [2]) for g in range(3)]
+    tw[0].metrics["progression"], tw[1].metrics["progression"] = 0.5, 1.0
+    m = summarize(tw + EPISODES[:2], "val")
+    assert m["val/tw/progression"] == pytest.approx(0.5)          # (0.5 + 1 + 0) / 3
+    assert m["val/progression"] == pytest.approx(1.5 / 5)
+    assert "val/box/progression" not in m

@@ -206,3 +206,4 @@ def test_served_minihack_plays_as_local(tokenizer):
     for lo, re in zip(local, remote):
         assert re.samples == lo.samples and re.metrics == lo.metrics
     assert {e.metrics["valid_action_rate"] for e in local} - {1.0}   # "jump" is no action here
+    assert [e.metrics["progression"] for e in local] == [e.metrics["success"] for e in local]

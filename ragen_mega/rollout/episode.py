@@ -76,6 +76,9 @@ class EpisodeState:
     n_copied: int = 0           # turns whose answer is exactly the prompt's example answer
     n_over_budget: int = 0      # turns whose answer named more actions than are played
     too_long: bool = False      # ended because the next prompt outgrew the engine's context
+    #: the best ``info["progression"]`` of its steps (BALROG's metric), None if the env
+    #: reports none
+    progression: float | None = None
 
     @property
     def over(self) -> bool:
@@ -105,7 +108,8 @@ class EpisodeState:
                 "format_ok_rate": self.n_format_ok / self.turn if self.turn else 0.0,
                 "example_copy_rate": self.n_copied / self.turn if self.turn else 0.0,
                 "over_budget_rate": self.n_over_budget / self.turn if self.turn else 0.0,
-                "prompt_too_long": float(self.too_long)}
+                "prompt_too_long": float(self.too_long),
+                **({} if self.progression is None else {"progression": self.progression})}
 
 
 async def open_env_handle(spec: EpisodeSpec, open_env: OpenEnvFn | None = None,
@@ -158,6 +162,8 @@ async def take_turn(state: EpisodeState, *, tokenizer, agent: AgentConfig, gener
         state.n_valid += bool(info.get("action_is_valid"))
         state.n_effective += bool(info.get("action_is_effective"))
         state.success = state.success or bool(info.get("success"))
+        if "progression" in info:
+            state.progression = max(state.progression or 0.0, float(info["progression"]))
         if state.done:
             break
     if not parsed.format_ok or not all_valid:  # RAGEN: a broken format or an unknown action

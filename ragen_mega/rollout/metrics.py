@@ -64,9 +64,11 @@ def weight_staleness(samples: list[Sample], trained_version: int) -> float:
 
 def _episode_stats(episodes: list[Episode], prefix: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    for key in episodes[0].metrics:
+    # every episode has the same keys, but ``progression`` only where its env reported one: an
+    # episode without counts as no progress
+    for key in dict.fromkeys(k for e in episodes for k in e.metrics):
         if key != "reward":  # published as reward_mean, next to its std
-            out[f"{prefix}/{key}"] = sum(e.metrics[key] for e in episodes) / len(episodes)
+            out[f"{prefix}/{key}"] = sum(e.metrics.get(key, 0.0) for e in episodes) / len(episodes)
     rewards = torch.tensor([e.metrics["reward"] for e in episodes])
     out[f"{prefix}/reward_mean"] = float(rewards.mean())
     out[f"{prefix}/reward_std"] = float(rewards.std()) if len(episodes) > 1 else 0.0
