@@ -234,7 +234,7 @@ def update_models(cfg: RunConfig, run: Run, step: int, played: PlayedStep,
         with timed(metrics, "time/values_s"):
             train["old_values"] = run.critic.compute_values(train)
         values = layout.to_per_turn(train["old_values"])
-    if played.window is not None:
+    if played.window is not None and run.critic is not None:   # critic-free: no bootstrap
         batch["bootstrap_values"] = cut_values(cfg, run, samples, played.window)
     batch = compute_advantages(batch, cfg.algo, token_values=values,
                                bootstrap_values=batch.get("bootstrap_values"))

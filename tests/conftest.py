@@ -534,7 +534,8 @@ LONGEST_FIRST = ("test_learn.py", "test_sweep.py", "test_engine_faults.py",
                  "test_lora_sync.py", "test_train_streamed.py", "test_resume_equivalence.py",
                  "test_slurm.py", "test_weight_sync_megatron.py", "test_actor_load.py",
                  "test_run_intent.py", "test_learn_frozen_lake_table.py", "test_faults.py",
-                 "test_sglang_engine.py", "test_train_e2e.py", "test_gateway.py")
+                 "test_sglang_engine.py", "test_train_e2e.py", "test_gateway.py",
+                 "test_balrog_loop.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -184,6 +184,9 @@ def test_nethack_progression_is_balrogs_table():
         info = env._score(0)
         assert info["progression"] == pytest.approx(0.026482449457437766)
         assert (info["max_depth"], info["max_experience_level"]) == (5, 3)
+        invalid = env.step("xyzzy")[3]          # an invalid step carries the episode's too
+        assert not invalid["action_is_valid"]
+        assert invalid["progression"] == pytest.approx(0.026482449457437766)
     finally:
         env.close()
 

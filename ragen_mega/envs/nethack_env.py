@@ -225,6 +225,8 @@ class NLETextEnv(TextEnv):
         self._obs: dict[str, np.ndarray] = {}
         self._text = ""
         self._started = self._done = False
+        #: BALROG's progression of the episode so far (every step's info carries it)
+        self.progression = 0.0
 
     @abc.abstractmethod
     def _action_table(self) -> dict[str, int]:
@@ -248,7 +250,7 @@ class NLETextEnv(TextEnv):
         seed = check_seed(self.name, seed)
         self._seed(seed)
         self._obs = self._env.reset()[0]
-        self._started, self._done = True, False
+        self._started, self._done, self.progression = True, False, 0.0
         self._text = self._render(self._language.message(self._obs["tty_chars"]))
         return self._text
 
@@ -261,7 +263,8 @@ class NLETextEnv(TextEnv):
         if index is None:
             return self._text, 0.0, False, invalid_action_info(
                 "not an action of this game" + (f": {action[:40]!r}"
-                                                if isinstance(action, str) else ""))
+                                                if isinstance(action, str) else ""),
+                progression=self.progression)
         before = self._obs["tty_chars"].copy()
         reward, message, end_status = self._play(index)
         self._text = self._render(message)
@@ -287,7 +290,8 @@ class NLETextEnv(TextEnv):
 
     @abc.abstractmethod
     def _score(self, end_status: int) -> dict[str, Any]:
-        """``success``, ``progression`` and the game's own figures, after a step."""
+        """``success``, ``progression`` (also kept in :attr:`progression`) and the game's own
+        figures, after a step."""
 
     def _render(self, message: str) -> str:
         """BALROG's hybrid observation: inventory, then message, language observation,
@@ -323,7 +327,7 @@ class NetHackEnv(NLETextEnv):
 
     def __init__(self, max_steps: int = 100_000, show_map: bool = True):
         super().__init__("NetHackChallenge-v0", max_steps, show_map, no_progress_timeout=150)
-        self._progression, self._deepest, self._best_xp = 0.0, 1, 1
+        self._deepest, self._best_xp = 1, 1
 
     @property
     def instruction(self) -> str:
@@ -346,14 +350,14 @@ class NetHackEnv(NLETextEnv):
             vars(self._env.nethack).pop(method, None)
         nle_base = type(self._env).__mro__[1]
         nle_base.seed(self._env, seed, seed, False)
-        self._progression, self._deepest, self._best_xp = 0.0, 1, 1
+        self._deepest, self._best_xp = 1, 1
 
     def _score(self, end_status: int) -> dict[str, Any]:
         depth, xp = (int(self._obs["blstats"][i]) for i in (nh.NLE_BL_DEPTH, nh.NLE_BL_XP))
         for key in (f"Xp:{xp}", f"Dlvl:{depth}"):   # (all 0 once the game is over)
-            self._progression = max(self._progression, PROGRESSION.get(key, 0.0))
+            self.progression = max(self.progression, PROGRESSION.get(key, 0.0))
         self._deepest, self._best_xp = max(self._deepest, depth), max(self._best_xp, xp)
-        return {"success": False, "progression": self._progression,
+        return {"success": False, "progression": self.progression,
                 "max_depth": self._deepest, "max_experience_level": self._best_xp}
 
 
@@ -393,4 +397,5 @@ class MiniHackEnv(NLETextEnv):
 
     def _score(self, end_status: int) -> dict[str, Any]:
         solved = end_status == self._env.StepStatus.TASK_SUCCESSFUL
-        return {"success": solved, "progression": float(solved)}
+        self.progression = float(solved)
+        return {"success": solved, "progression": self.progression}

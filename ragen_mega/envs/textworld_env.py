@@ -208,7 +208,8 @@ class TextWorldEnv(TextEnv):
         if command not in admissible:
             return self._obs, 0.0, False, invalid_action_info(
                 "not a command the game takes now"
-                + ("" if command is None else f": {command[:40]!r}"))
+                + ("" if command is None else f": {command[:40]!r}"),
+                progression=_progression(self._state))
         before = self._state
         with LOCK:
             self._state, _, _ = self._game.step(command)
@@ -223,7 +224,7 @@ class TextWorldEnv(TextEnv):
                 "action_is_effective": _facts(state) != _facts(before),
                 "success": won, "lost": lost, "score": state["score"],
                 "max_score": state["max_score"],
-                "progression": max(state["score"] / max_score, float(won))}
+                "progression": _progression(state)}
         return self._obs, float(reward), self._done, info
 
     def state_key(self, observation: str) -> str:
@@ -248,6 +249,11 @@ class TextWorldEnv(TextEnv):
         if not self.show_commands or self._state is None:
             return text
         return f"{text}\nAdmissible commands: {', '.join(sorted(self._commands()))}"
+
+
+def _progression(state) -> float:
+    """BALROG's TextWorld metric: the score over its maximum, 1 once won."""
+    return max(state["score"] / max(state["max_score"], 1), float(state["won"]))
 
 
 def _facts(state) -> list[str]:
