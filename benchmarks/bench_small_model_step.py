@@ -41,9 +41,12 @@ CONFIG = "examples/frozen_lake_small_model_cpu.yaml"
 STACK_PHASES = ("time/rollout_s", "time/old_logprobs_s", "time/actor_update_s", "time/sync_s")
 
 
-def run_stack(config: str, model: str, steps: int, run_dir: Path, extra: list[str]) -> dict:
-    """``ragen-mega train`` for ``steps`` steps; the medians of its step time and phases."""
-    cmd = [sys.executable, "-m", "ragen_mega.cli", "train", config, f"model.path={model}",
+def run_stack(config: str, model: str, steps: int, run_dir: Path, extra: list[str],
+              python_args: tuple[str, ...] = ("-m", "ragen_mega.cli"),
+              extra_keys: tuple[str, ...] = ()) -> dict:
+    """``ragen-mega train`` for ``steps`` steps (``python_args``: how Python starts the CLI);
+    the medians of its step time, its phases and the metrics ``extra_keys``."""
+    cmd = [sys.executable, *python_args, "train", config, f"model.path={model}",
            f"trainer.total_steps={steps}", f"trainer.run_dir={run_dir}", "trainer.eval_every=0",
            "trainer.save_every=0", *extra]
     print("$", " ".join(cmd), flush=True)
@@ -52,7 +55,7 @@ def run_stack(config: str, model: str, steps: int, run_dir: Path, extra: list[st
     later = history[1:]
     out = {"step_s": statistics.median(h["time/rollout_s"] + h["time/step_s"] for h in later),
            "tokens": statistics.median(h["train/batch_tokens"] for h in later)}
-    for key in STACK_PHASES:
+    for key in (*STACK_PHASES, *extra_keys):
         if all(key in h for h in later):
             out[key] = statistics.median(h[key] for h in later)
     return out

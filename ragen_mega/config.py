@@ -238,6 +238,11 @@ class RunConfig:
             raise ConfigError("algo.use_rollout_logprobs: needs rollout.temperature=1.0 (engine "
                               "and trainer log-probs are checked equal there only), got "
                               f"{self.rollout.temperature}")
+        if self.algo.use_rollout_logprobs and (self.actor.bf16 or self.model.dtype != "float32"):
+            raise ConfigError("algo.use_rollout_logprobs: needs fp32 engines and actor "
+                              "(model.dtype=float32, actor.bf16=false): in bf16 the engine's "
+                              "log-probs differ from the trainer's (benchmarks/README.md); got "
+                              f"model.dtype={self.model.dtype}, actor.bf16={self.actor.bf16}")
         if self.rollout.mode == "turns":
             self._validate_turns_mode()
         if self.rollout.agent is not None:

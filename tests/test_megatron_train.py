@@ -80,7 +80,18 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
         del trainer
         gc.collect()
 
+    # bf16 mixed precision on the CPU (bf16 weights and compute, fp32 main weights in Adam),
+    # at TP 2: what `actor.bf16` runs on a CPU with bf16 instructions (emulated elsewhere)
     init_parallel(rank, world_size, file_init_method("/nonexistent"), tp=2, pp=1)
+    trainer = MegatronTrainer(ActorConfig(tp=2, bf16=True, **actor_settings), hf_dir,
+                              total_steps=10)
+    logprobs = trainer.compute_logprobs(batch)
+    metrics = trainer.train({**batch, "old_logprobs": logprobs + batch["noise"]})
+    out["bf16_tp2"] = {"metrics": metrics, "logprobs": logprobs,
+                       "weights": dict(trainer.export_hf_state())}
+    del trainer
+    gc.collect()
+
     critic = MegatronTrainer(CriticConfig(tp=2, micro_batch_size=2, lr=1e-2, grad_clip=1.0,
                                           value_clip=None), hf_dir, role="critic")
     values0 = critic.compute_values(batch)
@@ -155,6 +166,42 @@ def test_actor_step_matches_transformers_and_adamw(results, references, actor_st
     for hf_name, tensor in weights.items():
         torch.testing.assert_close(tensor, ref["weights"][hf_name], atol=1e-5, rtol=0,
                                    msg=lambda msg: f"{name} {hf_name}: {msg}")
+
+
+def test_bf16_step_on_cpu_tracks_the_fp32_reference(results, references, actor_step,
+                                                    model_dir):
+    """bf16 keeps ~3 significant digits: log-probs within bf16 rounding of the fp32 reference
+    (and not equal to it: the step really ran in bf16), the same loss and gradient norm to a
+    few percent, and the exported bf16 weights where the reference's AdamW step put them.
+    Adam's first step moves a weight by about lr whatever its gradient's size, so a near-zero
+    gradient whose sign bf16 flips lands 2 lr away; each layer's linear weights move the
+    reference's way (cosine of the moves > 0.95), and so does the embedding, tied to the LM head
+    (> 0.5: most of its rows get only the head's near-zero gradients). A norm weight's 1e-3 move
+    is below bf16's spacing at 1.0: only the fp32 main weights hold it."""
+    from safetensors.torch import load_file
+
+    ref, got = references["token-mean"], results[0]["bf16_tp2"]
+    valid = torch.cat([torch.zeros(4, 1), ref["mask"]], dim=1) > 0
+    expected = torch.cat([torch.zeros(4, 1), ref["ref_lp"]], dim=1)
+    diff = (got["logprobs"][valid] - expected[valid]).abs()
+    print(f"bf16 vs fp32 log-probs: max {diff.max():.4f}, mean {diff.mean():.5f}")
+    assert 1e-4 < diff.max() < 0.15 and diff.mean() < 0.02
+    m = got["metrics"]
+    assert m["update_successful"] == 1.0
+    assert m["grad_norm"] == pytest.approx(ref["grad_norm"], rel=0.05)
+    assert m["loss"] == pytest.approx(ref["loss"], rel=0.05, abs=1e-3)
+    start_weights = load_file(f"{model_dir}/model.safetensors")
+    for hf_name, tensor in got["weights"].items():
+        assert tensor.dtype == torch.bfloat16, hf_name
+        want = ref["weights"][hf_name]
+        torch.testing.assert_close(tensor.float(), want, rtol=2 ** -8, atol=2 * actor_step.lr,
+                                   msg=lambda msg: f"{hf_name}: {msg}")
+        if tensor.dim() == 2:
+            start = start_weights[hf_name]
+            cos = torch.nn.functional.cosine_similarity((tensor.float() - start).flatten(),
+                                                        (want - start).flatten(), dim=0)
+            least = 0.5 if "embed" in hf_name else 0.95
+            assert cos > least, f"{hf_name}: the bf16 step's cosine to the reference's: {cos:.3f}"
 
 
 @pytest.mark.parametrize("name", ["dp2_3rows", "tp2_3rows"])

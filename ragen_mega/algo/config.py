@@ -91,7 +91,8 @@ class AlgoConfig:
     use_rollout_logprobs: bool = setting(False, help=(
         "take the engine's sampled log-probs as the PPO `old` log-probs instead of recomputing "
         "them with the actor (slime's --use-rollout-logprobs): saves a forward pass. Checked "
-        "equal to the trainer's in fp32 at temperature 1 only, hence allowed only there."))
+        "equal to the trainer's in fp32 at temperature 1 only, hence allowed only there (in bf16 "
+        "they differ: 0.044 mean |diff| a token on SmolLM2)."))
     gigpo_step_weight: float = bounded(1.0, ge=0, lt=float("inf"), help=(
         "gigpo: the step term's weight omega in A = A_episode + omega * A_step (verl-agent's "
         "step_advantage_w, 1.0)"))

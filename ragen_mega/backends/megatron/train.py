@@ -136,8 +136,6 @@ class MegatronTrainer:
         from megatron.core import tensor_parallel
 
         self.config = config.validate()
-        if config.bf16 and not torch.cuda.is_available():  # the app says so earlier: preflight
-            raise ValueError("bf16: bf16 training needs a GPU; this machine has none")
         for field, actual in (("tp", mpu.get_tensor_model_parallel_world_size()),
                               ("pp", mpu.get_pipeline_model_parallel_world_size()),
                               ("vpp", mpu.get_virtual_pipeline_model_parallel_world_size()),
