@@ -2,17 +2,16 @@
 (transformers, one process), and a raw matmul of SmolLM2's shapes in each dtype.
 
 CPUs with AVX512-BF16 or AMX (``grep -o 'avx512_bf16\\|amx_bf16' /proc/cpuinfo``) run bf16
-matmuls through oneDNN's bf16 kernels; elsewhere bf16 is emulated and slower than fp32, which is
-why ``actor.bf16`` on a CPU is allowed only with those instructions (``preflight.py``).
+matmuls through oneDNN's bf16 kernels; elsewhere bf16 is emulated and slower than fp32.
 
 ``--stack CONFIG``: the whole stack instead, ``ragen-mega train CONFIG`` for ``--steps`` steps
 in fp32, then with the trainers (``actor.bf16``, ``critic.bf16``; fp32 main weights in Adam) and
 the engines (``model.dtype``) in bf16, the trainer recomputing the old log-probs in both
 (``algo.use_rollout_logprobs=false``) so that ``train/rollout_vs_trainer_logprob_diff`` (the
 mean |engine - trainer| log-prob of the sampled tokens) is measured. The medians over steps 2..
-of the step's phases (rollout, old log-probs, update, sync) and of that difference. On a CPU
-without the instructions the start-up check is bypassed for the bf16 run (it would refuse), so
-the emulated cost can be measured too.
+of the step's phases (rollout, old log-probs, update, sync) and of that difference. The bf16
+run bypasses the start-up check's bf16 rule (``ragen-mega train`` refuses bf16 on a CPU:
+``preflight.check_bf16``, whose reasons these measurements are).
 
     python benchmarks/bench_cpu_bf16.py [--batch 8] [--seq 256]
     python benchmarks/bench_cpu_bf16.py --stack examples/bandit_cpu_demo.yaml [--steps 3]
@@ -31,25 +30,24 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_small_model_step import STACK_PHASES, run_stack  # noqa: E402
 
-#: the CLI with the start-up check's CPU probe answering yes (bf16 on a CPU without the
-#: instructions is refused by ``ragen-mega train``; the benchmark measures it anyway)
+#: the CLI with the start-up check's bf16 rule left out (``ragen-mega train`` refuses bf16 on
+#: a CPU; the benchmark measures it anyway)
 FORCED_BF16_CLI = ("-c", "import sys; import ragen_mega.preflight as p; "
-                        "p.cpu_has_bf16 = lambda: True; from ragen_mega.cli import main; "
+                        "p.check_bf16 = lambda cfg: None; from ragen_mega.cli import main; "
                         "sys.exit(main())")
 LOGPROB_DIFF = "train/rollout_vs_trainer_logprob_diff"
 
 
 def stack(config: str, model: str, steps: int, extra: list[str]) -> None:
     """The stack's step in fp32 and in bf16 (module docstring), one after the other."""
-    from ragen_mega.preflight import cpu_has_bf16
-
+    caps = torch.cpu.get_capabilities()
+    native = bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
     common = ["algo.use_rollout_logprobs=false", *extra]
     bf16 = ["actor.bf16=true", "critic.bf16=true", "model.dtype=bfloat16"]
     rows = {}
     with tempfile.TemporaryDirectory(prefix="bench_cpu_bf16_") as tmp:
         for name, overrides in (("fp32", []), ("bf16", bf16)):
-            launch = ("-m", "ragen_mega.cli") if name == "fp32" or cpu_has_bf16() \
-                else FORCED_BF16_CLI
+            launch = ("-m", "ragen_mega.cli") if name == "fp32" else FORCED_BF16_CLI
             rows[name] = run_stack(config, model, steps, Path(tmp) / name,
                                    [*common, *overrides], python_args=launch,
                                    extra_keys=(LOGPROB_DIFF,))
@@ -60,7 +58,7 @@ def stack(config: str, model: str, steps: int, extra: list[str]) -> None:
               + " | ".join(f"{row.get(k, float('nan')):.2f}" for k in STACK_PHASES)
               + f" | {row.get(LOGPROB_DIFF, float('nan')):.4f} |")
     print(f"bf16 / fp32 step time: {rows['bf16']['step_s'] / rows['fp32']['step_s']:.2f}x; "
-          f"this CPU {'has' if cpu_has_bf16() else 'lacks'} bf16 instructions")
+          f"this CPU {'has' if native else 'lacks'} bf16 instructions (AVX512-BF16 or AMX)")
 
 
 def main() -> None:

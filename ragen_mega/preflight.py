@@ -9,9 +9,9 @@ raises :class:`~ragen_mega.config_tree.ConfigError` naming the key:
   once, in this process: a wrong kwarg is named here, not in an env worker minutes later; with
   ``env.remote``, each env server answers and serves the config's env and kwargs instead;
 - ``rollout.agent`` imports and is an async function, and its gateway off loopback has a token;
-- ``actor.bf16`` / ``critic.bf16`` have a GPU, or a CPU with bf16 matmul instructions
-  (AVX512-BF16 or AMX: elsewhere oneDNN emulates bf16, slower than fp32), to run on;
-  ``*.moe_grouped_gemm`` TransformerEngine on a GPU;
+- ``actor.bf16`` / ``critic.bf16`` have a GPU to run on (on a CPU bf16 learns slower, and
+  runs slower without bf16 instructions: measured), ``*.moe_grouped_gemm`` TransformerEngine
+  on a GPU;
 - the model (``model.path``'s config.json) splits over the actor's and the critic's parallel
   layout (TP divides the heads and MLP widths, PP the layers, EP the experts) and over the
   engines' expert parallelism; routing replay has experts to replay; LoRA adapters
@@ -36,8 +36,8 @@ from ragen_mega.http_token import GATEWAY_TOKEN, check_listen, token_from_env
 
 
 def preflight(cfg: RunConfig) -> RunConfig:
-    """``cfg``, once every env builds, bf16 has a GPU or a bf16 CPU and the checkpoints it
-    starts from are there; else ConfigError naming the key."""
+    """``cfg``, once every env builds, bf16 has a GPU and the checkpoints it starts from are
+    there; else ConfigError naming the key."""
     from ragen_mega.envs import make
     from ragen_mega.rollout.remote_env import check_servers
 
@@ -65,12 +65,8 @@ def preflight(cfg: RunConfig) -> RunConfig:
                          "rollout.gateway_host")
         except ValueError as e:
             raise ConfigError(str(e)) from e
+    check_bf16(cfg)
     for role in ("actor", "critic"):
-        if getattr(cfg, role).bf16 and not (torch.cuda.is_available() or cpu_has_bf16()):
-            raise ConfigError(
-                f"{role}.bf16: bf16 training needs a GPU or a CPU with bf16 matmul instructions "
-                f"(AVX512-BF16 or AMX); this machine has neither, and emulated bf16 runs slower "
-                f"than fp32 (set {role}.bf16=false)")
         if getattr(cfg, role).moe_grouped_gemm and not te_available():
             raise ConfigError(f"{role}.moe_grouped_gemm: {GROUPED_GEMM_NEEDS_TE} (set "
                               f"{role}.moe_grouped_gemm=false: one linear per expert)")
@@ -83,11 +79,20 @@ def preflight(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
-def cpu_has_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX-BF16), where a bf16 step
-    runs about twice as fast as fp32 (benchmarks/README.md); elsewhere oneDNN emulates it."""
-    caps = torch.cpu.get_capabilities()
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+def check_bf16(cfg: RunConfig) -> None:
+    """``actor.bf16`` / ``critic.bf16`` only with a GPU: on a CPU, bf16 was measured to learn
+    slower per step, and to run slower where the CPU lacks bf16 instructions
+    (benchmarks/README.md, "bf16 on a CPU")."""
+    if torch.cuda.is_available():
+        return
+    for role in ("actor", "critic"):
+        if getattr(cfg, role).bf16:
+            raise ConfigError(
+                f"{role}.bf16: bf16 training needs a GPU; on a CPU it learns slower per step "
+                f"(the forward's bf16 weights move only by whole bf16 steps: the bandit demo "
+                f"took 15 steps in bf16 to where fp32 is at step 5) and, without AVX512-BF16 or "
+                f"AMX, runs 2.5x slower a step (benchmarks/README.md, \"bf16 on a CPU\"); set "
+                f"{role}.bf16=false")
 
 
 def check_model_layout(cfg: RunConfig) -> None:

@@ -80,8 +80,9 @@ def _train_worker(rank, world_size, hf_dir, batch, actor_settings):
         del trainer
         gc.collect()
 
-    # bf16 mixed precision on the CPU (bf16 weights and compute, fp32 main weights in Adam),
-    # at TP 2: what `actor.bf16` runs on a CPU with bf16 instructions (emulated elsewhere)
+    # bf16 mixed precision (bf16 weights and compute, fp32 main weights in Adam) at TP 2: the
+    # GPU examples' `actor.bf16` path, run here on the CPU (the app refuses bf16 on a CPU, for
+    # speed and learning reasons: preflight.check_bf16; the trainer itself runs it anywhere)
     init_parallel(rank, world_size, file_init_method("/nonexistent"), tp=2, pp=1)
     trainer = MegatronTrainer(ActorConfig(tp=2, bf16=True, **actor_settings), hf_dir,
                               total_steps=10)

@@ -105,8 +105,8 @@ class ModelTrainingConfig:
     use_distributed_optimizer: bool = setting(False, help=(
         "shard Adam's state over the data-parallel ranks (Megatron's distributed optimizer)"))
     bf16: bool = setting(False, help=(
-        "train in bf16 mixed precision, fp32 master weights in Adam (a GPU, or a CPU with "
-        "AVX512-BF16 or AMX; false: fp32), as every GPU example does"))
+        "train in bf16 mixed precision, fp32 master weights in Adam (GPUs only: on a CPU it "
+        "learned slower, benchmarks/README.md; false: fp32), as every GPU example does"))
     local_attention: LocalAttention = setting("sdpa", help=(
         "without TransformerEngine: `sdpa` = one fused scaled_dot_product_attention call (flash "
         "on GPUs); `unfused` = Megatron's DotProductAttention"))
