@@ -309,8 +309,8 @@ def test_env_mix_errors_name_the_key(mix, extra, needle):
       f"kwargs: {{size: 1}}, env_groups: 4}}]"], "env.mix[1].kwargs: "),
     (["env.mix=[{tag: sokoban, kwargs: {dim: 3}, env_groups: 8}]"],
      "env.mix[0].kwargs: env 'sokoban' got unknown kwarg(s) ['dim']"),
-    (["actor.bf16=true", "algo.use_rollout_logprobs=false"],
-     "actor.bf16: bf16 training needs a GPU; on a CPU it learns slower per step"),
+    (["actor.bf16=true"], "actor.bf16: bf16 training needs a GPU; on a CPU it learns slower "
+     "per step"),
     (["critic.bf16=true"], "critic.bf16: bf16 training needs a GPU; on a CPU"),
     (["actor.moe_grouped_gemm=true"], "actor.moe_grouped_gemm: grouped-GEMM experts are "
      "TransformerEngine's TEGroupedMLP, which needs TransformerEngine on a GPU"),
