@@ -30,15 +30,14 @@ ENGINE_STAMP = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)\] (.*)$")
 def engine_stages(log: Path, launched: float) -> list[tuple[float, str]]:
     """(seconds since launch, stage) from an engine's log, whose lines carry wall-clock
     seconds: its first stamped line, SGLang's start-up timings, and its warm-up done."""
-    stages, first = [], None
+    stages = []
     for line in log.read_text(errors="replace").splitlines():
         m = ENGINE_STAMP.match(line)
         if not m:
             continue
         at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S").timestamp() - launched
         text = m[2]
-        if first is None:
-            first = at
+        if not stages:
             stages.append((at, "engine: SGLang imported, server starting (its first stamped line)"))
         if text.startswith("Engine startup timings"):
             stages.append((at, "engine: " + text.split(", cuda_graph")[0]))
